@@ -1,0 +1,141 @@
+"""Server arguments: one frozen dataclass; the CLI is generated from its fields.
+
+Every default lives here (STYLE.md rule 19). "auto" values are resolved once,
+at parse time, by `ServerArgs.resolved()`; nothing mutates a built instance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model: str | None = field(
+        default=None,
+        metadata={
+            "help": "HF model directory or id, a .gguf file, or nothing for the embedded "
+            "SmolLM2-135M-Instruct",
+            "positional": True,
+        },
+    )
+    host: str = field(default="127.0.0.1", metadata={"help": "HTTP bind address"})
+    port: int = field(default=8000, metadata={"help": "HTTP port"})
+    served_model_name: str | None = field(
+        default=None, metadata={"help": "model name reported by /v1/models (default: derived)"}
+    )
+    tokenizer: str | None = field(default=None, metadata={"help": "tokenizer dir (default: model)"})
+    dtype: DType = field(
+        default="auto",
+        metadata={"help": "weight/activation dtype; auto = bfloat16 on CUDA, float32 on CPU",
+                  "choices": ["auto", "float32", "bfloat16", "float16"]},
+    )
+    device: str = field(default="auto", metadata={"help": "auto|cpu|cuda"})
+    load_format: str = field(
+        default="auto", metadata={"help": "auto|safetensors|gguf|dummy", "choices": ["auto", "safetensors", "gguf", "dummy"]}
+    )
+    attention_backend: str = field(
+        default="auto", metadata={"help": "auto|torch_ref", "choices": ["auto", "torch_ref"]}
+    )
+    page_size: int = field(default=16, metadata={"help": "tokens per KV page"})
+    num_kv_pages: int | None = field(
+        default=None, metadata={"help": "KV pages (overrides memory-based sizing)"}
+    )
+    kv_cache_memory: str | None = field(
+        default=None, metadata={"help": "KV cache size, e.g. 2GiB or 512MiB (overrides --mem-fraction)"}
+    )
+    mem_fraction: float = field(
+        default=0.85,
+        metadata={"help": "fraction of device memory for weights+KV (on CPU: of available RAM, "
+                  "capped by --max-cpu-kv-memory)"},
+    )
+    max_cpu_kv_memory: str = field(
+        default="1GiB", metadata={"help": "cap on automatic KV sizing when running on CPU"}
+    )
+    max_num_seqs: int = field(default=256, metadata={"help": "max requests running at once"})
+    max_model_len: int | None = field(
+        default=None, metadata={"help": "context length (default: the model's)"}
+    )
+    max_num_batched_tokens: int = field(
+        default=8192, metadata={"help": "token budget of one scheduler step"}
+    )
+    chunked_prefill_size: int = field(
+        default=2048, metadata={"help": "max prompt tokens of one request in one step"}
+    )
+    seed: int = field(default=0, metadata={"help": "global random seed"})
+    log_level: str = field(default="info", metadata={"help": "debug|info|warning|error"})
+    cache_dir: str | None = field(
+        default=None,
+        metadata={"help": "where converted models are cached (default ~/.cache/gyrfalcon)"},
+    )
+    check_invariants: bool = field(
+        default=False, metadata={"help": "run page-allocator integrity checks every step"}
+    )
+
+    # ---- helpers -------------------------------------------------------
+
+    def resolved(self) -> ServerArgs:
+        """Return a copy with every "auto" resolved for this machine."""
+        import torch
+
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = self.dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if device == "cuda" else "float32"
+        backend = self.attention_backend
+        if backend == "auto":
+            backend = "torch_ref"
+        return dataclasses.replace(self, device=device, dtype=dtype, attention_backend=backend)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(cls):
+            meta = dict(f.metadata)
+            help_text = meta.pop("help", "")
+            if meta.pop("positional", False):
+                parser.add_argument(f.name, nargs="?", default=f.default, help=help_text)
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
+                continue
+            typ = _parse_type(f.type)
+            parser.add_argument(
+                flag, type=typ, default=f.default, help=f"{help_text} (default: {f.default})",
+                **meta,
+            )
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def _parse_type(annotation: Any) -> Any:
+    text = str(annotation)
+    if text.startswith("int"):
+        return int
+    if text.startswith("float"):
+        return float
+    return str
+
+
+def parse_size(text: str) -> int:
+    """Parse '2GiB', '512MiB', '1.5GB', '4096' into bytes."""
+    units = {
+        "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+        "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+        "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "b": 1,
+    }
+    s = text.strip().lower().replace(" ", "")
+    for suffix in sorted(units, key=len, reverse=True):
+        if s.endswith(suffix):
+            return int(float(s[: -len(suffix)]) * units[suffix])
+    return int(float(s))

@@ -1,0 +1,190 @@
+"""Typed messages for every process edge (msgspec structs, tagged unions).
+
+Edges:
+  frontend  -> scheduler : GenerateRequest | AbortRequest | StatsRequest
+  scheduler -> frontend  : EngineReady | BatchOutput | StatsReply | EngineError
+  scheduler -> worker    : StepPlan | Shutdown
+  worker    -> scheduler : WorkerReady | StepResult | WorkerError
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class ForwardMode(enum.IntEnum):
+    """What one batch computes. Set explicitly by the scheduler; never inferred."""
+
+    PREFILL = 1  # new prompt tokens only (possibly a chunk, possibly after a cached prefix)
+    DECODE = 2  # exactly one new token per request
+    MIXED = 3  # prefill chunks and decodes in one batch
+    VERIFY = 4  # target scores last accepted token + k draft tokens (spec decode)
+    DRAFT_EXTEND = 5  # drafter consumes accepted tokens (spec decode)
+    DRAFT_DECODE = 6  # one drafter step (spec decode)
+    IDLE = 7  # padded dummy rows of a DP rank with no work
+
+
+class SamplingParams(msgspec.Struct, frozen=True):
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int = 16
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None = off; k >= 0 = sampled token's logprob + top-k
+    prompt_logprobs: int | None = None  # None = off; k >= 0 = per prompt token
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+# ---------------------------------------------------------------- frontend <-> scheduler
+
+
+class GenerateRequest(msgspec.Struct, tag=True):
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+
+
+class AbortRequest(msgspec.Struct, tag=True):
+    rid: str
+
+
+class StatsRequest(msgspec.Struct, tag=True):
+    nonce: int
+
+
+class EngineReady(msgspec.Struct, tag=True):
+    max_model_len: int
+    num_kv_pages: int
+    page_size: int
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+
+
+class PositionLogprobs(msgspec.Struct, array_like=True):
+    """Logprob of the chosen token at one position, plus the top-k alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[TokenLogprob] = []
+
+
+class RequestOutput(msgspec.Struct, array_like=True):
+    """New tokens of one request since its last output."""
+
+    rid: str
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs] | None = None
+    # prompt logprobs (position 0 has none), sent once with the first output
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    finish_reason: str | None = None  # None while running; "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None
+
+
+class BatchOutput(msgspec.Struct, tag=True):
+    outputs: list[RequestOutput]
+
+
+class StatsReply(msgspec.Struct, tag=True):
+    nonce: int
+    num_total_pages: int
+    num_free_pages: int
+    num_running: int
+    num_waiting: int
+    integrity_ok: bool
+    integrity_error: str | None = None
+
+
+class EngineError(msgspec.Struct, tag=True):
+    message: str
+
+
+FrontendToScheduler = GenerateRequest | AbortRequest | StatsRequest
+SchedulerToFrontend = EngineReady | BatchOutput | StatsReply | EngineError
+
+
+# ---------------------------------------------------------------- scheduler <-> worker
+
+
+class NewRequest(msgspec.Struct, array_like=True):
+    """Sent once, the first step a request is scheduled on a worker."""
+
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+
+
+class ScheduledRow(msgspec.Struct, array_like=True):
+    """One request's work in one step (a delta against what the worker knows).
+
+    The row computes tokens at positions [start, start + len(input_ids)).
+    `new_pages` are appended to the worker's copy of the request's page table.
+    `sample` is False for a prefill chunk that does not reach the prompt's end.
+    `reset` drops the worker's page table for the request (it was preempted and
+    is recomputed from position 0); its sampled outputs and seeded generator stay.
+    """
+
+    rid: str
+    start: int
+    input_ids: list[int]
+    new_pages: list[int]
+    sample: bool
+    reset: bool = False
+
+
+class RankBatch(msgspec.Struct, array_like=True):
+    forward_mode: ForwardMode
+    rows: list[ScheduledRow]
+
+
+class StepPlan(msgspec.Struct, tag=True):
+    step_id: int
+    new_requests: list[NewRequest]
+    finished_rids: list[str]  # worker drops their state before running this step
+    batches: list[RankBatch]  # one per DP rank
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+class WorkerReady(msgspec.Struct, tag=True):
+    rank: int
+    num_kv_pages: int
+    max_model_len: int
+
+
+class RowResult(msgspec.Struct, array_like=True):
+    rid: str
+    token_id: int  # -1 when the row did not sample
+    logprobs: PositionLogprobs | None = None
+    prompt_logprobs: list[PositionLogprobs] | None = None  # for positions start+1 .. end
+
+
+class StepResult(msgspec.Struct, tag=True):
+    step_id: int
+    rows: list[RowResult]
+
+
+class WorkerError(msgspec.Struct, tag=True):
+    rank: int
+    message: str
+
+
+SchedulerToWorker = StepPlan | Shutdown
+WorkerToScheduler = WorkerReady | StepResult | WorkerError

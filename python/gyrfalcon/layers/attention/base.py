@@ -1,0 +1,35 @@
+"""Attention backend interface.
+
+A backend owns its per-step metadata: `build_metadata` runs once per step
+(before the first layer) and every layer's `forward` only reads it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from gyrfalcon.worker.forward_batch import ForwardBatch
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+
+    @abstractmethod
+    def build_metadata(self, batch: ForwardBatch) -> Any:
+        """Compute this step's attention metadata from the batch (once per step)."""
+
+    @abstractmethod
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """Write k, v of the new tokens into the cache and attend.
+
+        q: [T, H, D]; k, v: [T, KVH, D] -> [T, H * D]
+        """

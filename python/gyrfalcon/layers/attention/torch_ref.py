@@ -1,0 +1,122 @@
+"""Reference attention: gather pages + SDPA. Runs on CPU and GPU; the oracle in tests.
+
+Rows with one new token (decodes) are attended together, padded to the longest
+KV length with a key mask. Rows with several new tokens (prefill chunks,
+verify) are attended one by one, causal with an offset of their cached prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from gyrfalcon.layers.attention.base import AttentionBackend
+from gyrfalcon.worker.forward_batch import ForwardBatch
+
+
+def kv_slots(page_table_row: torch.Tensor, length: int, page_size: int) -> torch.Tensor:
+    """Slots of KV positions [0, length) of one request: [length] int64."""
+    pos = torch.arange(length, device=page_table_row.device)
+    return page_table_row[pos // page_size] * page_size + pos % page_size
+
+
+@dataclass
+class ExtendRow:
+    token_start: int  # first new token of the row in [T]
+    num_new: int
+    prefix_len: int  # cached tokens before the new ones
+    slots: torch.Tensor  # [prefix_len + num_new] KV slots
+    mask: torch.Tensor | None  # [num_new, prefix_len + num_new] bool, None = plain causal
+
+
+@dataclass
+class TorchRefMeta:
+    decode_tokens: torch.Tensor  # [nd] token indices of single-token rows
+    decode_slots: torch.Tensor  # [nd, max_kv] KV slots (padding -> dummy slot 0)
+    decode_mask: torch.Tensor  # [nd, 1, 1, max_kv] bool key mask
+    extends: list[ExtendRow]
+
+
+class TorchRefBackend(AttentionBackend):
+    name = "torch_ref"
+
+    def build_metadata(self, batch: ForwardBatch) -> TorchRefMeta:
+        device = batch.input_ids.device
+        bs = batch.batch_size
+        assert batch.page_table.shape[0] == bs and batch.q_lens.shape[0] == bs
+        assert sum(batch.q_lens_cpu) == batch.num_tokens
+        ps = batch.page_size
+        decode_rows: list[int] = []
+        decode_tokens: list[int] = []
+        extends: list[ExtendRow] = []
+        start = 0
+        for row, (q_len, seq_len) in enumerate(zip(batch.q_lens_cpu, batch.seq_lens_cpu)):
+            assert 1 <= q_len <= seq_len, f"row {row}: q_len {q_len} seq_len {seq_len}"
+            if q_len == 1:
+                decode_rows.append(row)
+                decode_tokens.append(start)
+            else:
+                prefix = seq_len - q_len
+                mask = None
+                if prefix > 0:
+                    q_pos = torch.arange(q_len, device=device)[:, None] + prefix
+                    mask = torch.arange(seq_len, device=device)[None, :] <= q_pos
+                slots = kv_slots(batch.page_table[row], seq_len, ps)
+                extends.append(ExtendRow(start, q_len, prefix, slots, mask))
+            start += q_len
+        max_kv = max((batch.seq_lens_cpu[r] for r in decode_rows), default=1)
+        pos = torch.arange(max_kv, device=device)
+        if decode_rows:
+            rows = torch.tensor(decode_rows, device=device)
+            pt = batch.page_table[rows]  # [nd, max_pages]
+            lens = batch.seq_lens[rows]  # [nd]
+            valid = pos[None, :] < lens[:, None]  # [nd, max_kv]
+            page_idx = torch.clamp(pos // ps, max=pt.shape[1] - 1)
+            slots = pt[:, page_idx] * ps + pos % ps
+            slots = torch.where(valid, slots, torch.zeros_like(slots))
+            dmask = valid[:, None, None, :]
+        else:
+            slots = torch.zeros((0, max_kv), dtype=torch.int64, device=device)
+            dmask = torch.zeros((0, 1, 1, max_kv), dtype=torch.bool, device=device)
+        return TorchRefMeta(
+            decode_tokens=torch.tensor(decode_tokens, dtype=torch.int64, device=device),
+            decode_slots=slots,
+            decode_mask=dmask,
+            extends=extends,
+        )
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        meta: TorchRefMeta = batch.attn_meta
+        cache = batch.kv_cache
+        cache.write(layer, batch.out_cache_loc, k, v)
+        k_all, v_all = cache.k[layer], cache.v[layer]  # [slots, KVH, D]
+        out = torch.empty_like(q)  # [T, H, D]
+        gqa = self.num_heads != self.num_kv_heads
+        if meta.decode_tokens.numel() > 0:
+            qd = q[meta.decode_tokens][:, :, None, :]  # [nd, H, 1, D]
+            kd = k_all[meta.decode_slots].transpose(1, 2).to(q.dtype)  # [nd, KVH, max_kv, D]
+            vd = v_all[meta.decode_slots].transpose(1, 2).to(q.dtype)
+            od = F.scaled_dot_product_attention(
+                qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=gqa
+            )
+            out[meta.decode_tokens] = od[:, :, 0, :]
+        for ext in meta.extends:
+            sl = slice(ext.token_start, ext.token_start + ext.num_new)
+            qe = q[sl].transpose(0, 1)[None]  # [1, H, n, D]
+            ke = k_all[ext.slots].transpose(0, 1)[None].to(q.dtype)  # [1, KVH, L, D]
+            ve = v_all[ext.slots].transpose(0, 1)[None].to(q.dtype)
+            oe = F.scaled_dot_product_attention(
+                qe,
+                ke,
+                ve,
+                attn_mask=ext.mask,
+                is_causal=ext.mask is None,
+                scale=self.scale,
+                enable_gqa=gqa,
+            )
+            out[sl] = oe[0].transpose(0, 1)
+        return out.reshape(q.shape[0], -1)

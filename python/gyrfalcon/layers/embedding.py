@@ -1,0 +1,38 @@
+"""Token embedding and LM head."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class VocabEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+
+    def load(self, name: str, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+        self.weight.data.copy_(loaded)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class LMHead(nn.Module):
+    """Projects hidden states to vocabulary logits; may share the embedding weight."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tied: VocabEmbedding | None = None):
+        super().__init__()
+        self.tied = tied
+        if tied is None:
+            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+
+    def load(self, name: str, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+        if self.tied is None:
+            self.weight.data.copy_(loaded)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [N, H] -> logits [N, V]
+        weight = self.tied.weight if self.tied is not None else self.weight
+        return F.linear(hidden, weight)

@@ -1,0 +1,148 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2 qkv-bias, Qwen3 qk-norm).
+
+TP-agnostic: parallel layers carry their own loaders; `packed_modules` maps
+HF checkpoint names onto our fused layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from gyrfalcon.config.model_config import ModelConfig
+from gyrfalcon.layers.activation import silu_and_mul
+from gyrfalcon.layers.embedding import LMHead, VocabEmbedding
+from gyrfalcon.layers.linear import ColumnParallelLinear, RowParallelLinear
+from gyrfalcon.layers.norm import RMSNorm
+from gyrfalcon.layers.rotary import RotaryEmbedding
+from gyrfalcon.worker.forward_batch import ForwardBatch
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_size, self.kv_size = q, kv
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size, [q, kv, kv], bias=cfg.qkv_bias, shard_ids=["q", "k", "v"]
+        )
+        self.o_proj = RowParallelLinear(q, cfg.hidden_size)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        # x: [T, hidden]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = batch.attn_backend.forward(q, k, v, self.layer_id, batch)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        size = cfg.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(
+            cfg.hidden_size, [size, size], shard_ids=["gate", "up"]
+        )
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, layer_id)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        # NOTE: same residual order as the HF reference, so float32 results match exactly.
+        h = h + self.self_attn(positions, self.input_layernorm(h), batch)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    # HF checkpoint name fragment -> (our module name fragment, shard id)
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
+    }
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        tied = self.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states after the final norm: [T, hidden]."""
+        h = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            h = layer(batch.positions, h, batch)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [N, hidden] -> [N, vocab] in float32
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors; raises if any parameter is left unloaded."""
+        modules = dict(self.named_modules())
+        expected = {n for n, _ in self.named_parameters()}
+        if self.cfg.tie_word_embeddings:
+            expected.discard("lm_head.weight")
+        loaded: set[str] = set()  # "param" or "param:shard" for packed layers
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue
+            shard_id = None
+            for frag, (ours, sid) in self.packed_modules.items():
+                if f".{frag}." in name:
+                    name, shard_id = name.replace(f".{frag}.", f".{ours}."), sid
+                    break
+            module_name, _, param = name.rpartition(".")
+            module = modules.get(module_name)
+            if module is None or not hasattr(module, param):
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model")
+            if hasattr(module, "load"):
+                module.load(param, tensor, shard_id)
+            else:
+                getattr(module, param).data.copy_(tensor)
+            loaded.add(name if shard_id is None else f"{name}:{shard_id}")
+        for mod_name, mod in modules.items():
+            if isinstance(mod, ColumnParallelLinear) and len(mod.shard_ids) > 1:
+                for pname in ("weight", "bias") if mod.bias is not None else ("weight",):
+                    full = f"{mod_name}.{pname}"
+                    if all(f"{full}:{sid}" in loaded for sid in mod.shard_ids):
+                        loaded.add(full)
+        missing = {n for n in expected if n not in loaded}
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors for: {sorted(missing)[:8]}")

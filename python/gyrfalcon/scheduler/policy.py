@@ -1,0 +1,137 @@
+"""Step policy: decide how far each request advances this step.
+
+Order: running decodes (one token each), then unfinished prefills of running
+requests, then new requests FCFS. Limits: a token budget per step
+(max_num_batched_tokens), a prefill-token budget per step (chunked_prefill_size),
+max_num_seqs running requests, and free KV pages. When a decode needs a page
+and none is free, the most recently admitted running request is preempted
+(its pages freed, recomputed later from position 0).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from gyrfalcon.scheduler.page_allocator import PageAllocator
+from gyrfalcon.scheduler.request import Request, Status
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_num_batched_tokens: int
+    chunked_prefill_size: int
+    max_num_seqs: int
+    page_size: int
+
+
+@dataclass
+class Scheduled:
+    req: Request
+    num_tokens: int  # tokens computed this step, from req.num_computed
+    new_pages: list[int]
+    reset: bool  # request was preempted since the worker last saw it
+
+    @property
+    def samples(self) -> bool:
+        return self.req.num_computed + self.num_tokens == self.req.num_tokens
+
+
+@dataclass
+class Decision:
+    rows: list[Scheduled] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.rows)
+
+
+def pages_needed(pages_held: int, end: int, page_size: int) -> int:
+    """Extra pages for KV positions [0, end) given pages already held."""
+    return max(0, -(-end // page_size) - pages_held)
+
+
+def max_tokens_fitting(req: Request, free_pages: int, page_size: int) -> int:
+    """How many more tokens of req fit in held pages plus free_pages."""
+    return (len(req.pages) + free_pages) * page_size - req.num_computed
+
+
+def preempt(req: Request, alloc: PageAllocator, running: list[Request], waiting: deque[Request]) -> None:
+    alloc.free(req.pages)
+    req.pages = []
+    req.num_computed = 0
+    req.status = Status.WAITING
+    req.needs_reset = True
+    running.remove(req)
+    # NOTE: back to the queue in arrival order so it is the next to be re-admitted
+    idx = 0
+    while idx < len(waiting) and waiting[idx].arrival < req.arrival:
+        idx += 1
+    waiting.insert(idx, req)
+
+
+def _take(req: Request, n: int, alloc: PageAllocator, ps: int) -> Scheduled:
+    new_pages = alloc.alloc(pages_needed(len(req.pages), req.num_computed + n, ps))
+    req.pages.extend(new_pages)
+    reset, req.needs_reset = req.needs_reset, False
+    return Scheduled(req, n, new_pages, reset)
+
+
+def schedule(
+    running: list[Request], waiting: deque[Request], alloc: PageAllocator, limits: Limits
+) -> Decision:
+    """Plan one step. Mutates page ownership, queues and statuses; not num_computed."""
+    ps = limits.page_size
+    out = Decision()
+    budget = limits.max_num_batched_tokens
+    prefill_budget = limits.chunked_prefill_size
+    picked: set[str] = set()
+
+    # 1) decodes, oldest first; preempt the newest when pages run out
+    for req in sorted(running, key=lambda r: r.arrival):
+        if budget == 0:
+            break
+        if req.remaining != 1 or req.status is not Status.RUNNING:
+            continue
+        while pages_needed(len(req.pages), req.num_computed + 1, ps) > alloc.num_free:
+            victims = [r for r in running if r.rid not in picked]
+            victim = max(victims, key=lambda r: r.arrival)
+            preempt(victim, alloc, running, waiting)
+            out.preempted.append(victim)
+            if victim is req:
+                break
+        if req.status is not Status.RUNNING:
+            continue
+        out.rows.append(_take(req, 1, alloc, ps))
+        picked.add(req.rid)
+        budget -= 1
+
+    # 2) running requests still in (chunked) prefill
+    for req in sorted(running, key=lambda r: r.arrival):
+        if req.rid in picked or req.remaining <= 1 and req.output_ids:
+            continue
+        n = min(req.remaining, budget, prefill_budget, max_tokens_fitting(req, alloc.num_free, ps))
+        if n <= 0:
+            continue
+        out.rows.append(_take(req, n, alloc, ps))
+        picked.add(req.rid)
+        budget -= n
+        prefill_budget -= n
+
+    # 3) admit waiting requests FCFS while everything fits
+    while waiting and len(running) < limits.max_num_seqs and budget > 0 and prefill_budget > 0:
+        req = waiting[0]
+        # NOTE: admit only when the whole remaining prompt fits in free pages, so a
+        # long prompt cannot grab pages chunk by chunk and starve the running set.
+        if pages_needed(0, req.num_tokens, ps) > alloc.num_free:
+            break
+        waiting.popleft()
+        req.status = Status.RUNNING
+        running.append(req)
+        n = min(req.remaining, budget, prefill_budget)
+        out.rows.append(_take(req, n, alloc, ps))
+        picked.add(req.rid)
+        budget -= n
+        prefill_budget -= n
+    return out

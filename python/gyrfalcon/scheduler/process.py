@@ -1,0 +1,133 @@
+"""The scheduler process: frontend messages in, step plans to the worker, outputs back."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import zmq
+
+from gyrfalcon.config.model_config import ModelConfig
+from gyrfalcon.config.server_args import ServerArgs
+from gyrfalcon.ipc.messages import (
+    AbortRequest,
+    BatchOutput,
+    EngineError,
+    EngineReady,
+    FrontendToScheduler,
+    GenerateRequest,
+    RequestOutput,
+    Shutdown,
+    StatsRequest,
+    StepResult,
+    WorkerError,
+    WorkerReady,
+    WorkerToScheduler,
+)
+from gyrfalcon.ipc.sockets import Channel, IpcPaths
+from gyrfalcon.scheduler.scheduler import Scheduler, SchedulerConfig
+from gyrfalcon.utils import parent_alive, setup_child
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 50  # wait for frontend input when there is no work
+WORKER_POLL_MS = 1000  # liveness check period while waiting for the worker
+
+
+class WorkerFailed(Exception):
+    pass
+
+
+class SchedulerLoop:
+    def __init__(self, args: ServerArgs, paths: IpcPaths, model_cfg: ModelConfig):
+        self.args, self.model_cfg = args, model_cfg
+        self.ppid = os.getppid()
+        ctx = zmq.Context()
+        self.from_frontend = Channel(ctx, zmq.PULL, paths.frontend_to_scheduler, True, FrontendToScheduler)
+        self.to_frontend = Channel(ctx, zmq.PUSH, paths.scheduler_to_frontend, True)
+        self.to_worker = Channel(ctx, zmq.PUSH, paths.scheduler_to_worker, True)
+        self.from_worker = Channel(ctx, zmq.PULL, paths.worker_to_scheduler, True, WorkerToScheduler)
+        self.sched: Scheduler | None = None
+
+    def _recv_worker(self) -> WorkerReady | StepResult:
+        while True:
+            msg = self.from_worker.recv(WORKER_POLL_MS)
+            if msg is None:
+                if not parent_alive(self.ppid):
+                    sys.exit(0)
+                continue
+            if isinstance(msg, WorkerError):
+                raise WorkerFailed(f"worker {msg.rank} failed: {msg.message}")
+            return msg
+
+    def start(self) -> None:
+        ready = self._recv_worker()
+        assert isinstance(ready, WorkerReady)
+        a = self.args
+        self.sched = Scheduler(
+            SchedulerConfig(
+                num_pages=ready.num_kv_pages,
+                page_size=a.page_size,
+                max_model_len=ready.max_model_len,
+                max_num_seqs=a.max_num_seqs,
+                max_num_batched_tokens=a.max_num_batched_tokens,
+                chunked_prefill_size=a.chunked_prefill_size,
+                eos_token_ids=self.model_cfg.eos_token_ids,
+                check_invariants=a.check_invariants,
+            )
+        )
+        self.to_frontend.send(EngineReady(ready.max_model_len, ready.num_kv_pages, a.page_size))
+        logger.info(
+            "engine ready: %d KV pages of %d tokens, context %d",
+            ready.num_kv_pages, a.page_size, ready.max_model_len,
+        )
+
+    def _handle(self, msg: object) -> None:
+        assert self.sched is not None
+        if isinstance(msg, GenerateRequest):
+            self.sched.add_request(msg)
+        elif isinstance(msg, AbortRequest):
+            self.sched.abort(msg.rid)
+        elif isinstance(msg, StatsRequest):
+            self.to_frontend.send(self.sched.stats(msg.nonce))
+
+    def step(self) -> None:
+        sched = self.sched
+        assert sched is not None
+        timeout = 0 if sched.has_work() else IDLE_POLL_MS
+        msg = self.from_frontend.recv(timeout)
+        while msg is not None:
+            self._handle(msg)
+            msg = self.from_frontend.recv(0)
+        outputs: list[RequestOutput] = sched.take_outputs()
+        plan = sched.build_plan()
+        if plan is not None:
+            self.to_worker.send(plan)
+            result = self._recv_worker()
+            assert isinstance(result, StepResult) and result.step_id == plan.step_id
+            outputs += sched.process_result(result)
+        if outputs:
+            self.to_frontend.send(BatchOutput(outputs))
+        if not sched.has_work() and not parent_alive(self.ppid):
+            sys.exit(0)
+
+    def run(self) -> None:
+        try:
+            self.start()
+            while True:
+                self.step()
+        except WorkerFailed as e:
+            logger.error("%s", e)
+            if self.sched is not None:
+                self.to_frontend.send(BatchOutput(self.sched.fail_all(str(e))))
+            self.to_frontend.send(EngineError(str(e)))
+            sys.exit(1)
+        finally:
+            self.to_worker.send(Shutdown())
+
+
+def run_scheduler(args: ServerArgs, paths: IpcPaths, model_cfg: ModelConfig) -> None:
+    """Entry point of the scheduler process."""
+    setup_child("scheduler", args.log_level)
+    SchedulerLoop(args, paths, model_cfg).run()

@@ -1,0 +1,60 @@
+"""How many KV pages to allocate, and the context length they allow."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from gyrfalcon.config.model_config import ModelConfig
+from gyrfalcon.config.server_args import ServerArgs, parse_size
+from gyrfalcon.worker.kv_cache import KVCache
+
+logger = logging.getLogger(__name__)
+
+
+def available_cpu_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+def kv_budget_bytes(args: ServerArgs, device: torch.device) -> int:
+    if args.kv_cache_memory is not None:
+        return parse_size(args.kv_cache_memory)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free  # weights and everything else already resident
+        return max(0, int(total * args.mem_fraction) - used)
+    return min(parse_size(args.max_cpu_kv_memory), int(available_cpu_memory() * args.mem_fraction))
+
+
+def num_kv_pages(
+    args: ServerArgs, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> int:
+    """Pages including the reserved dummy page."""
+    if args.num_kv_pages is not None:
+        return args.num_kv_pages
+    per_page = KVCache.bytes_per_page(
+        cfg.num_layers, args.page_size, cfg.num_kv_heads, cfg.head_dim, dtype
+    )
+    pages = kv_budget_bytes(args, device) // per_page
+    if pages < 2:
+        raise RuntimeError(
+            f"KV cache budget too small: one page needs {per_page} bytes; "
+            "raise --kv-cache-memory or --mem-fraction"
+        )
+    return int(pages)
+
+
+def max_model_len(args: ServerArgs, cfg: ModelConfig, num_pages: int) -> int:
+    want = args.max_model_len or cfg.max_position_embeddings
+    capacity = (num_pages - 1) * args.page_size
+    if want > capacity:
+        logger.warning("context length %d capped to KV capacity %d tokens", want, capacity)
+    return min(want, capacity)

@@ -1,0 +1,83 @@
+"""Metadata builder: scheduled rows + page tables -> ForwardBatch tensors.
+
+Pure index math, so it is unit-tested on its own:
+  positions of row r:   start_r .. start_r + n_r - 1
+  KV slot of position p: page_table_r[p // page_size] * page_size + p % page_size
+  seq_len of row r:     start_r + n_r   (KV valid after this step)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RowInput:
+    start: int  # first position computed this step (= tokens already in KV)
+    input_ids: list[int]
+    pages: list[int]  # the request's full page table after this step's allocation
+
+
+@dataclass
+class BatchTensors:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    out_cache_loc: torch.Tensor  # [T]
+    seq_lens: torch.Tensor  # [bs]
+    q_lens: torch.Tensor  # [bs]
+    q_starts: torch.Tensor  # [bs]
+    page_table: torch.Tensor  # [bs, max_pages]
+    last_token_idx: torch.Tensor  # [bs] index in [T] of each row's last new token
+    seq_lens_cpu: list[int]
+    q_lens_cpu: list[int]
+
+
+def slot_of(pages: list[int], pos: int, page_size: int) -> int:
+    return pages[pos // page_size] * page_size + pos % page_size
+
+
+def build_batch_tensors(
+    rows: list[RowInput], page_size: int, device: torch.device, dummy_page: int = 0
+) -> BatchTensors:
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    seq_lens: list[int] = []
+    q_lens: list[int] = []
+    q_starts: list[int] = []
+    for row in rows:
+        n = len(row.input_ids)
+        end = row.start + n
+        assert n >= 1, "a scheduled row computes at least one token"
+        assert len(row.pages) * page_size >= end, (
+            f"row needs {end} KV slots, has {len(row.pages)} pages of {page_size}"
+        )
+        q_starts.append(len(ids))
+        ids.extend(row.input_ids)
+        positions.extend(range(row.start, end))
+        slots.extend(slot_of(row.pages, p, page_size) for p in range(row.start, end))
+        seq_lens.append(end)
+        q_lens.append(n)
+    max_pages = max((len(r.pages) for r in rows), default=1)
+    table = [r.pages + [dummy_page] * (max_pages - len(r.pages)) for r in rows]
+
+    def t(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.int64, device=device)
+
+    bt = BatchTensors(
+        input_ids=t(ids),
+        positions=t(positions),
+        out_cache_loc=t(slots),
+        seq_lens=t(seq_lens),
+        q_lens=t(q_lens),
+        q_starts=t(q_starts),
+        page_table=t(table).view(len(rows), max_pages),
+        last_token_idx=t([s + n - 1 for s, n in zip(q_starts, q_lens)]),
+        seq_lens_cpu=seq_lens,
+        q_lens_cpu=q_lens,
+    )
+    assert bt.input_ids.shape == bt.positions.shape == bt.out_cache_loc.shape
+    assert bt.seq_lens.shape[0] == bt.q_lens.shape[0] == bt.page_table.shape[0] == len(rows)
+    return bt

@@ -1,0 +1,175 @@
+"""Model runner: executes one StepPlan batch and returns a StepResult.
+
+The runner never decides what to run: rows, positions and pages come from the
+scheduler. It keeps per-request state that the plan sends only as deltas
+(page table, sampling state with outputs for penalties and seeded generator).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from gyrfalcon.config.model_config import ModelConfig
+from gyrfalcon.ipc.messages import (
+    NewRequest,
+    RankBatch,
+    RowResult,
+    StepPlan,
+    StepResult,
+)
+from gyrfalcon.layers.attention.registry import create_backend
+from gyrfalcon.models.registry import build_model
+from gyrfalcon.worker.forward_batch import ForwardBatch
+from gyrfalcon.worker.kv_cache import KVCache
+from gyrfalcon.worker.metadata import RowInput, build_batch_tensors
+from gyrfalcon.worker.sampler import (
+    RequestSamplingState,
+    prepare,
+    prompt_logprobs,
+    sample,
+    to_position_logprobs,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerRequest:
+    prompt_ids: list[int]
+    sampling: RequestSamplingState
+    pages: list[int]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        model_dir: str,
+        dtype: torch.dtype,
+        device: torch.device,
+        page_size: int,
+        attention_backend: str,
+        load_format: str = "auto",
+        seed: int = 0,
+    ):
+        self.cfg, self.device, self.dtype = model_cfg, device, dtype
+        self.page_size = page_size
+        torch.manual_seed(seed)
+        t0 = time.perf_counter()
+        self.model = build_model(model_cfg, model_dir, dtype, device, load_format)
+        logger.info("model loaded in %.1f s", time.perf_counter() - t0)
+        self.kv_cache: KVCache | None = None
+        self.attn = create_backend(
+            attention_backend,
+            model_cfg.num_heads,
+            model_cfg.num_kv_heads,
+            model_cfg.head_dim,
+            model_cfg.head_dim**-0.5,
+        )
+        self.requests: dict[str, WorkerRequest] = {}
+
+    def init_kv_cache(self, num_pages: int) -> None:
+        """Allocate the paged KV cache (after weights, so sizing sees their memory)."""
+        c = self.cfg
+        self.kv_cache = KVCache(
+            c.num_layers, num_pages, self.page_size, c.num_kv_heads, c.head_dim, self.dtype,
+            self.device,
+        )
+
+    # ------------------------------------------------------------ request state
+
+    def _add(self, new: NewRequest) -> None:
+        assert new.rid not in self.requests, f"request {new.rid} sent twice"
+        state = RequestSamplingState.create(new.sampling, list(new.prompt_ids), self.device)
+        self.requests[new.rid] = WorkerRequest(list(new.prompt_ids), state, [])
+
+    # ------------------------------------------------------------ execution
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        for rid in plan.finished_rids:
+            self.requests.pop(rid, None)
+        for new in plan.new_requests:
+            self._add(new)
+        # NOTE: one DP rank for now; plan.batches has exactly one entry.
+        assert len(plan.batches) == 1, "multi-rank plans need the DP worker group"
+        rows = self._run_batch(plan.batches[0])
+        return StepResult(step_id=plan.step_id, rows=rows)
+
+    def _run_batch(self, rb: RankBatch) -> list[RowResult]:
+        if not rb.rows:
+            return []
+        reqs = []
+        inputs = []
+        for row in rb.rows:
+            req = self.requests[row.rid]
+            if row.reset:
+                req.pages = []
+            req.pages.extend(row.new_pages)
+            reqs.append(req)
+            inputs.append(RowInput(row.start, list(row.input_ids), req.pages))
+        assert self.kv_cache is not None, "init_kv_cache() first"
+        bt = build_batch_tensors(inputs, self.page_size, self.device)
+        batch = ForwardBatch(
+            mode=rb.forward_mode,
+            input_ids=bt.input_ids,
+            positions=bt.positions,
+            out_cache_loc=bt.out_cache_loc,
+            seq_lens=bt.seq_lens,
+            q_lens=bt.q_lens,
+            q_starts=bt.q_starts,
+            page_table=bt.page_table,
+            seq_lens_cpu=bt.seq_lens_cpu,
+            q_lens_cpu=bt.q_lens_cpu,
+            page_size=self.page_size,
+            kv_cache=self.kv_cache,
+            attn_backend=self.attn,
+        )
+        batch.attn_meta = self.attn.build_metadata(batch)
+        hidden = self.model(batch)  # [T, hidden]
+
+        results = [RowResult(rid=row.rid, token_id=-1) for row in rb.rows]
+        self._prompt_logprobs(rb, reqs, hidden, bt.q_starts.tolist(), results)
+        sample_rows = [i for i, row in enumerate(rb.rows) if row.sample]
+        if not sample_rows:
+            return results
+        idx = bt.last_token_idx[torch.tensor(sample_rows, device=self.device)]
+        logits = self.model.compute_logits(hidden[idx])  # [n, vocab]
+        states = [reqs[i].sampling for i in sample_rows]
+        out = sample(logits, prepare(states, self.cfg.vocab_size, self.device))
+        token_ids = out.token_ids.tolist()
+        for j, i in enumerate(sample_rows):
+            states[j].output_ids.append(token_ids[j])
+            results[i].token_id = token_ids[j]
+            k = states[j].params.logprobs
+            if k is not None:
+                results[i].logprobs = to_position_logprobs(out, j, k)
+        return results
+
+    def _prompt_logprobs(
+        self,
+        rb: RankBatch,
+        reqs: list[WorkerRequest],
+        hidden: torch.Tensor,
+        q_starts: list[int],
+        results: list[RowResult],
+    ) -> None:
+        """Logprob of each prompt token given its prefix, for rows that asked."""
+        for i, (row, req) in enumerate(zip(rb.rows, reqs)):
+            k = req.sampling.params.prompt_logprobs
+            if k is None:
+                continue
+            # positions p in [start, end) predict the prompt token at p + 1
+            end = min(row.start + len(row.input_ids), len(req.prompt_ids) - 1)
+            if end <= row.start:
+                continue
+            n = end - row.start
+            logits = self.model.compute_logits(hidden[q_starts[i] : q_starts[i] + n])
+            next_ids = torch.tensor(
+                req.prompt_ids[row.start + 1 : end + 1], dtype=torch.int64, device=self.device
+            )
+            results[i].prompt_logprobs = prompt_logprobs(logits, next_ids, k)

@@ -1,0 +1,69 @@
+"""The worker process: load the model, size the KV cache, execute plans."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+
+import torch
+import zmq
+
+from gyrfalcon.config.model_config import ModelConfig
+from gyrfalcon.config.server_args import ServerArgs
+from gyrfalcon.ipc.messages import SchedulerToWorker, Shutdown, StepPlan, WorkerError, WorkerReady
+from gyrfalcon.ipc.sockets import Channel, IpcPaths
+from gyrfalcon.utils import parent_alive, setup_child
+from gyrfalcon.worker.kv_sizing import max_model_len, num_kv_pages
+from gyrfalcon.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 1000
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_runner(
+    args: ServerArgs, model_dir: str, cfg: ModelConfig, rank: int
+) -> tuple[ModelRunner, int]:
+    """Load the model, then size and allocate the KV cache; returns (runner, context len)."""
+    device = torch.device(args.device if args.device != "cuda" else f"cuda:{rank}")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = DTYPES[args.dtype]
+    runner = ModelRunner(
+        cfg, model_dir, dtype, device, args.page_size, args.attention_backend,
+        args.load_format, args.seed,
+    )
+    pages = num_kv_pages(args, cfg, dtype, device)
+    runner.init_kv_cache(pages)
+    return runner, max_model_len(args, cfg, pages)
+
+
+def run_worker(args: ServerArgs, paths: IpcPaths, model_dir: str, cfg: ModelConfig, rank: int) -> None:
+    """Entry point of a worker process."""
+    setup_child(f"worker{rank}", args.log_level)
+    ppid = os.getppid()
+    ctx = zmq.Context()
+    inbox = Channel(ctx, zmq.PULL, paths.scheduler_to_worker, False, SchedulerToWorker)
+    outbox = Channel(ctx, zmq.PUSH, paths.worker_to_scheduler, False)
+    try:
+        runner, context_len = build_runner(args, model_dir, cfg, rank)
+        outbox.send(WorkerReady(rank, runner.kv_cache.num_pages, context_len))
+        while True:
+            msg = inbox.recv(POLL_MS)
+            if msg is None:
+                if not parent_alive(ppid):
+                    return
+                continue
+            if isinstance(msg, Shutdown):
+                return
+            assert isinstance(msg, StepPlan)
+            outbox.send(runner.execute(msg))
+    except Exception:
+        text = traceback.format_exc()
+        logger.error("worker %d failed:\n%s", rank, text)
+        outbox.send(WorkerError(rank, text.strip().splitlines()[-1]))
+        sys.exit(1)

@@ -1,0 +1,211 @@
+"""Streaming client and end-to-end run of the load generator against a fake server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from gyrfalcon.bench.client import SSEDecoder, build_payload
+from gyrfalcon.bench.datasets import SampleRequest
+from gyrfalcon.bench.serving import main
+
+TOKENS = ["Hel", "lo", " wor", "ld"]
+FIRST_DELAY = 0.05  # seconds before the first text chunk
+GAP = 0.02  # seconds between text chunks
+
+
+class FakeServer:
+    """OpenAI-shaped streaming server on a free 127.0.0.1 port, in its own thread."""
+
+    def __init__(self, send_usage: bool = True) -> None:
+        self.send_usage = send_usage
+        self.requests: list[dict[str, Any]] = []
+        self.port = 0
+        self._loop = asyncio.new_event_loop()
+        self._runner: web.AppRunner | None = None
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "fake-model"}]})
+
+    async def _stream(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(body)
+        chat = request.path.endswith("/chat/completions")
+        prompt = body.get("prompt") or body["messages"][0]["content"]
+        if prompt == "fail":
+            return web.Response(status=500, text="model exploded")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+
+        async def event(obj: Any) -> None:
+            await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
+
+        def choice(text: str, finish: str | None = None) -> dict[str, Any]:
+            c: dict[str, Any] = {"index": 0, "finish_reason": finish}
+            if chat:
+                c["delta"] = {"content": text}
+            else:
+                c["text"] = text
+            return c
+
+        if chat:  # role-only first chunk: carries no text, must not count as TTFT
+            await event({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
+        await resp.write(b": keep-alive comment\n\n")
+        await asyncio.sleep(FIRST_DELAY)
+        n = min(body["max_tokens"], len(TOKENS))
+        for i, tok in enumerate(TOKENS[:n]):
+            if i:
+                await asyncio.sleep(GAP)
+            raw = f"data: {json.dumps({'choices': [choice(tok)]})}\r\n\r\n".encode()
+            await resp.write(raw[:7])  # split an event across network writes
+            await resp.write(raw[7:])
+        await event({"choices": [choice("", "length")]})
+        if self.send_usage:
+            plen = len(prompt) if isinstance(prompt, list) else len(prompt.split())
+            await event({"choices": [], "usage": {"prompt_tokens": plen,
+                                                   "completion_tokens": n}})
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def _start(self, sock: socket.socket) -> None:
+        app = web.Application()
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._stream)
+        app.router.add_post("/v1/chat/completions", self._stream)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        await web.SockSite(self._runner, sock).start()
+
+    def __enter__(self) -> "FakeServer":
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))  # the OS picks a free port
+        self.port = sock.getsockname()[1]
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(sock), self._loop).result(timeout=5)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._runner is not None:
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._loop.close()
+
+
+@pytest.fixture
+def server() -> Iterator[FakeServer]:
+    with FakeServer() as s:
+        yield s
+
+
+def test_sse_decoder_handles_splits_crlf_comments_and_multiline() -> None:
+    dec = SSEDecoder()
+    assert dec.feed(b"data: {\"a\"") == []
+    assert dec.feed(b": 1}\r\n\r\n: ping\n\nevent: x\ndata: one\ndata:two\n") == ['{"a": 1}']
+    assert dec.feed(b"\ndata: [DONE]") == ["one\ntwo"]
+    assert dec.flush() == ["[DONE]"]
+    assert dec.flush() == []
+
+
+def test_build_payload_shapes() -> None:
+    ids = SampleRequest(prompt=[1, 2, 3], prompt_len=3, output_len=9)
+    p = build_payload("completions", "m", ids, ignore_eos=True, extra_body={"temperature": 0})
+    assert p == {"model": "m", "prompt": [1, 2, 3], "max_tokens": 9, "stream": True,
+                 "stream_options": {"include_usage": True}, "ignore_eos": True,
+                 "temperature": 0}
+    text = SampleRequest(prompt="hi", prompt_len=None, output_len=2)
+    chat = build_payload("chat", "m", text)
+    assert chat["messages"] == [{"role": "user", "content": "hi"}] and "ignore_eos" not in chat
+    with pytest.raises(ValueError):
+        build_payload("chat", "m", ids)
+
+
+def test_end_to_end_completions_random_ids(server: FakeServer, tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    rc = main([
+        "--port", str(server.port), "--num-prompts", "4", "--random-input-len", "8",
+        "--random-output-len", "4", "--max-concurrency", "2", "--ignore-eos",
+        "--disable-tqdm", "--output-json", str(out), "--seed", "3",
+    ])
+    assert rc == 0
+    assert len(server.requests) == 5  # one warmup + four timed
+    for body in server.requests:
+        assert body["model"] == "fake-model" and body["stream"] is True
+        assert body["stream_options"] == {"include_usage": True}
+        assert body["ignore_eos"] is True and body["max_tokens"] == 4
+        assert len(body["prompt"]) == 8 and all(isinstance(t, int) for t in body["prompt"])
+
+    report = json.loads(out.read_text())
+    assert report["model"] == "fake-model" and report["endpoint"] == "completions"
+    assert report["args"]["request_rate"] == "inf" and report["args"]["num_prompts"] == 4
+    s = report["summary"]
+    assert s["completed"] == 4 and s["failed"] == 0
+    assert s["total_input_tokens"] == 32 and s["total_output_tokens"] == 16
+    assert s["output_throughput"] == pytest.approx(16 / s["duration_s"])
+    per = report["per_request"]
+    assert per["output_tokens"] == [4, 4, 4, 4] and per["success"] == [True] * 4
+    for ttft, e2el, itl in zip(per["ttft_ms"], per["e2el_ms"], per["itl_ms"]):
+        assert ttft >= 0.8 * FIRST_DELAY * 1000
+        assert len(itl) == 3 and all(g >= 0.8 * GAP * 1000 for g in itl)
+        assert e2el >= ttft + sum(itl) - 1e-6
+    assert s["mean_tpot_ms"] >= 0.8 * GAP * 1000
+    assert s["p99_itl_ms"] is not None and s["median_e2el_ms"] is not None
+
+
+def test_end_to_end_chat_jsonl_without_usage_and_a_failure(tmp_path: Path) -> None:
+    data = tmp_path / "q.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in [
+        {"turns": ["one two three", "follow-up"]},
+        {"prompt": "fail"},
+        {"prompt": "a b", "max_tokens": 2},
+    ]) + "\n")
+    out = tmp_path / "chat.json"
+    with FakeServer(send_usage=False) as srv:
+        rc = main([
+            "--base-url", f"http://127.0.0.1:{srv.port}/", "--endpoint", "chat",
+            "--model", "given", "--dataset", "jsonl", "--dataset-path", str(data),
+            "--jsonl-output-len", "3", "--warmup-requests", "0", "--request-rate", "50",
+            "--disable-tqdm", "--output-json", str(out), "--percentiles", "90,99",
+        ])
+    assert rc == 0
+    assert [b["model"] for b in srv.requests] == ["given"] * 3
+    report = json.loads(out.read_text())
+    s, per = report["summary"], report["per_request"]
+    assert s["completed"] == 2 and s["failed"] == 1
+    assert per["success"] == [True, False, True]
+    assert "HTTP 500" in per["error"][1] and "model exploded" in per["error"][1]
+    assert per["output_tokens"] == [3, None, 2]  # counted from chunks: no usage sent
+    assert s["total_input_tokens"] == 0  # unknown without usage or tokenizer
+    assert "p90_ttft_ms" in s and "p99_ttft_ms" in s
+    assert per["ttft_ms"][0] >= 0.8 * FIRST_DELAY * 1000  # role chunk ignored
+
+
+def test_unreachable_server_fails_cleanly(capsys: pytest.CaptureFixture[str]) -> None:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens there now
+    start = time.perf_counter()
+    rc = main(["--port", str(port), "--num-prompts", "2", "--disable-tqdm"])
+    assert rc == 1 and time.perf_counter() - start < 5
+    assert "error" in capsys.readouterr().err
+
+
+def test_argument_errors() -> None:
+    with pytest.raises(SystemExit):
+        main(["--endpoint", "chat", "--random-prompt-format", "ids"])
+    with pytest.raises(SystemExit):
+        main(["--request-rate", "0"])
+    assert main(["--dataset", "jsonl"]) == 2  # no --dataset-path
+    assert main(["--endpoint", "chat"]) == 2  # text prompts but no tokenizer
