@@ -31,10 +31,7 @@ class Scheduled:
     num_tokens: int  # tokens computed this step, from req.num_computed
     new_pages: list[int]
     reset: bool  # request was preempted since the worker last saw it
-
-    @property
-    def samples(self) -> bool:
-        return self.req.num_computed + self.num_tokens == self.req.num_tokens
+    samples: bool  # the step reaches the last known token, so it samples the next
 
 
 @dataclass
@@ -75,7 +72,7 @@ def _take(req: Request, n: int, alloc: PageAllocator, ps: int) -> Scheduled:
     new_pages = alloc.alloc(pages_needed(len(req.pages), req.num_computed + n, ps))
     req.pages.extend(new_pages)
     reset, req.needs_reset = req.needs_reset, False
-    return Scheduled(req, n, new_pages, reset)
+    return Scheduled(req, n, new_pages, reset, req.num_computed + n == req.num_tokens)
 
 
 def schedule(

@@ -140,7 +140,8 @@ class ModelRunner:
         idx = bt.last_token_idx[torch.tensor(sample_rows, device=self.device)]
         logits = self.model.compute_logits(hidden[idx])  # [n, vocab]
         states = [reqs[i].sampling for i in sample_rows]
-        out = sample(logits, prepare(states, self.cfg.vocab_size, self.device))
+        # NOTE: one device->host copy per step; everything below reads the CPU copy.
+        out = sample(logits, prepare(states, self.cfg.vocab_size, self.device)).cpu()
         token_ids = out.token_ids.tolist()
         for j, i in enumerate(sample_rows):
             states[j].output_ids.append(token_ids[j])

@@ -1,0 +1,73 @@
+"""In-process engine: the scheduler and one model runner without processes or IPC.
+
+For offline batch generation and for tests that drive the exact code paths of
+the server (same Scheduler, same ModelRunner, same messages) step by step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from gyrfalcon.config.model_config import ModelConfig
+from gyrfalcon.config.server_args import ServerArgs
+from gyrfalcon.ipc.messages import GenerateRequest, RequestOutput, SamplingParams
+from gyrfalcon.scheduler.scheduler import Scheduler, SchedulerConfig
+from gyrfalcon.worker.process import build_runner
+
+
+class LocalEngine:
+    def __init__(self, args: ServerArgs, model_dir: str):
+        self.args = args = args.resolved()
+        self.model_cfg = ModelConfig.from_dir(model_dir)
+        self.runner, context_len = build_runner(args, model_dir, self.model_cfg, rank=0)
+        assert self.runner.kv_cache is not None
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                num_pages=self.runner.kv_cache.num_pages,
+                page_size=args.page_size,
+                max_model_len=context_len,
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                chunked_prefill_size=args.chunked_prefill_size,
+                eos_token_ids=self.model_cfg.eos_token_ids,
+                check_invariants=True,
+            )
+        )
+
+    def add(self, rid: str, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        self.scheduler.add_request(GenerateRequest(rid, prompt_ids, sampling))
+
+    def abort(self, rid: str) -> None:
+        self.scheduler.abort(rid)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; returns the outputs the frontend would receive."""
+        outputs = self.scheduler.take_outputs()
+        plan = self.scheduler.build_plan()
+        if plan is not None:
+            outputs += self.scheduler.process_result(self.runner.execute(plan))
+        return outputs
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def generate(
+        self, prompts: Iterable[list[int]], sampling: SamplingParams
+    ) -> list[list[int]]:
+        """Run prompts to completion; returns the output token ids of each."""
+        prompts = list(prompts)
+        for i, p in enumerate(prompts):
+            self.add(str(i), p, sampling)
+        results: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+        while self.has_work():
+            for out in self.step():
+                results[out.rid].extend(out.token_ids)
+        for out in self.step():  # drain finals and let the worker drop state
+            results[out.rid].extend(out.token_ids)
+        return [results[str(i)] for i in range(len(prompts))]
+
+    @torch.inference_mode()
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()

@@ -1,0 +1,82 @@
+"""Sampler outputs: chosen tokens and logprobs, and their conversion to IPC messages.
+
+All logprobs here are of the model's raw distribution: log_softmax of the raw
+logits in float32 (no penalties, no temperature).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gyrfalcon.ipc.messages import PositionLogprobs, TokenLogprob
+
+# prompt_logprobs works on at most this many logits at a time (bounds its float32 copies).
+_PROMPT_LOGPROBS_CHUNK_ELEMS = 1 << 24
+
+
+@dataclass
+class SampleOutput:
+    """Result of `sample`; tensors stay on the logits' device until `cpu()`."""
+
+    token_ids: torch.Tensor  # [bs] int64
+    logprobs: torch.Tensor | None  # [bs] float32, raw logprob of the chosen token
+    top_ids: torch.Tensor | None  # [bs, max_logprobs] int64, by logprob descending
+    top_logprobs: torch.Tensor | None  # [bs, max_logprobs] float32, descending
+
+    def cpu(self) -> SampleOutput:
+        """Copy to host with a single device sync (call once per step, before reading)."""
+        tensors = [self.token_ids, self.logprobs, self.top_ids, self.top_logprobs]
+        device = self.token_ids.device
+        if device.type == "cpu":
+            return self
+        if device.type != "cuda":
+            return SampleOutput(*(None if t is None else t.cpu() for t in tensors))
+        host = [None if t is None else t.to("cpu", non_blocking=True) for t in tensors]
+        # NOTE: the one device->host sync of a step's sampling results.
+        torch.cuda.current_stream(device).synchronize()
+        return SampleOutput(*host)
+
+
+def to_position_logprobs(out: SampleOutput, row: int, k: int) -> PositionLogprobs:
+    """Row `row` of `out` as a PositionLogprobs whose top list is cut to `k` entries.
+
+    Call on `out.cpu()`: on device tensors every read here is a host sync.
+    """
+    if out.logprobs is None or out.top_ids is None or out.top_logprobs is None:
+        raise ValueError("logprobs were not computed for this batch")
+    if not 0 <= k <= out.top_ids.shape[1]:
+        raise ValueError(f"k={k} outside [0, {out.top_ids.shape[1]}]")
+    ids = out.top_ids[row, :k].tolist()
+    lps = out.top_logprobs[row, :k].tolist()
+    return PositionLogprobs(
+        token_id=int(out.token_ids[row]),
+        logprob=float(out.logprobs[row]),
+        top=[TokenLogprob(token_id=i, logprob=lp) for i, lp in zip(ids, lps)],
+    )
+
+
+def prompt_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, k: int) -> list[PositionLogprobs]:
+    """Per prompt position i: logprob of next_ids[i] under log_softmax(logits[i]) + top-k.
+
+    logits: [n, vocab] any float dtype; next_ids: [n] int. Works in row chunks to
+    bound memory; NOTE: one device->host sync per chunk (the result is Python).
+    """
+    n, vocab = logits.shape
+    if next_ids.shape != (n,):
+        raise ValueError(f"next_ids {tuple(next_ids.shape)} does not match logits ({n}, ...)")
+    k = min(k, vocab)
+    chunk = max(1, _PROMPT_LOGPROBS_CHUNK_ELEMS // vocab)
+    result: list[PositionLogprobs] = []
+    for start in range(0, n, chunk):
+        lp = torch.log_softmax(logits[start : start + chunk].float(), dim=-1)  # [c, vocab]
+        ids = next_ids[start : start + chunk].to(device=lp.device, dtype=torch.int64)  # [c]
+        chosen = lp.gather(1, ids[:, None]).squeeze(1)  # [c]
+        top_lp, top_ids = lp.topk(k, dim=-1)  # [c, k] each
+        for tok, c_lp, t_ids, t_lps in zip(
+            ids.tolist(), chosen.tolist(), top_ids.tolist(), top_lp.tolist()
+        ):
+            top = [TokenLogprob(token_id=i, logprob=x) for i, x in zip(t_ids, t_lps)]
+            result.append(PositionLogprobs(token_id=tok, logprob=c_lp, top=top))
+    return result

@@ -1,0 +1,290 @@
+"""Token sampler of the model-runner worker.
+
+Per step the worker calls `prepare(states, vocab, device)` once, then
+`sample(logits, batch)`. Pipeline per row (all in float32):
+
+    penalties (raw logits) -> temperature -> top_k -> top_p -> min_p -> draw
+
+Greedy rows (temperature < 1e-5 or top_k == 1) take the argmax of the penalized
+logits and consume no RNG. Sampled rows draw with the Gumbel-max trick,
+argmax(logits / T - log(E)) with E ~ Exponential(1) per vocab entry, which is a
+draw from softmax(logits / T) without normalizing. Rows with a seed draw E from
+their own generator, one row at a time, so a seeded row's token depends only on
+its own logits and generator state, never on the rest of the batch; unseeded
+rows share one batched draw from the default generator.
+
+Logprobs (chosen token + top-k) are always those of the model's raw distribution:
+log_softmax of the raw logits in float32, before penalties and temperature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from gyrfalcon.ipc.messages import SamplingParams
+from gyrfalcon.worker.logprobs import SampleOutput, prompt_logprobs, to_position_logprobs
+from gyrfalcon.worker.penalties import (
+    DeviceTokenBuffer,
+    PenaltyTensors,
+    apply_penalty_tensors,
+    build_penalty_tensors,
+    upload,
+)
+
+__all__ = [
+    "GREEDY_TEMPERATURE",
+    "RequestSamplingState",
+    "SampleOutput",
+    "SamplingBatch",
+    "apply_penalties",
+    "is_greedy",
+    "prepare",
+    "prompt_logprobs",
+    "sample",
+    "to_position_logprobs",
+]
+
+# NOTE: temperatures below this are greedy: dividing logits by them could overflow float32.
+GREEDY_TEMPERATURE = 1e-5
+# NOTE: top_p cut tolerance: a cumulative probability within this of top_p counts as having
+# reached it, so that e.g. probs [0.5, ...] with top_p=0.5 keeps one token despite rounding.
+_TOP_P_EPS = 1e-6
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    """Whether a request decodes greedily (argmax, no RNG)."""
+    return params.temperature < GREEDY_TEMPERATURE or params.top_k == 1
+
+
+def _validate(params: SamplingParams) -> None:
+    if params.temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {params.temperature}")
+    if not 0.0 < params.top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
+    if params.top_k < -1:
+        raise ValueError(f"top_k must be -1 (off) or >= 0, got {params.top_k}")
+    if not 0.0 <= params.min_p <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1], got {params.min_p}")
+    if params.repetition_penalty <= 0:
+        raise ValueError(f"repetition_penalty must be > 0, got {params.repetition_penalty}")
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is not None and k < 0:
+            raise ValueError(f"{name} must be None or >= 0, got {k}")
+
+
+@dataclass
+class RequestSamplingState:
+    """Sampling state of one live request, owned by the worker.
+
+    NOTE: `output_ids` must only grow by appending (the worker appends each sampled
+    token); penalties mirror it on the device incrementally.
+    """
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None  # on the logits' device; set iff params.seed
+    prompt_dev: DeviceTokenBuffer = field(default_factory=DeviceTokenBuffer, repr=False)
+    output_dev: DeviceTokenBuffer = field(default_factory=DeviceTokenBuffer, repr=False)
+
+    @classmethod
+    def create(
+        cls, params: SamplingParams, prompt_ids: list[int], device: torch.device | str
+    ) -> RequestSamplingState:
+        """Validate `params` (ValueError) and seed a generator on `device` if asked."""
+        _validate(params)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=torch.device(device))
+            # NOTE: any Python int is a valid seed; fold it into the 64 bits torch accepts.
+            generator.manual_seed(params.seed & 0xFFFF_FFFF_FFFF_FFFF)
+        return cls(params=params, prompt_ids=list(prompt_ids), generator=generator)
+
+    @property
+    def has_penalty(self) -> bool:
+        p = self.params
+        return (
+            p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        )
+
+
+@dataclass
+class SamplingBatch:
+    """Per-step sampling parameters of a batch; built by `prepare`, tensors on device."""
+
+    temperatures: torch.Tensor  # [bs] float32 (1.0 on greedy rows)
+    greedy: torch.Tensor  # [bs] bool
+    top_k: torch.Tensor  # [bs] int64 (vocab_size = off)
+    top_p: torch.Tensor  # [bs] float32 (1.0 = off)
+    min_p: torch.Tensor  # [bs] float32 (0.0 = off)
+    penalties: PenaltyTensors | None  # None when no row has a penalty
+    generators: list[torch.Generator | None]  # per row
+    seeded_rows: list[int]  # sampled (non-greedy) rows with a generator
+    vocab_size: int
+    all_greedy: bool  # fast path: argmax only
+    any_greedy: bool
+    any_unseeded: bool  # some sampled row draws from the default generator
+    do_top_k: bool  # some sampled row has top_k < vocab_size
+    do_top_p: bool  # some sampled row has top_p < 1
+    do_min_p: bool  # some sampled row has min_p > 0
+    # [nt] int64: the sampled rows with top_k or top_p on (None if none); only these are sorted
+    trunc_rows: torch.Tensor | None
+    max_logprobs: int | None  # max top-k logprobs asked in the batch (None if nobody asked)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.generators)
+
+
+def prepare(
+    states: list[RequestSamplingState], vocab_size: int, device: torch.device | str
+) -> SamplingBatch:
+    """Build the step's `SamplingBatch` for `states` (row i = states[i])."""
+    device = torch.device(device)
+    greedy = [is_greedy(s.params) for s in states]
+    temps, top_k, top_p, min_p = [], [], [], []
+    for s, g in zip(states, greedy):
+        p = s.params
+        temps.append(1.0 if g else p.temperature)
+        top_k.append(p.top_k if 0 < p.top_k < vocab_size else vocab_size)
+        top_p.append(min(p.top_p, 1.0))
+        min_p.append(p.min_p)
+    floats = upload([temps, top_p, min_p], torch.float32, device).view(3, len(states))
+    ints = upload([top_k, [int(g) for g in greedy]], torch.int64, device).view(2, len(states))
+    sampled = [not g for g in greedy]
+
+    pen_rows = [i for i, s in enumerate(states) if s.has_penalty]
+    penalties = None
+    if pen_rows:
+        pen_states = [states[i] for i in pen_rows]
+        penalties = build_penalty_tensors(
+            rows=pen_rows,
+            params=[
+                (s.params.repetition_penalty, s.params.presence_penalty, s.params.frequency_penalty)
+                for s in pen_states
+            ],
+            prompts=[s.prompt_dev.sync(s.prompt_ids, vocab_size, device) for s in pen_states],
+            outputs=[s.output_dev.sync(s.output_ids, vocab_size, device) for s in pen_states],
+            vocab_size=vocab_size,
+            device=device,
+        )
+
+    trunc = [
+        i for i in range(len(states)) if sampled[i] and (top_k[i] < vocab_size or top_p[i] < 1)
+    ]
+    asked = [s.params.logprobs for s in states if s.params.logprobs is not None]
+    return SamplingBatch(
+        temperatures=floats[0],
+        greedy=ints[1].bool(),
+        top_k=ints[0],
+        top_p=floats[1],
+        min_p=floats[2],
+        penalties=penalties,
+        generators=[s.generator for s in states],
+        seeded_rows=[i for i, s in enumerate(states) if sampled[i] and s.generator is not None],
+        vocab_size=vocab_size,
+        all_greedy=all(greedy),
+        any_greedy=any(greedy),
+        any_unseeded=any(sampled[i] and s.generator is None for i, s in enumerate(states)),
+        do_top_k=any(sampled[i] and top_k[i] < vocab_size for i in range(len(states))),
+        do_top_p=any(sampled[i] and top_p[i] < 1.0 for i in range(len(states))),
+        do_min_p=any(sampled[i] and min_p[i] > 0.0 for i in range(len(states))),
+        trunc_rows=upload(trunc, torch.int64, device) if trunc else None,
+        max_logprobs=min(max(asked), vocab_size) if asked else None,
+    )
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Penalized float32 copy of `logits` [bs, vocab] (see penalties.py for the formulas)."""
+    return apply_penalty_tensors(logits, batch.penalties)
+
+
+def _top_k_top_p_drop(
+    sub: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, do_top_p: bool
+) -> torch.Tensor:
+    """Mask [nt, vocab] (vocab order) of what top_k, then top_p, drop from `sub` [nt, vocab]."""
+    # NOTE: stable sort makes the kept set among tied logits deterministic per row.
+    vals, order = sub.sort(dim=-1, descending=True, stable=True)  # [nt, vocab] each
+    ranks = torch.arange(sub.shape[1], device=sub.device)[None, :]  # [1, vocab]
+    drop = ranks >= top_k[:, None]  # [nt, vocab], sorted order
+    if do_top_p:
+        probs = vals.masked_fill(drop, float("-inf")).softmax(dim=-1)  # [nt, vocab]
+        before = probs.cumsum(dim=-1) - probs  # mass of strictly more probable tokens
+        p = top_p[:, None]  # [nt, 1]
+        # NOTE: rows with top_p == 1 drop nothing here (no rounding-driven tail cut).
+        drop |= (before >= p - _TOP_P_EPS) & (p < 1.0)
+        drop[:, 0] = False  # the most probable token always stays
+    return torch.empty_like(drop).scatter_(1, order, drop)
+
+
+def _truncate(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Mask (in place, -inf) what top_k, then top_p, then min_p drop. scaled: [bs, vocab].
+
+    NOTE: a row's mask depends only on that row, so a seeded row samples the same
+    token whatever else is in the batch; only rows with top_k/top_p on are sorted.
+    """
+    neg_inf = float("-inf")
+    rows = batch.trunc_rows
+    if rows is not None:
+        if rows.numel() == scaled.shape[0]:  # every row: skip the gather / scatter
+            scaled.masked_fill_(
+                _top_k_top_p_drop(scaled, batch.top_k, batch.top_p, batch.do_top_p), neg_inf
+            )
+        else:
+            sub = scaled.index_select(0, rows)  # [nt, vocab]
+            drop = _top_k_top_p_drop(sub, batch.top_k[rows], batch.top_p[rows], batch.do_top_p)
+            scaled.index_copy_(0, rows, sub.masked_fill_(drop, neg_inf))
+    if batch.do_min_p:
+        # p < min_p * p_max  <=>  logit < max_logit + log(min_p); log(0) = -inf drops nothing.
+        floor = scaled.amax(dim=-1, keepdim=True) + torch.log(batch.min_p)[:, None]  # [bs, 1]
+        scaled.masked_fill_(scaled < floor, neg_inf)
+    return scaled
+
+
+def _gumbel_argmax(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Sample one token per row from softmax(scaled) [bs, vocab] -> [bs] int64."""
+    if batch.any_unseeded:
+        noise = torch.empty_like(scaled).exponential_()  # [bs, vocab], default generator
+    else:
+        noise = torch.ones_like(scaled)
+    for row in batch.seeded_rows:
+        # NOTE: a full row from the request's own generator; no host sync.
+        noise[row].exponential_(generator=batch.generators[row])
+    noise.clamp_min_(torch.finfo(torch.float32).tiny).log_()
+    return scaled.sub_(noise).argmax(dim=-1)  # argmax(p / E) == argmax(logit - log E)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
+    """Pick one token per row of `logits` [bs, vocab] (any float dtype).
+
+    Greedy rows: argmax of the penalized logits. Other rows: penalties ->
+    temperature -> top_k -> top_p -> min_p -> draw from the softmax.
+    Reported logprobs are of the model's raw distribution (log_softmax of the raw
+    logits in float32, before penalties and temperature): the chosen token's
+    plus the top `batch.max_logprobs` tokens, descending.
+    `logits` is never modified. No host sync happens here.
+    """
+    bs, vocab = logits.shape
+    if bs != batch.batch_size or vocab != batch.vocab_size:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} do not match batch ({batch.batch_size}, "
+            f"{batch.vocab_size})"
+        )
+    raw = logits.float()  # [bs, vocab]; NOTE: may alias `logits`: read-only below
+    penalized = apply_penalties(raw, batch)  # [bs, vocab] float32
+    if batch.all_greedy:
+        token_ids = penalized.argmax(dim=-1)
+    else:
+        scaled = _truncate(penalized / batch.temperatures[:, None], batch)  # new tensor
+        token_ids = _gumbel_argmax(scaled, batch)
+        if batch.any_greedy:
+            token_ids = torch.where(batch.greedy, penalized.argmax(dim=-1), token_ids)
+    if batch.max_logprobs is None:
+        return SampleOutput(token_ids, None, None, None)
+    all_lp = torch.log_softmax(raw, dim=-1)  # [bs, vocab]
+    chosen = all_lp.gather(1, token_ids[:, None]).squeeze(1)  # [bs]
+    top_lp, top_ids = all_lp.topk(batch.max_logprobs, dim=-1)  # [bs, k] each, descending
+    return SampleOutput(token_ids, chosen, top_ids, top_lp)

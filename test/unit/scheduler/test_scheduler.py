@@ -1,0 +1,85 @@
+from gyrfalcon.ipc.messages import ForwardMode, GenerateRequest, RowResult, SamplingParams, StepResult
+from gyrfalcon.scheduler.scheduler import Scheduler, SchedulerConfig
+
+EOS = 99
+
+
+def make(num_pages=32, max_model_len=64, chunk=8):
+    return Scheduler(SchedulerConfig(num_pages, 4, max_model_len, 8, 64, chunk, (EOS,), True))
+
+
+def fake_step(s, tokens):
+    """Run one step, answering every sampling row with tokens[rid] (a list consumed in order)."""
+    plan = s.build_plan()
+    if plan is None:
+        return None, []
+    rows = []
+    for row in plan.batches[0].rows:
+        tok = tokens[row.rid].pop(0) if row.sample else -1
+        rows.append(RowResult(row.rid, tok))
+    return plan, s.process_result(StepResult(plan.step_id, rows))
+
+
+def test_request_lifecycle_stop_on_eos_frees_pages():
+    s = make()
+    s.add_request(GenerateRequest("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=10)))
+    plan, out = fake_step(s, {"r": [10, 11, EOS]})
+    assert plan.batches[0].forward_mode == ForwardMode.PREFILL
+    assert plan.new_requests[0].rid == "r" and out[0].token_ids == [10]
+    plan, out = fake_step(s, {"r": [11, EOS]})
+    assert plan.batches[0].forward_mode == ForwardMode.DECODE and plan.new_requests == []
+    assert plan.batches[0].rows[0].start == 5 and plan.batches[0].rows[0].input_ids == [10]
+    plan, out = fake_step(s, {"r": [EOS]})
+    assert out[0].finish_reason == "stop" and out[0].token_ids == [EOS]
+    assert out[0].num_output_tokens == 3
+    assert s.alloc.num_free == s.alloc.num_usable
+    plan, _ = fake_step(s, {})
+    assert plan.finished_rids == ["r"]  # the worker is told to drop it
+    s.check_integrity()
+
+
+def test_max_tokens_and_ignore_eos():
+    s = make()
+    s.add_request(GenerateRequest("r", [1, 2], SamplingParams(max_tokens=2, ignore_eos=True)))
+    _, out1 = fake_step(s, {"r": [EOS]})
+    _, out2 = fake_step(s, {"r": [EOS]})
+    assert out1[0].finish_reason is None and out2[0].finish_reason == "length"
+
+
+def test_stop_token_ids():
+    s = make()
+    s.add_request(GenerateRequest("r", [1, 2], SamplingParams(max_tokens=9, stop_token_ids=[42])))
+    _, out = fake_step(s, {"r": [42]})
+    assert out[0].finish_reason == "stop"
+
+
+def test_prompt_too_long_is_an_error_not_a_crash():
+    s = make(max_model_len=8)
+    s.add_request(GenerateRequest("r", list(range(8)), SamplingParams()))
+    out = s.take_outputs()
+    assert out[0].finish_reason == "error" and "context length" in out[0].error
+    assert not s.has_work()
+
+
+def test_abort_waiting_and_running():
+    s = make()
+    s.add_request(GenerateRequest("a", [1, 2, 3], SamplingParams(max_tokens=5)))
+    fake_step(s, {"a": [5]})
+    s.add_request(GenerateRequest("b", [1, 2, 3], SamplingParams(max_tokens=5)))
+    s.abort("a")
+    s.abort("b")
+    out = s.take_outputs()
+    assert [(o.rid, o.finish_reason) for o in out] == [("a", "abort"), ("b", "abort")]
+    assert s.alloc.num_free == s.alloc.num_usable and not s.has_work()
+    s.check_integrity()
+    s.abort("unknown")  # ignored
+
+
+def test_context_limit_finishes_with_length():
+    s = make(max_model_len=6)
+    s.add_request(GenerateRequest("r", [1, 2, 3, 4], SamplingParams(max_tokens=50)))
+    reasons = []
+    for _ in range(3):
+        _, out = fake_step(s, {"r": [7]})
+        reasons += [o.finish_reason for o in out]
+    assert reasons[:2] == [None, "length"]
