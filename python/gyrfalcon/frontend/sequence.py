@@ -1,0 +1,113 @@
+"""One generated choice: engine outputs in, client-visible deltas out.
+
+`SequenceDecoder` applies, per output, the rules every endpoint shares:
+a token-based stop (eos or `stop_token_ids`) is counted but not rendered,
+text goes through the incremental detokenizer and then the stop-string
+matcher, and the held-back text is released when the sequence ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from gyrfalcon.frontend.detokenizer import IncrementalDetokenizer
+from gyrfalcon.frontend.engine_client import FINISH_ERROR
+from gyrfalcon.frontend.stop import StopStringMatcher
+from gyrfalcon.ipc.messages import PositionLogprobs, RequestOutput
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+FINISH_STOP = "stop"
+
+
+@dataclass
+class ChoiceDelta:
+    """What one engine output changed in one choice.
+
+    `token_ids`/`logprobs` are the rendered tokens of this output (a final stop
+    token is left out); `text` is what may be shown now, which can lag the
+    tokens (held-back stop-string prefixes, unfinished characters).
+    """
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SequenceDecoder:
+    """Turns the outputs of one engine request into `ChoiceDelta`s."""
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        index: int,
+        prompt_ids: Sequence[int],
+        stop: Sequence[str] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.index = index
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+        self._stop = StopStringMatcher(stop)
+        self._num_prompt_tokens = len(prompt_ids)
+        self._finished = False
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def feed(self, out: RequestOutput) -> ChoiceDelta:
+        """Process one output. A delta with `finish_reason` "stop" from a stop
+        string arrives while the engine request still runs: the caller aborts it.
+        """
+        if self._finished:
+            raise RuntimeError(f"choice {self.index} already finished")
+        ids, logprobs = out.token_ids, out.logprobs
+        if out.finish_reason == FINISH_STOP and ids:
+            # NOTE: the engine's contract: on a token stop (eos / stop_token_ids)
+            # the last id of the final output is that token; count, don't render.
+            ids = ids[:-1]
+            logprobs = logprobs[: len(ids)] if logprobs is not None else None
+        ended = out.finish_reason is not None
+        text = self._detok.feed(ids)
+        if ended:
+            text += self._detok.flush()
+        text, matched = self._stop.feed(text)
+        finish_reason = out.finish_reason
+        if matched:
+            finish_reason = FINISH_STOP
+        elif ended:
+            text += self._stop.flush()
+        self._finished = finish_reason is not None
+        return ChoiceDelta(
+            index=self.index,
+            text=text,
+            token_ids=list(ids),
+            logprobs=list(logprobs) if logprobs is not None else None,
+            prompt_logprobs=out.prompt_logprobs,
+            finish_reason=finish_reason,
+            num_prompt_tokens=out.num_prompt_tokens or self._num_prompt_tokens,
+            num_output_tokens=out.num_output_tokens,
+            error=out.error if out.finish_reason == FINISH_ERROR else None,
+        )
+
+    def fail(self, message: str) -> ChoiceDelta:
+        """A final error delta for a failure outside the engine's outputs."""
+        self._finished = True
+        return ChoiceDelta(
+            index=self.index, finish_reason=FINISH_ERROR, error=message,
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_output_tokens=self._detok.num_tokens,
+        )

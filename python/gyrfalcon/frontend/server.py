@@ -1,0 +1,193 @@
+"""The FastAPI app: OpenAI-compatible routes, OpenAI-shaped errors, uvicorn glue.
+
+`create_app` only wires objects it is given; the launcher owns the engine
+client (starts it before serving, closes it after) and the tokenizer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import uvicorn
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+import gyrfalcon
+from gyrfalcon.frontend.engine_client import EngineClient, EngineDeadError
+from gyrfalcon.frontend.protocol import ChatCompletionRequest, CompletionRequest, ParamError
+from gyrfalcon.frontend.protocol_responses import ModelCard, ModelList, now
+from gyrfalcon.frontend.serving_chat import create_chat_completion
+from gyrfalcon.frontend.serving_common import (
+    ClientDisconnected,
+    RequestError,
+    ServingContext,
+    error_body,
+)
+from gyrfalcon.frontend.serving_completions import create_completion
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+STATS_TIMEOUT_S = 5.0  # /server_info waits this long for the scheduler's StatsReply
+# Status of a response to a client that already left (nginx's convention).
+CLIENT_CLOSED_REQUEST = 499
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def json_response(payload: BaseModel | dict[str, Any], status: int = HTTPStatus.OK) -> Response:
+    body = (payload.model_dump_json() if isinstance(payload, BaseModel)
+            else msgspec.json.encode(payload))
+    return Response(content=body, status_code=int(status), media_type="application/json")
+
+
+def error_response(status: HTTPStatus, message: str, param: str | None = None) -> Response:
+    return json_response(error_body(status, message, param), status)
+
+
+def _respond(result: BaseModel | AsyncIterator[str]) -> Response:
+    if isinstance(result, BaseModel):
+        return json_response(result)
+    return StreamingResponse(result, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def _validation_error(exc: RequestValidationError) -> Response:
+    """FastAPI's 422 becomes OpenAI's 400, naming the offending field."""
+    errors = exc.errors()
+    if not errors:
+        return error_response(HTTPStatus.BAD_REQUEST, "invalid request")
+    first = errors[0]
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, ParamError):
+        return error_response(HTTPStatus.BAD_REQUEST, cause.message, cause.param)
+    if first.get("type") == "json_invalid":
+        return error_response(HTTPStatus.BAD_REQUEST, f"malformed JSON body: {first.get('msg')}")
+    param = _format_loc(_common_loc(errors)) or None
+    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more errors)"
+    return error_response(HTTPStatus.BAD_REQUEST, message, param)
+
+
+def _common_loc(errors: list[Any]) -> list[Any]:
+    """The location of the first error's field: the common prefix of the errors
+    under the same top-level field (a union reports one error per member, with
+    the member's type name appended to the location)."""
+    locs = [[p for p in e.get("loc", ()) if p != "body"] for e in errors]
+    head = locs[0]
+    same_field = [loc for loc in locs if loc[:1] == head[:1]]
+    common: list[Any] = []
+    for parts in zip(*same_field):
+        if any(p != parts[0] for p in parts):
+            break
+        common.append(parts[0])
+    return common
+
+
+def _format_loc(loc: list[Any]) -> str:
+    """('messages', 0, 'role') -> 'messages[0].role'."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation(_: Request, exc: RequestValidationError) -> Response:
+        return _validation_error(exc)
+
+    @app.exception_handler(RequestError)
+    async def _on_request_error(_: Request, exc: RequestError) -> Response:
+        return json_response(exc.body(), exc.status)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _on_disconnect(_: Request, __: ClientDisconnected) -> Response:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http(_: Request, exc: StarletteHTTPException) -> Response:
+        return error_response(HTTPStatus(exc.status_code), str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _on_bug(_: Request, exc: Exception) -> Response:
+        logger.exception("internal error", exc_info=exc)
+        return error_response(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {exc!r}")
+
+
+def create_app(
+    engine: EngineClient,
+    tokenizer: PreTrainedTokenizerBase,
+    model_name: str,
+    max_model_len: int | None = None,
+) -> FastAPI:
+    """Build the app. `engine` must be started before the first request."""
+    ctx = ServingContext(engine, tokenizer, model_name, max_model_len)
+    app = FastAPI(title="gyrfalcon", version=gyrfalcon.__version__)
+    app.state.serving = ctx
+    _install_error_handlers(app)
+    created = now()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.dead is not None:
+            return error_response(HTTPStatus.SERVICE_UNAVAILABLE, f"engine is dead: {engine.dead}")
+        if not engine.ready.is_set():
+            return error_response(HTTPStatus.SERVICE_UNAVAILABLE, "engine is not ready yet")
+        return json_response({})
+
+    @app.get("/version")
+    async def version() -> Response:
+        return json_response({"version": gyrfalcon.__version__})
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        ctx.check_engine()
+        card = ModelCard(id=model_name, created=created, max_model_len=ctx.max_model_len)
+        return json_response(ModelList(data=[card]))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return _respond(await create_chat_completion(ctx, body, request))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return _respond(await create_completion(ctx, body, request))
+
+    @app.get("/server_info")
+    async def server_info() -> Response:
+        try:
+            reply = await engine.stats(timeout=STATS_TIMEOUT_S)
+        except (TimeoutError, EngineDeadError) as exc:
+            return error_response(HTTPStatus.SERVICE_UNAVAILABLE,
+                                  f"engine stats unavailable: {exc!r}")
+        info = msgspec.structs.asdict(reply)
+        info.update(model=model_name, max_model_len=ctx.max_model_len,
+                    num_in_flight=engine.num_in_flight)
+        return json_response(info)
+
+    return app
+
+
+def make_uvicorn_server(app: FastAPI, host: str, port: int, log_level: str) -> uvicorn.Server:
+    """A uvicorn server for `app`; the launcher awaits `server.serve()` in its loop."""
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
+                            access_log=False)
+    return uvicorn.Server(config)
+
+
+async def serve_http(app: FastAPI, host: str, port: int, log_level: str) -> None:
+    """Serve `app` until uvicorn is asked to exit (SIGINT/SIGTERM or `should_exit`)."""
+    await make_uvicorn_server(app, host, port, log_level).serve()

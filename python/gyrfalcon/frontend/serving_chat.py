@@ -1,0 +1,179 @@
+"""POST /v1/chat/completions: chat template -> engine requests -> response or SSE."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from typing import TYPE_CHECKING
+
+import msgspec
+from starlette.requests import Request
+
+from gyrfalcon.frontend.protocol import ChatCompletionRequest, ChatMessage, to_sampling_params
+from gyrfalcon.frontend.protocol_responses import (
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatDelta,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    UsageInfo,
+    new_id,
+    now,
+)
+from gyrfalcon.frontend.serving_common import (
+    SSE_DONE,
+    ChildSpec,
+    ChoiceResult,
+    ClientDisconnected,
+    RequestError,
+    ServingContext,
+    child_seed,
+    finite_logprob,
+    raise_for_error,
+    sse,
+    stream_choices,
+)
+from gyrfalcon.ipc.messages import PositionLogprobs
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+ID_PREFIX = "chatcmpl"
+
+
+def render_chat_prompt(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[ChatMessage]
+) -> list[int]:
+    """Apply the model's chat template (with the generation prompt) and tokenize.
+
+    NOTE: the template already writes any BOS/special tokens, so encoding adds none.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise RequestError("this model has no chat template; use /v1/completions",
+                           param="messages")
+    try:
+        text = tokenizer.apply_chat_template(
+            [m.to_template() for m in messages], add_generation_prompt=True, tokenize=False
+        )
+    except Exception as exc:  # templates reject bad conversations by raising
+        raise RequestError(f"the chat template rejected the messages: {exc}",
+                           param="messages") from exc
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if not ids:
+        raise RequestError("the rendered prompt is empty", param="messages")
+    return ids
+
+
+async def create_chat_completion(
+    ctx: ServingContext, req: ChatCompletionRequest, raw: Request
+) -> ChatCompletionResponse | AsyncIterator[str]:
+    """Validate and submit; return the response, or the SSE stream if req.stream.
+
+    All request errors (RequestError) are raised here, before any byte is sent.
+    """
+    ctx.check_model(req.model)
+    ctx.check_engine()
+    ctx.check_token_ids(req.stop_token_ids, "stop_token_ids")
+    prompt_ids = render_chat_prompt(ctx.tokenizer, req.messages)
+    max_tokens = ctx.resolve_max_tokens(
+        len(prompt_ids), req.requested_max_tokens, default=None, prompt_param="messages"
+    )
+    base = to_sampling_params(req, max_tokens)
+    request_id = new_id(ID_PREFIX)
+    children = [
+        ChildSpec(i, f"{request_id}-{i}", prompt_ids,
+                  msgspec.structs.replace(base, seed=child_seed(base.seed, i)))
+        for i in range(req.n)
+    ]
+    if req.stream:
+        return _stream(ctx, req, request_id, children, raw)
+    return await _collect(ctx, req, request_id, children, raw)
+
+
+def chat_logprobs(ctx: ServingContext, positions: Sequence[PositionLogprobs]) -> ChatChoiceLogprobs:
+    """OpenAI's chat shape: one entry per token, each with its top alternatives."""
+    texts = ctx.token_texts
+
+    return ChatChoiceLogprobs(content=[
+        ChatTokenLogprob(
+            token=texts.text_of(p.token_id),
+            logprob=finite_logprob(p.logprob),
+            bytes=list(texts.bytes_of(p.token_id)),
+            top_logprobs=[
+                ChatTopLogprob(token=texts.text_of(t.token_id), logprob=finite_logprob(t.logprob),
+                               bytes=list(texts.bytes_of(t.token_id)))
+                for t in p.top
+            ],
+        )
+        for p in positions
+    ])
+
+
+async def _collect(
+    ctx: ServingContext, req: ChatCompletionRequest, request_id: str,
+    children: list[ChildSpec], raw: Request,
+) -> ChatCompletionResponse:
+    results = [ChoiceResult(c.index) for c in children]
+    deltas = stream_choices(ctx, children, req.stop_strings, req.skip_special_tokens, raw)
+    async with aclosing(deltas):
+        async for delta in deltas:
+            raise_for_error(ctx, delta)
+            results[delta.index].add(delta)
+    choices = [
+        ChatCompletionChoice(
+            index=r.index,
+            message=ChatResponseMessage(content=r.text),
+            logprobs=chat_logprobs(ctx, r.logprobs) if req.logprobs else None,
+            finish_reason=r.finish_reason,
+        )
+        for r in results
+    ]
+    return ChatCompletionResponse(
+        id=request_id, created=now(), model=ctx.model_name, choices=choices,
+        usage=UsageInfo.of(len(children[0].prompt_ids),
+                           sum(r.num_output_tokens for r in results)),
+    )
+
+
+async def _stream(
+    ctx: ServingContext, req: ChatCompletionRequest, request_id: str,
+    children: list[ChildSpec], raw: Request,
+) -> AsyncIterator[str]:
+    created = now()
+
+    def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
+        return sse(ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name,
+                                       choices=choices, usage=usage))
+
+    for c in children:
+        yield chunk([ChatCompletionStreamChoice(index=c.index,
+                                                delta=ChatDelta(role="assistant", content=""))])
+    completion_tokens = [0] * len(children)
+    deltas = stream_choices(ctx, children, req.stop_strings, req.skip_special_tokens, raw)
+    try:
+        async with aclosing(deltas):
+            async for delta in deltas:
+                raise_for_error(ctx, delta)
+                completion_tokens[delta.index] = delta.num_output_tokens
+                if not (delta.text or delta.logprobs or delta.finished):
+                    continue
+                logprobs = chat_logprobs(ctx, delta.logprobs or []) if req.logprobs else None
+                yield chunk([ChatCompletionStreamChoice(
+                    index=delta.index,
+                    delta=ChatDelta(content=delta.text) if delta.text else ChatDelta(),
+                    logprobs=logprobs,
+                    finish_reason=delta.finish_reason,
+                )])
+    except ClientDisconnected:
+        return
+    except RequestError as err:  # headers are sent: report in-band, then end
+        yield sse(err.body())
+        yield SSE_DONE
+        return
+    if req.include_usage:
+        yield chunk([], UsageInfo.of(len(children[0].prompt_ids), sum(completion_tokens)))
+    yield SSE_DONE

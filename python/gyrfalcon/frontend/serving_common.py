@@ -1,0 +1,276 @@
+"""What chat and text completions share: the serving context, request errors,
+context-length rules, SSE framing, and the fan-out of one HTTP request into
+several engine requests (n choices, several prompts) with abort on disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel
+from starlette.requests import Request
+
+from gyrfalcon.frontend.detokenizer import TokenTexts
+from gyrfalcon.frontend.engine_client import FINISH_ERROR, EngineClient, EngineDeadError
+from gyrfalcon.frontend.protocol_responses import ErrorInfo, ErrorResponse
+from gyrfalcon.frontend.sequence import ChoiceDelta, SequenceDecoder
+from gyrfalcon.ipc.messages import PositionLogprobs, SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+ERROR_TYPES = {
+    HTTPStatus.BAD_REQUEST: "BadRequestError",
+    HTTPStatus.NOT_FOUND: "NotFoundError",
+    HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
+    HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",
+}
+SSE_DONE = "data: [DONE]\n\n"
+# JSON has no -inf: a token with zero probability reports this (as OpenAI does).
+MIN_LOGPROB = -9999.0
+_UINT64 = 2**64
+_INT64_MIN = -(2**63)
+
+
+class RequestError(Exception):
+    """A request that cannot be served; becomes an OpenAI-shaped error body."""
+
+    def __init__(
+        self, message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST, param: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+
+    def body(self) -> ErrorResponse:
+        return error_body(self.status, self.message, self.param)
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away; its engine requests were aborted."""
+
+
+def error_body(status: HTTPStatus, message: str, param: str | None = None) -> ErrorResponse:
+    kind = ERROR_TYPES.get(status, "InternalServerError")
+    return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=int(status)))
+
+
+def finite_logprob(logprob: float) -> float:
+    """`logprob` clamped into JSON-representable numbers (-inf and NaN -> MIN_LOGPROB)."""
+    if math.isnan(logprob) or logprob < MIN_LOGPROB:
+        return MIN_LOGPROB
+    return logprob
+
+
+def sse(payload: BaseModel) -> str:
+    """One server-sent event carrying `payload` as JSON."""
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+@dataclass
+class ServingContext:
+    """Everything a handler needs besides the request itself."""
+
+    engine: EngineClient
+    tokenizer: PreTrainedTokenizerBase
+    model_name: str
+    # None: the engine's context length, known once it reports EngineReady
+    max_model_len_override: int | None = None
+    token_texts: TokenTexts = field(init=False)
+    vocab_size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.token_texts = TokenTexts(self.tokenizer)
+        self.vocab_size = len(self.tokenizer)
+
+    @property
+    def max_model_len(self) -> int:
+        if self.max_model_len_override is not None:
+            return self.max_model_len_override
+        assert self.engine.info is not None, "engine not ready"
+        return self.engine.info.max_model_len
+
+    def check_model(self, model: str | None) -> None:
+        """404 unless `model` is absent or names the served model."""
+        if model is not None and model != self.model_name:
+            raise RequestError(
+                f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                HTTPStatus.NOT_FOUND, param="model",
+            )
+
+    def check_engine(self) -> None:
+        """503 while the engine is loading or after it died."""
+        if self.engine.dead is not None:
+            raise RequestError(f"engine is dead: {self.engine.dead}", HTTPStatus.SERVICE_UNAVAILABLE)
+        if not self.engine.ready.is_set():
+            raise RequestError("engine is not ready yet", HTTPStatus.SERVICE_UNAVAILABLE)
+
+    def check_token_ids(self, ids: Sequence[int], param: str) -> None:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})",
+                               param=param)
+
+    def resolve_max_tokens(
+        self, prompt_len: int, requested: int | None, default: int | None, prompt_param: str
+    ) -> int:
+        """The output budget: `requested` if it fits, else `default` (None = all
+        the room left), clamped so prompt + output never passes max_model_len."""
+        if prompt_len >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {prompt_len} tokens; this model's context length is "
+                f"{self.max_model_len}, so no room is left for output", param=prompt_param)
+        room = self.max_model_len - prompt_len
+        if requested is not None:
+            if requested > room:
+                raise RequestError(
+                    f"max_tokens={requested} plus the prompt's {prompt_len} tokens exceeds the "
+                    f"context length {self.max_model_len}", param="max_tokens")
+            return requested
+        return room if default is None else min(default, room)
+
+
+def child_seed(seed: int | None, i: int) -> int | None:
+    """The seed of choice i: seed + i, wrapped into the int64 range."""
+    if seed is None:
+        return None
+    return (seed + i - _INT64_MIN) % _UINT64 + _INT64_MIN
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """One engine request of a fanned-out HTTP request."""
+
+    index: int
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+
+
+@dataclass
+class ChoiceResult:
+    """A choice accumulated from its deltas (non-streaming responses)."""
+
+    index: int
+    texts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    finish_reason: str | None = None
+    num_output_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+    def add(self, delta: ChoiceDelta) -> None:
+        self.texts.append(delta.text)
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs:
+            self.logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        self.num_output_tokens = max(self.num_output_tokens, delta.num_output_tokens)
+        if delta.finished:
+            self.finish_reason, self.error = delta.finish_reason, delta.error
+
+
+def raise_for_error(ctx: ServingContext, delta: ChoiceDelta) -> None:
+    """Turn a choice that ended in "error" into the HTTP error to report."""
+    if delta.finish_reason != FINISH_ERROR:
+        return
+    if ctx.engine.dead is not None:
+        raise RequestError(f"engine is dead: {ctx.engine.dead}", HTTPStatus.SERVICE_UNAVAILABLE)
+    # NOTE: with the engine alive, a per-request error is the engine refusing
+    # this request (e.g. it can never fit in the KV cache): the client's side.
+    raise RequestError(f"the engine rejected the request: {delta.error}")
+
+
+async def stream_choices(
+    ctx: ServingContext,
+    children: Sequence[ChildSpec],
+    stop: Sequence[str],
+    skip_special_tokens: bool,
+    request: Request | None,
+) -> AsyncIterator[ChoiceDelta]:
+    """Run all children concurrently; yield their deltas as they come.
+
+    Ends after every child yielded its final delta. If `request`'s client
+    disconnects, every child is aborted and ClientDisconnected is raised. Closing
+    this generator early aborts every unfinished child as well.
+    """
+    queue: asyncio.Queue[ChoiceDelta | None] = asyncio.Queue()
+    tasks = [
+        asyncio.create_task(_run_child(ctx, c, stop, skip_special_tokens, queue), name=c.rid)
+        for c in children
+    ]
+    watcher = (
+        asyncio.create_task(_watch_disconnect(request, tasks, queue))
+        if request is not None else None
+    )
+    remaining = len(tasks)
+    try:
+        while remaining:
+            delta = await queue.get()
+            if delta is None:
+                raise ClientDisconnected()
+            if delta.finished:
+                remaining -= 1
+            yield delta
+    finally:
+        # NOTE: cancel, never await: this may run in a cancelled scope. A
+        # cancelled child closes its engine generator, which sends the abort.
+        for task in tasks:
+            task.cancel()
+        if watcher is not None:
+            watcher.cancel()
+
+
+async def _run_child(
+    ctx: ServingContext,
+    child: ChildSpec,
+    stop: Sequence[str],
+    skip_special_tokens: bool,
+    queue: asyncio.Queue[ChoiceDelta | None],
+) -> None:
+    decoder = SequenceDecoder(ctx.tokenizer, child.index, child.prompt_ids, stop,
+                              skip_special_tokens)
+    try:
+        outputs = ctx.engine.generate(child.rid, child.prompt_ids, child.sampling)
+        async with aclosing(outputs):
+            async for out in outputs:
+                delta = decoder.feed(out)
+                queue.put_nowait(delta)
+                if delta.finished:
+                    return  # leaving `aclosing` aborts a request stopped by a stop string
+        queue.put_nowait(decoder.fail("the engine stream ended without a finish reason"))
+    except EngineDeadError as exc:
+        queue.put_nowait(decoder.fail(str(exc)))
+    except Exception as exc:
+        logger.exception("choice %s failed", child.rid)
+        queue.put_nowait(decoder.fail(f"internal error: {exc!r}"))
+
+
+async def _watch_disconnect(
+    request: Request, tasks: list[asyncio.Task[None]], queue: asyncio.Queue[ChoiceDelta | None]
+) -> None:
+    # NOTE: the body was read before the handler ran, so the next ASGI message
+    # is the disconnect; waiting on it costs nothing, unlike polling.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            for task in tasks:
+                task.cancel()
+            queue.put_nowait(None)
+            return

@@ -1,0 +1,199 @@
+"""POST /v1/completions: prompt(s) -> engine requests -> response or SSE.
+
+A list of prompts gives one choice per prompt and per n, choice index
+prompt_index * n + i. `echo` puts the prompt before the completion; with
+`logprobs` it also reports the prompt tokens' logprobs (the first is None).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+
+import msgspec
+from starlette.requests import Request
+
+from gyrfalcon.frontend.protocol import CompletionRequest, to_sampling_params
+from gyrfalcon.frontend.protocol_responses import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    UsageInfo,
+    new_id,
+    now,
+)
+from gyrfalcon.frontend.serving_common import (
+    SSE_DONE,
+    ChildSpec,
+    ChoiceResult,
+    ClientDisconnected,
+    RequestError,
+    ServingContext,
+    child_seed,
+    finite_logprob,
+    raise_for_error,
+    sse,
+    stream_choices,
+)
+from gyrfalcon.ipc.messages import PositionLogprobs
+
+ID_PREFIX = "cmpl"
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for text completions
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    ids: list[int]
+    text: str  # what `echo` shows
+
+
+def _encode_prompts(ctx: ServingContext, req: CompletionRequest) -> list[_Prompt]:
+    prompts = []
+    for p in req.prompts():
+        if isinstance(p, str):
+            ids = ctx.tokenizer.encode(p)  # the tokenizer's default special tokens (BOS)
+            text = p
+        else:
+            ctx.check_token_ids(p, "prompt")
+            ids, text = p, ctx.tokenizer.decode(p)
+        if not ids:
+            raise RequestError("the prompt is empty", param="prompt")
+        prompts.append(_Prompt(ids, text))
+    return prompts
+
+
+async def create_completion(
+    ctx: ServingContext, req: CompletionRequest, raw: Request
+) -> CompletionResponse | AsyncIterator[str]:
+    """Validate and submit; return the response, or the SSE stream if req.stream.
+
+    All request errors (RequestError) are raised here, before any byte is sent.
+    """
+    ctx.check_model(req.model)
+    ctx.check_engine()
+    ctx.check_token_ids(req.stop_token_ids, "stop_token_ids")
+    prompts = _encode_prompts(ctx, req)
+    request_id = new_id(ID_PREFIX)
+    children = []
+    for p_index, prompt in enumerate(prompts):
+        max_tokens = ctx.resolve_max_tokens(
+            len(prompt.ids), req.max_tokens, DEFAULT_MAX_TOKENS, prompt_param="prompt"
+        )
+        base = to_sampling_params(req, max_tokens)
+        for i in range(req.n):
+            index = p_index * req.n + i
+            children.append(ChildSpec(
+                index, f"{request_id}-{index}", prompt.ids,
+                msgspec.structs.replace(base, seed=child_seed(base.seed, i)),
+            ))
+    texts = [prompts[c.index // req.n].text for c in children]
+    usage_prompt = sum(len(p.ids) for p in prompts)  # each prompt counted once, whatever n
+    if req.stream:
+        return _stream(ctx, req, request_id, children, texts, usage_prompt, raw)
+    return await _collect(ctx, req, request_id, children, texts, usage_prompt, raw)
+
+
+class _LogprobsBuilder:
+    """Builds OpenAI's legacy logprobs shape, keeping `text_offset` running."""
+
+    def __init__(self, ctx: ServingContext) -> None:
+        self._texts = ctx.token_texts
+        self.offset = 0
+
+    def build(
+        self,
+        prompt_ids: Sequence[int] = (),
+        prompt_logprobs: Sequence[PositionLogprobs | None] | None = None,
+        positions: Sequence[PositionLogprobs] = (),
+    ) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        for j, token_id in enumerate(prompt_ids):
+            entry = prompt_logprobs[j] if prompt_logprobs is not None and j < len(
+                prompt_logprobs) else None
+            self._add(out, token_id, entry)
+        for p in positions:
+            self._add(out, p.token_id, p)
+        return out
+
+    def _add(self, out: CompletionLogprobs, token_id: int, entry: PositionLogprobs | None) -> None:
+        token = self._texts.text_of(token_id)
+        out.tokens.append(token)
+        out.text_offset.append(self.offset)
+        self.offset += len(token)
+        if entry is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            return
+        out.token_logprobs.append(finite_logprob(entry.logprob))
+        out.top_logprobs.append(
+            {self._texts.text_of(t.token_id): finite_logprob(t.logprob) for t in entry.top}
+        )
+
+
+async def _collect(
+    ctx: ServingContext, req: CompletionRequest, request_id: str, children: list[ChildSpec],
+    echo_texts: list[str], usage_prompt: int, raw: Request,
+) -> CompletionResponse:
+    results = [ChoiceResult(c.index) for c in children]
+    deltas = stream_choices(ctx, children, req.stop_strings, req.skip_special_tokens, raw)
+    async with aclosing(deltas):
+        async for delta in deltas:
+            raise_for_error(ctx, delta)
+            results[delta.index].add(delta)
+    choices = []
+    for r, child, echo_text in zip(results, children, echo_texts):
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = _LogprobsBuilder(ctx).build(
+                child.prompt_ids if req.echo else (), r.prompt_logprobs, r.logprobs)
+        text = echo_text + r.text if req.echo else r.text
+        choices.append(CompletionChoice(index=r.index, text=text, logprobs=logprobs,
+                                        finish_reason=r.finish_reason))
+    return CompletionResponse(
+        id=request_id, created=now(), model=ctx.model_name, choices=choices,
+        usage=UsageInfo.of(usage_prompt, sum(r.num_output_tokens for r in results)),
+    )
+
+
+async def _stream(
+    ctx: ServingContext, req: CompletionRequest, request_id: str, children: list[ChildSpec],
+    echo_texts: list[str], usage_prompt: int, raw: Request,
+) -> AsyncIterator[str]:
+    created = now()
+
+    def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+        return sse(CompletionResponse(id=request_id, created=created, model=ctx.model_name,
+                                      choices=choices, usage=usage))
+
+    builders = [_LogprobsBuilder(ctx) for _ in children]
+    started = [False] * len(children)
+    completion_tokens = [0] * len(children)
+    deltas = stream_choices(ctx, children, req.stop_strings, req.skip_special_tokens, raw)
+    try:
+        async with aclosing(deltas):
+            async for delta in deltas:
+                raise_for_error(ctx, delta)
+                i = delta.index
+                completion_tokens[i] = delta.num_output_tokens
+                echo = req.echo and not started[i]
+                started[i] = True
+                text = echo_texts[i] + delta.text if echo else delta.text
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = builders[i].build(
+                        children[i].prompt_ids if echo else (), delta.prompt_logprobs,
+                        delta.logprobs or ())
+                if not (text or (logprobs and logprobs.tokens) or delta.finished):
+                    continue
+                yield chunk([CompletionChoice(index=i, text=text, logprobs=logprobs,
+                                              finish_reason=delta.finish_reason)])
+    except ClientDisconnected:
+        return
+    except RequestError as err:  # headers are sent: report in-band, then end
+        yield sse(err.body())
+        yield SSE_DONE
+        return
+    if req.include_usage:
+        yield chunk([], UsageInfo.of(usage_prompt, sum(completion_tokens)))
+    yield SSE_DONE

@@ -1,0 +1,115 @@
+"""Errors and failure paths over a live server: OpenAI-shaped 4xx/503, client
+disconnects (the engine requests must be aborted), engine rejection and death."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from .frontend_fakes import (
+    MAX_MODEL_LEN,
+    USER,
+    live_server,
+    post,
+    rejecting_script,
+    replying,
+    run,
+    slow_script,
+    sse_events,
+    wait_until,
+)
+
+
+@pytest.mark.parametrize(
+    "path,body,status,param",
+    [
+        ("/v1/chat/completions", "{not json", 400, None),
+        ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": USER, "temperature": 3}, 400, "temperature"),
+        ("/v1/chat/completions", {"messages": USER, "n": 0}, 400, "n"),
+        ("/v1/chat/completions", {"messages": [{"role": "bot", "content": "x"}]}, 400,
+         "messages[0].role"),
+        ("/v1/chat/completions", {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": USER, "model": "gpt-9"}, 404, "model"),
+        ("/v1/chat/completions", {"messages": USER, "max_tokens": MAX_MODEL_LEN}, 400,
+         "max_tokens"),
+        ("/v1/chat/completions", {"messages": USER, "stop_token_ids": [10**9]}, 400,
+         "stop_token_ids"),
+        ("/v1/chat/completions",
+         {"messages": [{"role": "user", "content": "word " * MAX_MODEL_LEN}]}, 400, "messages"),
+        ("/v1/completions", {"prompt": "hi", "suffix": "x"}, 400, "suffix"),
+        ("/v1/completions", {"prompt": [1, 10**9]}, 400, "prompt"),
+        ("/v1/completions", {"prompt": {"a": 1}}, 400, "prompt"),
+        ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+        ("/v1/completions", {"prompt": list(range(MAX_MODEL_LEN))}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
+        ("/v1/nothing", {}, 404, None),
+    ],
+)
+def test_bad_requests_get_openai_errors(tokenizer, path, body, status, param):
+    async def run_it():
+        async with live_server(tokenizer, replying(tokenizer)) as srv:
+            r = await post(srv.url, path, body)
+            assert r.status_code == status, r.text
+            err = r.json()["error"]
+            assert err["code"] == status and err["message"]
+            assert err["type"] == ("NotFoundError" if status == 404 else "BadRequestError")
+            assert err["param"] == param
+            assert srv.scheduler.requests == []
+
+    run(run_it)
+
+
+def test_streaming_client_disconnect_aborts(tokenizer):
+    async def body():
+        async with live_server(tokenizer, slow_script) as srv:
+            async with (
+                httpx.AsyncClient(base_url=srv.url) as client,
+                client.stream("POST", "/v1/chat/completions",
+                              json={"messages": USER, "stream": True, "n": 2}) as r,
+            ):
+                async for line in r.aiter_lines():
+                    if '"content":"' in line and '"content":""' not in line:
+                        break
+            rids = {q.rid for q in srv.scheduler.requests}
+            await wait_until(lambda: set(srv.scheduler.aborted) == rids)
+            await wait_until(lambda: srv.engine.num_in_flight == 0)
+            assert srv.scheduler.active == {}
+
+    run(body)
+
+
+def test_non_streaming_client_disconnect_aborts(tokenizer):
+    async def body():
+        async with live_server(tokenizer, slow_script) as srv:
+            client_task = asyncio.create_task(post(srv.url, "/v1/completions",
+                                                   {"prompt": "hi", "max_tokens": 90}))
+            await wait_until(lambda: len(srv.scheduler.active) == 1)
+            client_task.cancel()
+            rid = srv.scheduler.requests[0].rid
+            await wait_until(lambda: srv.scheduler.aborted == [rid])
+            await wait_until(lambda: srv.engine.num_in_flight == 0)
+
+    run(body)
+
+
+def test_engine_rejection_and_death(tokenizer):
+    async def body():
+        async with live_server(tokenizer, rejecting_script) as srv:
+            r = await post(srv.url, "/v1/chat/completions", {"messages": USER})
+            assert r.status_code == 400 and "too big" in r.json()["error"]["message"]
+            r = await post(srv.url, "/v1/chat/completions", {"messages": USER, "stream": True})
+            events = sse_events(r.text)
+            assert "too big" in events[-1]["error"]["message"]
+            await srv.scheduler.die("worker exited")
+            await wait_until(lambda: srv.engine.dead is not None)
+            async with httpx.AsyncClient(base_url=srv.url) as client:
+                assert (await client.get("/health")).status_code == 503
+            r = await post(srv.url, "/v1/completions", {"prompt": "hi"})
+            assert r.status_code == 503 and "worker exited" in r.json()["error"]["message"]
+
+    run(body)
+
+
