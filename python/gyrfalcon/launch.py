@@ -15,6 +15,7 @@ from multiprocessing.process import BaseProcess
 
 from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs
+from gyrfalcon.frontend.engine_client import EngineClient
 from gyrfalcon.ipc.sockets import IpcPaths
 from gyrfalcon.utils import configure_logging
 
@@ -36,14 +37,16 @@ def _stop_children(procs: list[BaseProcess]) -> None:
             p.join()
 
 
-async def _watchdog(procs: list[BaseProcess], server: object, state: dict[str, int]) -> None:
+async def _watchdog(
+    procs: list[BaseProcess], server: object, engine: EngineClient, state: dict[str, int]
+) -> None:
     while True:
         await asyncio.sleep(WATCHDOG_PERIOD_S)
         for p in procs:
             if not p.is_alive():
-                logger.error(
-                    "%s exited unexpectedly (exit code %s); shutting down", p.name, p.exitcode
-                )
+                msg = f"{p.name} exited unexpectedly (exit code {p.exitcode})"
+                logger.error("%s; shutting down", msg)
+                engine.mark_dead(msg)
                 state["code"] = 1
                 server.should_exit = True  # type: ignore[attr-defined]
                 return
@@ -53,7 +56,6 @@ def serve(args: ServerArgs) -> int:
     """Run the server until it is stopped; returns the process exit code."""
     from transformers import AutoTokenizer
 
-    from gyrfalcon.frontend.engine_client import EngineClient
     from gyrfalcon.frontend.server import create_app, make_uvicorn_server
     from gyrfalcon.loader.resolve import default_model_name, resolve_model
     from gyrfalcon.scheduler.process import run_scheduler
@@ -76,6 +78,10 @@ def serve(args: ServerArgs) -> int:
     for p in procs:
         p.start()
     state = {"code": 0}
+    # NOTE: uvicorn re-raises the signal that stopped it once it has shut down;
+    # a Python-level handler makes that a no-op so the cleanup below still runs
+    # and a requested shutdown exits 0.
+    signal.signal(signal.SIGTERM, lambda *_: logger.info("SIGTERM: shutting down"))
     try:
         engine = EngineClient(paths)
         app = create_app(engine, tokenizer, name)
@@ -83,7 +89,7 @@ def serve(args: ServerArgs) -> int:
 
         async def main() -> None:
             await engine.start()
-            watchdog = asyncio.create_task(_watchdog(procs, server, state))
+            watchdog = asyncio.create_task(_watchdog(procs, server, engine, state))
             try:
                 await server.serve()
             finally:

@@ -1,0 +1,84 @@
+"""Process lifecycle: health before ready, clean SIGTERM shutdown, a dying child."""
+
+import os
+import signal
+import time
+
+import httpx
+
+from gyrfalcon.frontend.engine_client import EngineClient
+from gyrfalcon.frontend.server import create_app
+from gyrfalcon.ipc.sockets import IpcPaths
+from server_util import start_server, stop_server
+
+
+def children_of(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(entry))
+    return kids
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_health_is_503_until_the_engine_is_ready(smollm2_dir):
+    from fastapi.testclient import TestClient
+    from transformers import AutoTokenizer
+
+    paths, _ = IpcPaths.create()
+    engine = EngineClient(paths)  # never started: no scheduler answers
+    app = create_app(engine, AutoTokenizer.from_pretrained(smollm2_dir), "m")
+    with TestClient(app) as tc:
+        r = tc.get("/health")
+        assert r.status_code == 503
+        r = tc.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 503 and r.json()["error"]["code"] == 503
+
+
+def test_sigterm_stops_every_process(smollm2_dir, tmp_path):
+    srv = start_server(smollm2_dir, str(tmp_path / "log"), "--num-kv-pages", "64")
+    kids = children_of(srv.proc.pid)
+    assert len(kids) >= 2, "expected scheduler and worker processes"
+    assert stop_server(srv) == 0, srv.log()
+    time.sleep(0.5)
+    assert not [k for k in kids if alive(k)], "child processes outlived the server"
+
+
+def test_dead_worker_makes_the_server_exit_nonzero(smollm2_dir, tmp_path):
+    srv = start_server(smollm2_dir, str(tmp_path / "log"), "--num-kv-pages", "64")
+    kids = children_of(srv.proc.pid)
+    # the worker is the child that holds the model: the larger resident set
+    def rss(pid):
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1])
+
+    worker = max((k for k in kids if alive(k)), key=rss)
+    os.kill(worker, signal.SIGKILL)
+    try:
+        code = srv.proc.wait(30)
+    finally:
+        stop_server(srv)
+    assert code != 0
+    log = srv.log()
+    assert "exited unexpectedly" in log, log[-3000:]
+    time.sleep(0.5)
+    assert not [k for k in kids if alive(k)]
+    try:
+        httpx.get(f"{srv.base_url}/health", timeout=2)
+        raise AssertionError("server still answers after a child died")
+    except httpx.HTTPError:
+        pass

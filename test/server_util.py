@@ -1,0 +1,80 @@
+"""Start and stop a live `gyrfalcon serve` for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+
+STARTUP_TIMEOUT_S = 240
+DRAIN_TIMEOUT_S = 30
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    base_url: str
+    log_path: str
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def info(self) -> dict:
+        return httpx.get(f"{self.base_url}/server_info", timeout=30).json()
+
+
+def start_server(model_dir: str, log_path: str, *extra: str) -> Server:
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "gyrfalcon.cli", "serve", model_dir, "--port", str(port),
+        "--dtype", "float32", "--device", "cpu", "--check-invariants", *extra,
+    ]
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = Server(proc, f"http://127.0.0.1:{port}", log_path)
+    deadline = time.time() + STARTUP_TIMEOUT_S
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    stop_server(server)
+    raise RuntimeError(f"server did not become healthy:\n{server.log()}")
+
+
+def stop_server(server: Server, timeout: float = 30) -> int:
+    if server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGTERM)
+        try:
+            server.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.proc.pid, signal.SIGKILL)
+            server.proc.wait()
+    return server.proc.returncode
+
+
+def wait_drained(server: Server) -> dict:
+    """Wait until nothing runs; return the final /server_info."""
+    deadline = time.time() + DRAIN_TIMEOUT_S
+    info = server.info()
+    while time.time() < deadline and (info["num_running"] or info["num_waiting"]):
+        time.sleep(0.2)
+        info = server.info()
+    return info
