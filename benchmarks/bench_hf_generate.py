@@ -47,11 +47,16 @@ def main() -> None:
         ids = torch.randint(1000, 30000, (bs, args.input_len), generator=gen)
         mask = torch.ones_like(ids)
         kw = dict(
-            attention_mask=mask, max_new_tokens=args.output_len, min_new_tokens=args.output_len,
-            do_sample=False, pad_token_id=0,
+            attention_mask=mask,
+            max_new_tokens=args.output_len,
+            min_new_tokens=args.output_len,
+            do_sample=False,
+            pad_token_id=0,
         )
-        model.generate(ids[:, :8], **{**kw, "attention_mask": mask[:, :8], "max_new_tokens": 2,
-                                      "min_new_tokens": 2})  # warm-up
+        model.generate(
+            ids[:, :8],
+            **{**kw, "attention_mask": mask[:, :8], "max_new_tokens": 2, "min_new_tokens": 2},
+        )  # warm-up
         t0 = time.perf_counter()
         out = model.generate(ids, **kw)
         dt = time.perf_counter() - t0

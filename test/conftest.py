@@ -7,21 +7,41 @@ import os
 import pytest
 import torch
 
-TINY_ARCHS = ("llama", "qwen2", "qwen3")
+TINY_ARCHS = ("llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3")
 
 
-def make_tiny_hf_model(path: str, arch: str = "llama", seed: int = 0, tie: bool = False):
+def make_tiny_hf_model(path: str, arch: str = "llama", seed: int = 0):
     """Save a tiny random HF causal LM (float32) into path; returns the HF model."""
     import transformers as tf
 
     common = dict(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        tie_word_embeddings=tie, eos_token_id=2, bos_token_id=1,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=arch == "llama-tied",
+        eos_token_id=2,
+        bos_token_id=1,
     )
-    if arch == "llama":
+    if arch in ("llama", "llama-tied"):
         cfg = tf.LlamaConfig(**common, rope_theta=10000.0)
         cls = tf.LlamaForCausalLM
+    elif arch == "llama3-rope":
+        scaling = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+        cfg = tf.LlamaConfig(**common, rope_theta=500000.0, rope_scaling=scaling)
+        cls = tf.LlamaForCausalLM
+    elif arch == "mistral":
+        cfg = tf.MistralConfig(**common, sliding_window=None)
+        cls = tf.MistralForCausalLM
     elif arch == "qwen2":
         cfg = tf.Qwen2Config(**common)
         cls = tf.Qwen2ForCausalLM

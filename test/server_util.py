@@ -39,8 +39,19 @@ class Server:
 def start_server(model_dir: str, log_path: str, *extra: str) -> Server:
     port = free_port()
     cmd = [
-        sys.executable, "-m", "gyrfalcon.cli", "serve", model_dir, "--port", str(port),
-        "--dtype", "float32", "--device", "cpu", "--check-invariants", *extra,
+        sys.executable,
+        "-m",
+        "gyrfalcon.cli",
+        "serve",
+        model_dir,
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--check-invariants",
+        *extra,
     ]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

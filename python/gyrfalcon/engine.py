@@ -53,9 +53,7 @@ class LocalEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    def generate(
-        self, prompts: Iterable[list[int]], sampling: SamplingParams
-    ) -> list[list[int]]:
+    def generate(self, prompts: Iterable[list[int]], sampling: SamplingParams) -> list[list[int]]:
         """Run prompts to completion; returns the output token ids of each."""
         prompts = list(prompts)
         for i, p in enumerate(prompts):

@@ -30,7 +30,9 @@ def test_streaming_equals_non_streaming_with_usage(client, model_name):
     )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
-    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finishes = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finishes == [full.choices[0].finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
@@ -48,17 +50,25 @@ def test_max_tokens_and_max_completion_tokens_give_length(client, model_name):
 
 def test_ignore_eos_runs_to_max_tokens(client, model_name):
     r = client.chat.completions.create(
-        model=model_name, messages=MSG, temperature=0, max_tokens=40, extra_body={"ignore_eos": True}
+        model=model_name,
+        messages=MSG,
+        temperature=0,
+        max_tokens=40,
+        extra_body={"ignore_eos": True},
     )
     assert r.usage.completion_tokens == 40 and r.choices[0].finish_reason == "length"
 
 
 def test_stop_strings_are_trimmed(client, model_name):
-    base = client.chat.completions.create(model=model_name, messages=MSG, temperature=0, max_tokens=30)
+    base = client.chat.completions.create(
+        model=model_name, messages=MSG, temperature=0, max_tokens=30
+    )
     text = base.choices[0].message.content
     assert "capital" in text
     for stream in (False, True):
-        kw = dict(model=model_name, messages=MSG, temperature=0, max_tokens=30, stop=["apital", "zzz"])
+        kw = dict(
+            model=model_name, messages=MSG, temperature=0, max_tokens=30, stop=["apital", "zzz"]
+        )
         if stream:
             chunks = list(client.chat.completions.create(**kw, stream=True))
             got = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -74,13 +84,18 @@ def test_stop_token_ids(client, model_name, smollm2_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    base = client.chat.completions.create(model=model_name, messages=MSG, temperature=0, max_tokens=12)
+    base = client.chat.completions.create(
+        model=model_name, messages=MSG, temperature=0, max_tokens=12
+    )
     ids = tok.encode(base.choices[0].message.content, add_special_tokens=False)
     assert tok.decode(ids) == base.choices[0].message.content and len(ids) >= 4
     stop_id = ids[3]
     assert stop_id not in ids[:3]
     r = client.chat.completions.create(
-        model=model_name, messages=MSG, temperature=0, max_tokens=12,
+        model=model_name,
+        messages=MSG,
+        temperature=0,
+        max_tokens=12,
         extra_body={"stop_token_ids": [stop_id]},
     )
     # the stop token counts as generated but is not rendered
@@ -106,7 +121,11 @@ def test_seed_reproducible_and_n(client, model_name):
 
 def test_chat_logprobs(client, model_name):
     r = client.chat.completions.create(
-        model=model_name, messages=MSG, temperature=0, max_tokens=8, logprobs=True,
+        model=model_name,
+        messages=MSG,
+        temperature=0,
+        max_tokens=8,
+        logprobs=True,
         top_logprobs=3,
     )
     content = r.choices[0].logprobs.content
@@ -125,8 +144,15 @@ def test_chat_logprobs(client, model_name):
 @pytest.mark.parametrize("stream", [False, True])
 def test_penalties_and_sampling_knobs_accepted(client, model_name, stream):
     r = client.chat.completions.create(
-        model=model_name, messages=MSG, temperature=0.7, top_p=0.9, max_tokens=10, seed=3,
-        presence_penalty=0.5, frequency_penalty=0.5, stream=stream,
+        model=model_name,
+        messages=MSG,
+        temperature=0.7,
+        top_p=0.9,
+        max_tokens=10,
+        seed=3,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        stream=stream,
         extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2},
     )
     if stream:

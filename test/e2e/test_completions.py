@@ -40,7 +40,9 @@ def test_echo_and_logprobs(client, model_name):
 def test_streaming_equals_non_streaming(client, model_name):
     kw = dict(model=model_name, prompt=PROMPT, temperature=0, max_tokens=24)
     full = client.completions.create(**kw)
-    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
 

@@ -6,18 +6,21 @@ import time
 import httpx
 
 
-
 def test_64_concurrent_streams(server, client, model_name):
     from openai import AsyncOpenAI
 
     async def run():
-        ac = AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0, timeout=600)
+        ac = AsyncOpenAI(
+            base_url=f"{server.base_url}/v1", api_key="none", max_retries=0, timeout=600
+        )
 
         async def one(i):
             stream = await ac.chat.completions.create(
                 model=model_name,
                 messages=[{"role": "user", "content": f"Count from {i} to {i + 5}."}],
-                temperature=0, max_tokens=16, stream=True,
+                temperature=0,
+                max_tokens=16,
+                stream=True,
                 stream_options={"include_usage": True},
             )
             text, usage = "", None
@@ -38,16 +41,21 @@ def test_64_concurrent_streams(server, client, model_name):
         assert text and usage is not None and 1 <= usage.completion_tokens <= 16
     # batched greedy == alone greedy
     alone = client.chat.completions.create(
-        model=model_name, messages=[{"role": "user", "content": "Count from 3 to 8."}],
-        temperature=0, max_tokens=16,
+        model=model_name,
+        messages=[{"role": "user", "content": "Count from 3 to 8."}],
+        temperature=0,
+        max_tokens=16,
     )
     assert results[3][0] == alone.choices[0].message.content
 
 
 def test_disconnect_mid_stream_aborts_and_frees_pages(server, client, model_name):
     body = {
-        "model": model_name, "prompt": "Once upon a time", "max_tokens": 2000,
-        "stream": True, "ignore_eos": True,
+        "model": model_name,
+        "prompt": "Once upon a time",
+        "max_tokens": 2000,
+        "stream": True,
+        "ignore_eos": True,
     }
     for _ in range(3):
         with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as r:
@@ -69,7 +77,12 @@ def test_disconnect_mid_stream_aborts_and_frees_pages(server, client, model_name
 
 
 def test_disconnect_non_streaming_aborts(server, client, model_name):
-    body = {"model": model_name, "prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True}
+    body = {
+        "model": model_name,
+        "prompt": "Once upon a time",
+        "max_tokens": 3000,
+        "ignore_eos": True,
+    }
     try:
         httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=1.5)
     except httpx.TimeoutException:

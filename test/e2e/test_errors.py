@@ -26,7 +26,9 @@ def assert_error_shape(body: dict, status: int):
 def test_invalid_parameters_are_400(client, model_name, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model_name, messages=MSG, **kw)
-    assert_error_shape(e.value.body if "error" in (e.value.body or {}) else {"error": e.value.body}, 400)
+    assert_error_shape(
+        e.value.body if "error" in (e.value.body or {}) else {"error": e.value.body}, 400
+    )
 
 
 def test_empty_messages_is_400(client, model_name):

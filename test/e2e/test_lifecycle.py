@@ -5,11 +5,11 @@ import signal
 import time
 
 import httpx
+from server_util import start_server, stop_server
 
 from gyrfalcon.frontend.engine_client import EngineClient
 from gyrfalcon.frontend.server import create_app
 from gyrfalcon.ipc.sockets import IpcPaths
-from server_util import start_server, stop_server
 
 
 def children_of(pid: int) -> list[int]:
@@ -45,7 +45,10 @@ def test_health_is_503_until_the_engine_is_ready(smollm2_dir):
     with TestClient(app) as tc:
         r = tc.get("/health")
         assert r.status_code == 503
-        r = tc.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
+        r = tc.post(
+            "/v1/chat/completions",
+            json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
+        )
         assert r.status_code == 503 and r.json()["error"]["code"] == 503
 
 
@@ -61,6 +64,7 @@ def test_sigterm_stops_every_process(smollm2_dir, tmp_path):
 def test_dead_worker_makes_the_server_exit_nonzero(smollm2_dir, tmp_path):
     srv = start_server(smollm2_dir, str(tmp_path / "log"), "--num-kv-pages", "64")
     kids = children_of(srv.proc.pid)
+
     # the worker is the child that holds the model: the larger resident set
     def rss(pid):
         with open(f"/proc/{pid}/statm") as f:

@@ -70,7 +70,7 @@ class SSEDecoder:
             return None
         name, _, value = line.partition(":")
         if name == "data":
-            self._data.append(value[1:] if value.startswith(" ") else value)
+            self._data.append(value.removeprefix(" "))
         return None
 
 

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -74,9 +75,7 @@ def sample_lengths(
     return [int(x) for x in rng.integers(low, high + 1, size=num)]
 
 
-def _token_pool(
-    tokenizer: TokenizerLike | None, token_range: tuple[int, int] | None
-) -> np.ndarray:
+def _token_pool(tokenizer: TokenizerLike | None, token_range: tuple[int, int] | None) -> np.ndarray:
     """The token ids random prompts are drawn from.
 
     An explicit ``token_range`` ``[low, high)`` wins; otherwise the whole
@@ -148,7 +147,9 @@ def _prompt_of(record: dict[str, Any], where: str) -> Prompt:
 
 
 def parse_jsonl_record(
-    record: Any, default_output_len: int, where: str = "record",
+    record: Any,
+    default_output_len: int,
+    where: str = "record",
     tokenizer: TokenizerLike | None = None,
 ) -> SampleRequest:
     """Turn one decoded jsonl line into a :class:`SampleRequest`."""

@@ -12,8 +12,9 @@ All times are recorded in seconds and reported in milliseconds. Definitions:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 

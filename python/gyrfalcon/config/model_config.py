@@ -69,9 +69,10 @@ class ModelConfig:
             rope_theta = rope_params.get("rope_theta", rope_theta)
             if rope_params.get("rope_type", "default") != "default":
                 rope_scaling = rope_params
-        if rope_scaling is not None and rope_scaling.get(
-            "rope_type", rope_scaling.get("type", "default")
-        ) == "default":
+        if (
+            rope_scaling is not None
+            and rope_scaling.get("rope_type", rope_scaling.get("type", "default")) == "default"
+        ):
             rope_scaling = None
         eos: list[int] = []
         for src in (generation or {}, hf):

@@ -32,12 +32,18 @@ class ServerArgs:
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer dir (default: model)"})
     dtype: DType = field(
         default="auto",
-        metadata={"help": "weight/activation dtype; auto = bfloat16 on CUDA, float32 on CPU",
-                  "choices": ["auto", "float32", "bfloat16", "float16"]},
+        metadata={
+            "help": "weight/activation dtype; auto = bfloat16 on CUDA, float32 on CPU",
+            "choices": ["auto", "float32", "bfloat16", "float16"],
+        },
     )
     device: str = field(default="auto", metadata={"help": "auto|cpu|cuda"})
     load_format: str = field(
-        default="auto", metadata={"help": "auto|safetensors|gguf|dummy", "choices": ["auto", "safetensors", "gguf", "dummy"]}
+        default="auto",
+        metadata={
+            "help": "auto|safetensors|gguf|dummy",
+            "choices": ["auto", "safetensors", "gguf", "dummy"],
+        },
     )
     attention_backend: str = field(
         default="auto", metadata={"help": "auto|torch_ref", "choices": ["auto", "torch_ref"]}
@@ -47,12 +53,15 @@ class ServerArgs:
         default=None, metadata={"help": "KV pages (overrides memory-based sizing)"}
     )
     kv_cache_memory: str | None = field(
-        default=None, metadata={"help": "KV cache size, e.g. 2GiB or 512MiB (overrides --mem-fraction)"}
+        default=None,
+        metadata={"help": "KV cache size, e.g. 2GiB or 512MiB (overrides --mem-fraction)"},
     )
     mem_fraction: float = field(
         default=0.85,
-        metadata={"help": "fraction of device memory for weights+KV (on CPU: of available RAM, "
-                  "capped by --max-cpu-kv-memory)"},
+        metadata={
+            "help": "fraction of device memory for weights+KV (on CPU: of available RAM, "
+            "capped by --max-cpu-kv-memory)"
+        },
     )
     max_cpu_kv_memory: str = field(
         default="1GiB", metadata={"help": "cap on automatic KV sizing when running on CPU"}
@@ -108,7 +117,10 @@ class ServerArgs:
                 continue
             typ = _parse_type(f.type)
             parser.add_argument(
-                flag, type=typ, default=f.default, help=f"{help_text} (default: {f.default})",
+                flag,
+                type=typ,
+                default=f.default,
+                help=f"{help_text} (default: {f.default})",
                 **meta,
             )
 
@@ -130,9 +142,18 @@ def _parse_type(annotation: Any) -> Any:
 def parse_size(text: str) -> int:
     """Parse '2GiB', '512MiB', '1.5GB', '4096' into bytes."""
     units = {
-        "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-        "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-        "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "b": 1,
+        "kib": 1 << 10,
+        "mib": 1 << 20,
+        "gib": 1 << 30,
+        "tib": 1 << 40,
+        "kb": 10**3,
+        "mb": 10**6,
+        "gb": 10**9,
+        "tb": 10**12,
+        "k": 1 << 10,
+        "m": 1 << 20,
+        "g": 1 << 30,
+        "b": 1,
     }
     s = text.strip().lower().replace(" ", "")
     for suffix in sorted(units, key=len, reverse=True):

@@ -90,7 +90,7 @@ class IncrementalDetokenizer:
         text = self._decode(self._window)
         forced = len(self._window) > HARD_MAX_WINDOW_TOKENS
         stable = len(text) if forced else _stable_len(text)
-        delta = text[self._emitted:stable]
+        delta = text[self._emitted : stable]
         self._emitted = max(self._emitted, stable)
         if (stable == len(text) and len(self._window) > MAX_WINDOW_TOKENS) or forced:
             self._window = self._window[-CONTEXT_TOKENS:]
@@ -100,7 +100,7 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """Return everything still held (end of sequence), even a partial character."""
         text = self._decode(self._window)
-        delta = text[self._emitted:]
+        delta = text[self._emitted :]
         self._emitted = len(text)
         return delta
 

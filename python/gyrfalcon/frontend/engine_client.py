@@ -69,7 +69,10 @@ class EngineClient:
         self._ctx = zmq.asyncio.Context()
         self._push = AsyncChannel(self._ctx, zmq.PUSH, self.paths.frontend_to_scheduler, bind=False)
         self._pull = AsyncChannel(
-            self._ctx, zmq.PULL, self.paths.scheduler_to_frontend, bind=False,
+            self._ctx,
+            zmq.PULL,
+            self.paths.scheduler_to_frontend,
+            bind=False,
             decode_type=SchedulerToFrontend,
         )
         self._reader = asyncio.create_task(self._read_loop(), name="engine-client-reader")
@@ -141,8 +144,9 @@ class EngineClient:
         self.dead = message
         logger.error("engine is dead: %s", message)
         for rid, queue in self._queues.items():
-            queue.put_nowait(RequestOutput(rid=rid, token_ids=[], finish_reason=FINISH_ERROR,
-                                           error=message))
+            queue.put_nowait(
+                RequestOutput(rid=rid, token_ids=[], finish_reason=FINISH_ERROR, error=message)
+            )
         for fut in self._stats_waiters.values():
             if not fut.done():
                 fut.set_exception(EngineDeadError(message))

@@ -124,8 +124,10 @@ class ChatMessage(_Request):
             for part in content:
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind != "text":
-                    raise ParamError("messages", f"content part type {kind!r} is not supported; "
-                                     "only 'text' parts are")
+                    raise ParamError(
+                        "messages",
+                        f"content part type {kind!r} is not supported; only 'text' parts are",
+                    )
         return data
 
     @model_validator(mode="after")
@@ -168,8 +170,11 @@ class ChatCompletionRequest(SamplingRequest):
     @property
     def requested_max_tokens(self) -> int | None:
         """`max_completion_tokens` (the current name) wins over `max_tokens`."""
-        return self.max_completion_tokens if self.max_completion_tokens is not None \
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
             else self.max_tokens
+        )
 
 
 # ---------------------------------------------------------------- completions

@@ -107,7 +107,9 @@ class SequenceDecoder:
         """A final error delta for a failure outside the engine's outputs."""
         self._finished = True
         return ChoiceDelta(
-            index=self.index, finish_reason=FINISH_ERROR, error=message,
+            index=self.index,
+            finish_reason=FINISH_ERROR,
+            error=message,
             num_prompt_tokens=self._num_prompt_tokens,
             num_output_tokens=self._detok.num_tokens,
         )

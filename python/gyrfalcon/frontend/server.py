@@ -45,8 +45,11 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def json_response(payload: BaseModel | dict[str, Any], status: int = HTTPStatus.OK) -> Response:
-    body = (payload.model_dump_json() if isinstance(payload, BaseModel)
-            else msgspec.json.encode(payload))
+    body = (
+        payload.model_dump_json()
+        if isinstance(payload, BaseModel)
+        else msgspec.json.encode(payload)
+    )
     return Response(content=body, status_code=int(status), media_type="application/json")
 
 
@@ -171,11 +174,13 @@ def create_app(
         try:
             reply = await engine.stats(timeout=STATS_TIMEOUT_S)
         except (TimeoutError, EngineDeadError) as exc:
-            return error_response(HTTPStatus.SERVICE_UNAVAILABLE,
-                                  f"engine stats unavailable: {exc!r}")
+            return error_response(
+                HTTPStatus.SERVICE_UNAVAILABLE, f"engine stats unavailable: {exc!r}"
+            )
         info = msgspec.structs.asdict(reply)
-        info.update(model=model_name, max_model_len=ctx.max_model_len,
-                    num_in_flight=engine.num_in_flight)
+        info.update(
+            model=model_name, max_model_len=ctx.max_model_len, num_in_flight=engine.num_in_flight
+        )
         return json_response(info)
 
     return app
@@ -183,8 +188,9 @@ def create_app(
 
 def make_uvicorn_server(app: FastAPI, host: str, port: int, log_level: str) -> uvicorn.Server:
     """A uvicorn server for `app`; the launcher awaits `server.serve()` in its loop."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
-                            access_log=False)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level.lower(), access_log=False
+    )
     return uvicorn.Server(config)
 
 

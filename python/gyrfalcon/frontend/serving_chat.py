@@ -53,15 +53,15 @@ def render_chat_prompt(
     NOTE: the template already writes any BOS/special tokens, so encoding adds none.
     """
     if not getattr(tokenizer, "chat_template", None):
-        raise RequestError("this model has no chat template; use /v1/completions",
-                           param="messages")
+        raise RequestError("this model has no chat template; use /v1/completions", param="messages")
     try:
         text = tokenizer.apply_chat_template(
             [m.to_template() for m in messages], add_generation_prompt=True, tokenize=False
         )
     except Exception as exc:  # templates reject bad conversations by raising
-        raise RequestError(f"the chat template rejected the messages: {exc}",
-                           param="messages") from exc
+        raise RequestError(
+            f"the chat template rejected the messages: {exc}", param="messages"
+        ) from exc
     ids = tokenizer.encode(text, add_special_tokens=False)
     if not ids:
         raise RequestError("the rendered prompt is empty", param="messages")
@@ -85,8 +85,12 @@ async def create_chat_completion(
     base = to_sampling_params(req, max_tokens)
     request_id = new_id(ID_PREFIX)
     children = [
-        ChildSpec(i, f"{request_id}-{i}", prompt_ids,
-                  msgspec.structs.replace(base, seed=child_seed(base.seed, i)))
+        ChildSpec(
+            i,
+            f"{request_id}-{i}",
+            prompt_ids,
+            msgspec.structs.replace(base, seed=child_seed(base.seed, i)),
+        )
         for i in range(req.n)
     ]
     if req.stream:
@@ -98,24 +102,32 @@ def chat_logprobs(ctx: ServingContext, positions: Sequence[PositionLogprobs]) ->
     """OpenAI's chat shape: one entry per token, each with its top alternatives."""
     texts = ctx.token_texts
 
-    return ChatChoiceLogprobs(content=[
-        ChatTokenLogprob(
-            token=texts.text_of(p.token_id),
-            logprob=finite_logprob(p.logprob),
-            bytes=list(texts.bytes_of(p.token_id)),
-            top_logprobs=[
-                ChatTopLogprob(token=texts.text_of(t.token_id), logprob=finite_logprob(t.logprob),
-                               bytes=list(texts.bytes_of(t.token_id)))
-                for t in p.top
-            ],
-        )
-        for p in positions
-    ])
+    return ChatChoiceLogprobs(
+        content=[
+            ChatTokenLogprob(
+                token=texts.text_of(p.token_id),
+                logprob=finite_logprob(p.logprob),
+                bytes=list(texts.bytes_of(p.token_id)),
+                top_logprobs=[
+                    ChatTopLogprob(
+                        token=texts.text_of(t.token_id),
+                        logprob=finite_logprob(t.logprob),
+                        bytes=list(texts.bytes_of(t.token_id)),
+                    )
+                    for t in p.top
+                ],
+            )
+            for p in positions
+        ]
+    )
 
 
 async def _collect(
-    ctx: ServingContext, req: ChatCompletionRequest, request_id: str,
-    children: list[ChildSpec], raw: Request,
+    ctx: ServingContext,
+    req: ChatCompletionRequest,
+    request_id: str,
+    children: list[ChildSpec],
+    raw: Request,
 ) -> ChatCompletionResponse:
     results = [ChoiceResult(c.index) for c in children]
     deltas = stream_choices(ctx, children, req.stop_strings, req.skip_special_tokens, raw)
@@ -133,25 +145,38 @@ async def _collect(
         for r in results
     ]
     return ChatCompletionResponse(
-        id=request_id, created=now(), model=ctx.model_name, choices=choices,
-        usage=UsageInfo.of(len(children[0].prompt_ids),
-                           sum(r.num_output_tokens for r in results)),
+        id=request_id,
+        created=now(),
+        model=ctx.model_name,
+        choices=choices,
+        usage=UsageInfo.of(len(children[0].prompt_ids), sum(r.num_output_tokens for r in results)),
     )
 
 
 async def _stream(
-    ctx: ServingContext, req: ChatCompletionRequest, request_id: str,
-    children: list[ChildSpec], raw: Request,
+    ctx: ServingContext,
+    req: ChatCompletionRequest,
+    request_id: str,
+    children: list[ChildSpec],
+    raw: Request,
 ) -> AsyncIterator[str]:
     created = now()
 
     def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
-        return sse(ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name,
-                                       choices=choices, usage=usage))
+        return sse(
+            ChatCompletionChunk(
+                id=request_id, created=created, model=ctx.model_name, choices=choices, usage=usage
+            )
+        )
 
     for c in children:
-        yield chunk([ChatCompletionStreamChoice(index=c.index,
-                                                delta=ChatDelta(role="assistant", content=""))])
+        yield chunk(
+            [
+                ChatCompletionStreamChoice(
+                    index=c.index, delta=ChatDelta(role="assistant", content="")
+                )
+            ]
+        )
     completion_tokens = [0] * len(children)
     deltas = stream_choices(ctx, children, req.stop_strings, req.skip_special_tokens, raw)
     try:
@@ -162,12 +187,16 @@ async def _stream(
                 if not (delta.text or delta.logprobs or delta.finished):
                     continue
                 logprobs = chat_logprobs(ctx, delta.logprobs or []) if req.logprobs else None
-                yield chunk([ChatCompletionStreamChoice(
-                    index=delta.index,
-                    delta=ChatDelta(content=delta.text) if delta.text else ChatDelta(),
-                    logprobs=logprobs,
-                    finish_reason=delta.finish_reason,
-                )])
+                yield chunk(
+                    [
+                        ChatCompletionStreamChoice(
+                            index=delta.index,
+                            delta=ChatDelta(content=delta.text) if delta.text else ChatDelta(),
+                            logprobs=logprobs,
+                            finish_reason=delta.finish_reason,
+                        )
+                    ]
+                )
     except ClientDisconnected:
         return
     except RequestError as err:  # headers are sent: report in-band, then end

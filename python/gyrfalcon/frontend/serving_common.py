@@ -105,21 +105,25 @@ class ServingContext:
         if model is not None and model != self.model_name:
             raise RequestError(
                 f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
-                HTTPStatus.NOT_FOUND, param="model",
+                HTTPStatus.NOT_FOUND,
+                param="model",
             )
 
     def check_engine(self) -> None:
         """503 while the engine is loading or after it died."""
         if self.engine.dead is not None:
-            raise RequestError(f"engine is dead: {self.engine.dead}", HTTPStatus.SERVICE_UNAVAILABLE)
+            raise RequestError(
+                f"engine is dead: {self.engine.dead}", HTTPStatus.SERVICE_UNAVAILABLE
+            )
         if not self.engine.ready.is_set():
             raise RequestError("engine is not ready yet", HTTPStatus.SERVICE_UNAVAILABLE)
 
     def check_token_ids(self, ids: Sequence[int], param: str) -> None:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise RequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})",
-                               param=param)
+            raise RequestError(
+                f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param=param
+            )
 
     def resolve_max_tokens(
         self, prompt_len: int, requested: int | None, default: int | None, prompt_param: str
@@ -129,13 +133,17 @@ class ServingContext:
         if prompt_len >= self.max_model_len:
             raise RequestError(
                 f"the prompt has {prompt_len} tokens; this model's context length is "
-                f"{self.max_model_len}, so no room is left for output", param=prompt_param)
+                f"{self.max_model_len}, so no room is left for output",
+                param=prompt_param,
+            )
         room = self.max_model_len - prompt_len
         if requested is not None:
             if requested > room:
                 raise RequestError(
                     f"max_tokens={requested} plus the prompt's {prompt_len} tokens exceeds the "
-                    f"context length {self.max_model_len}", param="max_tokens")
+                    f"context length {self.max_model_len}",
+                    param="max_tokens",
+                )
             return requested
         return room if default is None else min(default, room)
 
@@ -217,7 +225,8 @@ async def stream_choices(
     ]
     watcher = (
         asyncio.create_task(_watch_disconnect(request, tasks, queue))
-        if request is not None else None
+        if request is not None
+        else None
     )
     remaining = len(tasks)
     try:
@@ -244,8 +253,9 @@ async def _run_child(
     skip_special_tokens: bool,
     queue: asyncio.Queue[ChoiceDelta | None],
 ) -> None:
-    decoder = SequenceDecoder(ctx.tokenizer, child.index, child.prompt_ids, stop,
-                              skip_special_tokens)
+    decoder = SequenceDecoder(
+        ctx.tokenizer, child.index, child.prompt_ids, stop, skip_special_tokens
+    )
     try:
         outputs = ctx.engine.generate(child.rid, child.prompt_ids, child.sampling)
         async with aclosing(outputs):

@@ -83,10 +83,14 @@ async def create_completion(
         base = to_sampling_params(req, max_tokens)
         for i in range(req.n):
             index = p_index * req.n + i
-            children.append(ChildSpec(
-                index, f"{request_id}-{index}", prompt.ids,
-                msgspec.structs.replace(base, seed=child_seed(base.seed, i)),
-            ))
+            children.append(
+                ChildSpec(
+                    index,
+                    f"{request_id}-{index}",
+                    prompt.ids,
+                    msgspec.structs.replace(base, seed=child_seed(base.seed, i)),
+                )
+            )
     texts = [prompts[c.index // req.n].text for c in children]
     usage_prompt = sum(len(p.ids) for p in prompts)  # each prompt counted once, whatever n
     if req.stream:
@@ -109,8 +113,11 @@ class _LogprobsBuilder:
     ) -> CompletionLogprobs:
         out = CompletionLogprobs()
         for j, token_id in enumerate(prompt_ids):
-            entry = prompt_logprobs[j] if prompt_logprobs is not None and j < len(
-                prompt_logprobs) else None
+            entry = (
+                prompt_logprobs[j]
+                if prompt_logprobs is not None and j < len(prompt_logprobs)
+                else None
+            )
             self._add(out, token_id, entry)
         for p in positions:
             self._add(out, p.token_id, p)
@@ -132,8 +139,13 @@ class _LogprobsBuilder:
 
 
 async def _collect(
-    ctx: ServingContext, req: CompletionRequest, request_id: str, children: list[ChildSpec],
-    echo_texts: list[str], usage_prompt: int, raw: Request,
+    ctx: ServingContext,
+    req: CompletionRequest,
+    request_id: str,
+    children: list[ChildSpec],
+    echo_texts: list[str],
+    usage_prompt: int,
+    raw: Request,
 ) -> CompletionResponse:
     results = [ChoiceResult(c.index) for c in children]
     deltas = stream_choices(ctx, children, req.stop_strings, req.skip_special_tokens, raw)
@@ -146,25 +158,40 @@ async def _collect(
         logprobs = None
         if req.logprobs is not None:
             logprobs = _LogprobsBuilder(ctx).build(
-                child.prompt_ids if req.echo else (), r.prompt_logprobs, r.logprobs)
+                child.prompt_ids if req.echo else (), r.prompt_logprobs, r.logprobs
+            )
         text = echo_text + r.text if req.echo else r.text
-        choices.append(CompletionChoice(index=r.index, text=text, logprobs=logprobs,
-                                        finish_reason=r.finish_reason))
+        choices.append(
+            CompletionChoice(
+                index=r.index, text=text, logprobs=logprobs, finish_reason=r.finish_reason
+            )
+        )
     return CompletionResponse(
-        id=request_id, created=now(), model=ctx.model_name, choices=choices,
+        id=request_id,
+        created=now(),
+        model=ctx.model_name,
+        choices=choices,
         usage=UsageInfo.of(usage_prompt, sum(r.num_output_tokens for r in results)),
     )
 
 
 async def _stream(
-    ctx: ServingContext, req: CompletionRequest, request_id: str, children: list[ChildSpec],
-    echo_texts: list[str], usage_prompt: int, raw: Request,
+    ctx: ServingContext,
+    req: CompletionRequest,
+    request_id: str,
+    children: list[ChildSpec],
+    echo_texts: list[str],
+    usage_prompt: int,
+    raw: Request,
 ) -> AsyncIterator[str]:
     created = now()
 
     def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
-        return sse(CompletionResponse(id=request_id, created=created, model=ctx.model_name,
-                                      choices=choices, usage=usage))
+        return sse(
+            CompletionResponse(
+                id=request_id, created=created, model=ctx.model_name, choices=choices, usage=usage
+            )
+        )
 
     builders = [_LogprobsBuilder(ctx) for _ in children]
     started = [False] * len(children)
@@ -182,12 +209,19 @@ async def _stream(
                 logprobs = None
                 if req.logprobs is not None:
                     logprobs = builders[i].build(
-                        children[i].prompt_ids if echo else (), delta.prompt_logprobs,
-                        delta.logprobs or ())
+                        children[i].prompt_ids if echo else (),
+                        delta.prompt_logprobs,
+                        delta.logprobs or (),
+                    )
                 if not (text or (logprobs and logprobs.tokens) or delta.finished):
                     continue
-                yield chunk([CompletionChoice(index=i, text=text, logprobs=logprobs,
-                                              finish_reason=delta.finish_reason)])
+                yield chunk(
+                    [
+                        CompletionChoice(
+                            index=i, text=text, logprobs=logprobs, finish_reason=delta.finish_reason
+                        )
+                    ]
+                )
     except ClientDisconnected:
         return
     except RequestError as err:  # headers are sent: report in-band, then end

@@ -58,7 +58,7 @@ class StopStringMatcher:
             self._matched = True
             return buf[:cut], True
         hold = self._holdback_len(buf)
-        self._held = buf[len(buf) - hold:]
+        self._held = buf[len(buf) - hold :]
         return buf[: len(buf) - hold], False
 
     def flush(self) -> str:

@@ -36,7 +36,9 @@ class IpcPaths:
 class Channel:
     """A typed, blocking PUSH or PULL socket (scheduler and worker side)."""
 
-    def __init__(self, ctx: zmq.Context, kind: int, endpoint: str, bind: bool, decode_type: Any = None):
+    def __init__(
+        self, ctx: zmq.Context, kind: int, endpoint: str, bind: bool, decode_type: Any = None
+    ):
         self.sock = ctx.socket(kind)
         self.sock.setsockopt(zmq.LINGER, 0)
         (self.sock.bind if bind else self.sock.connect)(endpoint)
@@ -59,7 +61,14 @@ class Channel:
 class AsyncChannel:
     """A typed asyncio PUSH or PULL socket (frontend side)."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, kind: int, endpoint: str, bind: bool, decode_type: Any = None):
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        kind: int,
+        endpoint: str,
+        bind: bool,
+        decode_type: Any = None,
+    ):
         self.sock = ctx.socket(kind)
         self.sock.setsockopt(zmq.LINGER, 0)
         (self.sock.bind if bind else self.sock.connect)(endpoint)

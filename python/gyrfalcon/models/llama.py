@@ -39,7 +39,9 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
         # x: [T, hidden]
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -74,7 +76,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
         # NOTE: same residual order as the HF reference, so float32 results match exactly.
         h = h + self.self_attn(positions, self.input_layernorm(h), batch)
         return h + self.mlp(self.post_attention_layernorm(h))

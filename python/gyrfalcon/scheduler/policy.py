@@ -54,7 +54,9 @@ def max_tokens_fitting(req: Request, free_pages: int, page_size: int) -> int:
     return (len(req.pages) + free_pages) * page_size - req.num_computed
 
 
-def preempt(req: Request, alloc: PageAllocator, running: list[Request], waiting: deque[Request]) -> None:
+def preempt(
+    req: Request, alloc: PageAllocator, running: list[Request], waiting: deque[Request]
+) -> None:
     alloc.free(req.pages)
     req.pages = []
     req.num_computed = 0

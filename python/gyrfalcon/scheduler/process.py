@@ -44,10 +44,14 @@ class SchedulerLoop:
         self.args, self.model_cfg = args, model_cfg
         self.ppid = os.getppid()
         ctx = zmq.Context()
-        self.from_frontend = Channel(ctx, zmq.PULL, paths.frontend_to_scheduler, True, FrontendToScheduler)
+        self.from_frontend = Channel(
+            ctx, zmq.PULL, paths.frontend_to_scheduler, True, FrontendToScheduler
+        )
         self.to_frontend = Channel(ctx, zmq.PUSH, paths.scheduler_to_frontend, True)
         self.to_worker = Channel(ctx, zmq.PUSH, paths.scheduler_to_worker, True)
-        self.from_worker = Channel(ctx, zmq.PULL, paths.worker_to_scheduler, True, WorkerToScheduler)
+        self.from_worker = Channel(
+            ctx, zmq.PULL, paths.worker_to_scheduler, True, WorkerToScheduler
+        )
         self.sched: Scheduler | None = None
 
     def _recv_worker(self) -> WorkerReady | StepResult:
@@ -80,7 +84,9 @@ class SchedulerLoop:
         self.to_frontend.send(EngineReady(ready.max_model_len, ready.num_kv_pages, a.page_size))
         logger.info(
             "engine ready: %d KV pages of %d tokens, context %d",
-            ready.num_kv_pages, a.page_size, ready.max_model_len,
+            ready.num_kv_pages,
+            a.page_size,
+            ready.max_model_len,
         )
 
     def _handle(self, msg: object) -> None:

@@ -1,8 +1,8 @@
 """Scheduler-side request state and the one token-accounting rule.
 
-  tokens      = prompt_ids + output_ids
-  num_computed = tokens whose KV is written and valid
-  a request is in decode when num_computed == len(tokens) - 1
+tokens      = prompt_ids + output_ids
+num_computed = tokens whose KV is written and valid
+a request is in decode when num_computed == len(tokens) - 1
 """
 
 from __future__ import annotations

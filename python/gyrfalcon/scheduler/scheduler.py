@@ -110,9 +110,9 @@ class Scheduler:
                     reset=s.reset,
                 )
             )
-        batches = [RankBatch(forward_mode(decision), rows)] if rows else [
-            RankBatch(ForwardMode.IDLE, [])
-        ]
+        batches = (
+            [RankBatch(forward_mode(decision), rows)] if rows else [RankBatch(ForwardMode.IDLE, [])]
+        )
         plan = StepPlan(next(self._steps), new_requests, self._finished_for_worker, batches)
         self._finished_for_worker = []
         self._decision = decision
@@ -195,8 +195,10 @@ class Scheduler:
         if req.sampling.logprobs is not None:
             logprobs, req.pending_logprobs = req.pending_logprobs, []
         prompt_lp = None
-        if req.sampling.prompt_logprobs is not None and not req.prompt_logprobs_sent and (
-            req.output_ids or req.finish_reason
+        if (
+            req.sampling.prompt_logprobs is not None
+            and not req.prompt_logprobs_sent
+            and (req.output_ids or req.finish_reason)
         ):
             prompt_lp = req.prompt_logprobs or [None]
             req.prompt_logprobs_sent = True

@@ -76,7 +76,12 @@ class ModelRunner:
         """Allocate the paged KV cache (after weights, so sizing sees their memory)."""
         c = self.cfg
         self.kv_cache = KVCache(
-            c.num_layers, num_pages, self.page_size, c.num_kv_heads, c.head_dim, self.dtype,
+            c.num_layers,
+            num_pages,
+            self.page_size,
+            c.num_kv_heads,
+            c.head_dim,
+            self.dtype,
             self.device,
         )
 

@@ -34,15 +34,23 @@ def build_runner(
         torch.cuda.set_device(device)
     dtype = DTYPES[args.dtype]
     runner = ModelRunner(
-        cfg, model_dir, dtype, device, args.page_size, args.attention_backend,
-        args.load_format, args.seed,
+        cfg,
+        model_dir,
+        dtype,
+        device,
+        args.page_size,
+        args.attention_backend,
+        args.load_format,
+        args.seed,
     )
     pages = num_kv_pages(args, cfg, dtype, device)
     runner.init_kv_cache(pages)
     return runner, max_model_len(args, cfg, pages)
 
 
-def run_worker(args: ServerArgs, paths: IpcPaths, model_dir: str, cfg: ModelConfig, rank: int) -> None:
+def run_worker(
+    args: ServerArgs, paths: IpcPaths, model_dir: str, cfg: ModelConfig, rank: int
+) -> None:
     """Entry point of a worker process."""
     setup_child(f"worker{rank}", args.log_level)
     ppid = os.getppid()

@@ -72,8 +72,7 @@ class FakeServer:
         await event({"choices": [choice("", "length")]})
         if self.send_usage:
             plen = len(prompt) if isinstance(prompt, list) else len(prompt.split())
-            await event({"choices": [], "usage": {"prompt_tokens": plen,
-                                                   "completion_tokens": n}})
+            await event({"choices": [], "usage": {"prompt_tokens": plen, "completion_tokens": n}})
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -87,7 +86,7 @@ class FakeServer:
         await self._runner.setup()
         await web.SockSite(self._runner, sock).start()
 
-    def __enter__(self) -> "FakeServer":
+    def __enter__(self) -> FakeServer:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))  # the OS picks a free port
         self.port = sock.getsockname()[1]
@@ -111,7 +110,7 @@ def server() -> Iterator[FakeServer]:
 
 def test_sse_decoder_handles_splits_crlf_comments_and_multiline() -> None:
     dec = SSEDecoder()
-    assert dec.feed(b"data: {\"a\"") == []
+    assert dec.feed(b'data: {"a"') == []
     assert dec.feed(b": 1}\r\n\r\n: ping\n\nevent: x\ndata: one\ndata:two\n") == ['{"a": 1}']
     assert dec.feed(b"\ndata: [DONE]") == ["one\ntwo"]
     assert dec.flush() == ["[DONE]"]
@@ -121,9 +120,15 @@ def test_sse_decoder_handles_splits_crlf_comments_and_multiline() -> None:
 def test_build_payload_shapes() -> None:
     ids = SampleRequest(prompt=[1, 2, 3], prompt_len=3, output_len=9)
     p = build_payload("completions", "m", ids, ignore_eos=True, extra_body={"temperature": 0})
-    assert p == {"model": "m", "prompt": [1, 2, 3], "max_tokens": 9, "stream": True,
-                 "stream_options": {"include_usage": True}, "ignore_eos": True,
-                 "temperature": 0}
+    assert p == {
+        "model": "m",
+        "prompt": [1, 2, 3],
+        "max_tokens": 9,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "temperature": 0,
+    }
     text = SampleRequest(prompt="hi", prompt_len=None, output_len=2)
     chat = build_payload("chat", "m", text)
     assert chat["messages"] == [{"role": "user", "content": "hi"}] and "ignore_eos" not in chat
@@ -133,11 +138,26 @@ def test_build_payload_shapes() -> None:
 
 def test_end_to_end_completions_random_ids(server: FakeServer, tmp_path: Path) -> None:
     out = tmp_path / "result.json"
-    rc = main([
-        "--port", str(server.port), "--num-prompts", "4", "--random-input-len", "8",
-        "--random-output-len", "4", "--max-concurrency", "2", "--ignore-eos",
-        "--disable-tqdm", "--output-json", str(out), "--seed", "3",
-    ])
+    rc = main(
+        [
+            "--port",
+            str(server.port),
+            "--num-prompts",
+            "4",
+            "--random-input-len",
+            "8",
+            "--random-output-len",
+            "4",
+            "--max-concurrency",
+            "2",
+            "--ignore-eos",
+            "--disable-tqdm",
+            "--output-json",
+            str(out),
+            "--seed",
+            "3",
+        ]
+    )
     assert rc == 0
     assert len(server.requests) == 5  # one warmup + four timed
     for body in server.requests:
@@ -165,19 +185,44 @@ def test_end_to_end_completions_random_ids(server: FakeServer, tmp_path: Path) -
 
 def test_end_to_end_chat_jsonl_without_usage_and_a_failure(tmp_path: Path) -> None:
     data = tmp_path / "q.jsonl"
-    data.write_text("\n".join(json.dumps(r) for r in [
-        {"turns": ["one two three", "follow-up"]},
-        {"prompt": "fail"},
-        {"prompt": "a b", "max_tokens": 2},
-    ]) + "\n")
+    data.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"turns": ["one two three", "follow-up"]},
+                {"prompt": "fail"},
+                {"prompt": "a b", "max_tokens": 2},
+            ]
+        )
+        + "\n"
+    )
     out = tmp_path / "chat.json"
     with FakeServer(send_usage=False) as srv:
-        rc = main([
-            "--base-url", f"http://127.0.0.1:{srv.port}/", "--endpoint", "chat",
-            "--model", "given", "--dataset", "jsonl", "--dataset-path", str(data),
-            "--jsonl-output-len", "3", "--warmup-requests", "0", "--request-rate", "50",
-            "--disable-tqdm", "--output-json", str(out), "--percentiles", "90,99",
-        ])
+        rc = main(
+            [
+                "--base-url",
+                f"http://127.0.0.1:{srv.port}/",
+                "--endpoint",
+                "chat",
+                "--model",
+                "given",
+                "--dataset",
+                "jsonl",
+                "--dataset-path",
+                str(data),
+                "--jsonl-output-len",
+                "3",
+                "--warmup-requests",
+                "0",
+                "--request-rate",
+                "50",
+                "--disable-tqdm",
+                "--output-json",
+                str(out),
+                "--percentiles",
+                "90,99",
+            ]
+        )
     assert rc == 0
     assert [b["model"] for b in srv.requests] == ["given"] * 3
     report = json.loads(out.read_text())

@@ -10,7 +10,11 @@ import numpy as np
 import pytest
 
 from gyrfalcon.bench.datasets import (
-    arrival_offsets, length_bounds, load_jsonl_requests, poisson_gaps, sample_random_requests,
+    arrival_offsets,
+    length_bounds,
+    load_jsonl_requests,
+    poisson_gaps,
+    sample_random_requests,
 )
 
 
@@ -41,8 +45,9 @@ def test_length_bounds_convention() -> None:
 
 
 def test_random_lengths_in_range_and_deterministic() -> None:
-    kw = dict(num_prompts=200, input_len=64, output_len=16, range_ratio=0.25,
-              token_range=(1000, 30000))
+    kw = dict(
+        num_prompts=200, input_len=64, output_len=16, range_ratio=0.25, token_range=(1000, 30000)
+    )
     a = sample_random_requests(seed=7, **kw)
     b = sample_random_requests(seed=7, **kw)
     c = sample_random_requests(seed=8, **kw)
@@ -78,17 +83,27 @@ def _write_jsonl(path: Path, records: list[object]) -> Path:
 
 
 def test_jsonl_prompt_and_turns_forms(tmp_path: Path) -> None:
-    path = _write_jsonl(tmp_path / "q.jsonl", [
-        {"prompt": "hello there", "output_len": 7},
-        "",
-        {"question_id": 81, "category": "writing",
-         "turns": ["Compose a travel blog post.", "Rewrite it."]},
-        {"turns": [{"role": "user", "content": "hi from chat"}], "max_tokens": 3},
-        {"prompt": [1, 2, 3]},
-    ])
+    path = _write_jsonl(
+        tmp_path / "q.jsonl",
+        [
+            {"prompt": "hello there", "output_len": 7},
+            "",
+            {
+                "question_id": 81,
+                "category": "writing",
+                "turns": ["Compose a travel blog post.", "Rewrite it."],
+            },
+            {"turns": [{"role": "user", "content": "hi from chat"}], "max_tokens": 3},
+            {"prompt": [1, 2, 3]},
+        ],
+    )
     reqs = load_jsonl_requests(path, default_output_len=50)
     assert [r.prompt for r in reqs] == [
-        "hello there", "Compose a travel blog post.", "hi from chat", [1, 2, 3]]
+        "hello there",
+        "Compose a travel blog post.",
+        "hi from chat",
+        [1, 2, 3],
+    ]
     assert [r.output_len for r in reqs] == [7, 50, 3, 50]
     assert [r.prompt_len for r in reqs] == [None, None, None, 3]
     assert len(load_jsonl_requests(path, 50, num_prompts=2)) == 2
@@ -100,10 +115,16 @@ def test_jsonl_counts_prompt_tokens_with_tokenizer(tmp_path: Path) -> None:
     assert req.prompt_len == 3
 
 
-@pytest.mark.parametrize("bad", [
-    "{not json", {"text": "no prompt"}, {"turns": []}, {"prompt": "x", "output_len": 0},
-    {"prompt": 5},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "{not json",
+        {"text": "no prompt"},
+        {"turns": []},
+        {"prompt": "x", "output_len": 0},
+        {"prompt": 5},
+    ],
+)
 def test_jsonl_bad_lines_name_the_line(tmp_path: Path, bad: object) -> None:
     path = _write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "ok"}, bad])
     with pytest.raises(ValueError, match=r"bad\.jsonl:2"):

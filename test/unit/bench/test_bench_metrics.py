@@ -5,19 +5,37 @@ from __future__ import annotations
 import pytest
 
 from gyrfalcon.bench.metrics import (
-    RequestResult, format_table, per_request_lists, percentile, percentile_label, summarize,
+    RequestResult,
+    format_table,
+    per_request_lists,
+    percentile,
+    percentile_label,
+    summarize,
 )
 
 
 def _results() -> list[RequestResult]:
     return [
-        RequestResult(success=True, prompt_tokens=10, output_tokens=5, ttft=0.1,
-                      itl=[0.1, 0.1, 0.1, 0.1], e2el=0.5),
-        RequestResult(success=True, prompt_tokens=20, output_tokens=3, ttft=0.3,
-                      itl=[0.2, 0.2], e2el=0.7),
+        RequestResult(
+            success=True,
+            prompt_tokens=10,
+            output_tokens=5,
+            ttft=0.1,
+            itl=[0.1, 0.1, 0.1, 0.1],
+            e2el=0.5,
+        ),
+        RequestResult(
+            success=True, prompt_tokens=20, output_tokens=3, ttft=0.3, itl=[0.2, 0.2], e2el=0.7
+        ),
         RequestResult(success=True, prompt_tokens=5, output_tokens=1, ttft=0.2, e2el=0.2),
-        RequestResult(success=False, error="HTTP 500: boom", prompt_tokens=99,
-                      output_tokens=99, ttft=9.0, e2el=9.0),
+        RequestResult(
+            success=False,
+            error="HTTP 500: boom",
+            prompt_tokens=99,
+            output_tokens=99,
+            ttft=9.0,
+            e2el=9.0,
+        ),
     ]
 
 
@@ -76,8 +94,14 @@ def test_table_and_per_request_lists() -> None:
     results = _results()
     s = summarize(results, duration=2.0)
     table = format_table(s)
-    for label in ("Successful requests", "Mean TTFT (ms)", "P99 TPOT (ms)", "Median ITL (ms)",
-                  "Mean E2EL (ms)", "Output token throughput"):
+    for label in (
+        "Successful requests",
+        "Mean TTFT (ms)",
+        "P99 TPOT (ms)",
+        "Median ITL (ms)",
+        "Mean E2EL (ms)",
+        "Output token throughput",
+    ):
         assert label in table
     cols = per_request_lists(results)
     assert cols["success"] == [True, True, True, False]

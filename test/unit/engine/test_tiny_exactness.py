@@ -6,6 +6,8 @@ Covers batching, chunked prefill, mid-flight arrivals and preemption with a tiny
 import pytest
 import torch
 
+from conftest import TINY_ARCHS
+
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.engine import LocalEngine
 from gyrfalcon.ipc.messages import SamplingParams
@@ -20,9 +22,15 @@ def hf_greedy(model_dir, prompts, n):
     outs = []
     for p in prompts:
         ids = torch.tensor([p])
-        g = m.generate(ids, max_new_tokens=n, do_sample=False, min_new_tokens=n,
-                       pad_token_id=0, attention_mask=torch.ones_like(ids))
-        outs.append(g[0, len(p):].tolist())
+        g = m.generate(
+            ids,
+            max_new_tokens=n,
+            do_sample=False,
+            min_new_tokens=n,
+            pad_token_id=0,
+            attention_mask=torch.ones_like(ids),
+        )
+        outs.append(g[0, len(p) :].tolist())
     return outs
 
 
@@ -36,7 +44,7 @@ def engine(model_dir, **kw):
     return LocalEngine(args, model_dir)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_batched_greedy_matches_hf(tiny_model_dirs, arch):
     d = tiny_model_dirs[arch]
     ps = prompts(1, [5, 17, 9, 30])
@@ -67,3 +75,15 @@ def test_mid_flight_arrivals_and_preemption_match_hf(tiny_model_dirs):
     assert preempted > 0, "the tiny pool should have forced a preemption"
     assert [got[str(i)] for i in range(len(ps))] == ref
     assert eng.scheduler.alloc.num_free == eng.scheduler.alloc.num_usable
+
+
+def test_bfloat16_on_cpu_runs_and_mostly_agrees(tiny_model_dirs):
+    """bf16 is not exact, but the engine must run it and stay close to float32."""
+    d = tiny_model_dirs["llama"]
+    ps = prompts(3, [9, 14])
+    ref = engine(d, num_kv_pages=64).generate(ps, GREEDY)
+    got = LocalEngine(
+        ServerArgs(model=d, device="cpu", dtype="bfloat16", page_size=4, num_kv_pages=64), d
+    ).generate(ps, GREEDY)
+    assert [len(g) for g in got] == [GREEDY.max_tokens] * 2
+    assert got[0][:2] == ref[0][:2] and got[1][:2] == ref[1][:2]

@@ -70,8 +70,13 @@ class FakeScheduler:
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
-        self._pull = AsyncChannel(self._ctx, zmq.PULL, self.paths.frontend_to_scheduler, bind=True,
-                                  decode_type=FrontendToScheduler)
+        self._pull = AsyncChannel(
+            self._ctx,
+            zmq.PULL,
+            self.paths.frontend_to_scheduler,
+            bind=True,
+            decode_type=FrontendToScheduler,
+        )
         self._push = AsyncChannel(self._ctx, zmq.PUSH, self.paths.scheduler_to_frontend, bind=True)
         self._loop = asyncio.create_task(self._serve())
         if self.send_ready:
@@ -103,10 +108,16 @@ class FakeScheduler:
                     task.cancel()
                     await self._emit(RequestOutput(msg.rid, [], finish_reason="abort"))
             elif isinstance(msg, StatsRequest):
-                await self._push.send(StatsReply(
-                    nonce=msg.nonce, num_total_pages=NUM_KV_PAGES,
-                    num_free_pages=NUM_KV_PAGES - len(self.active),
-                    num_running=len(self.active), num_waiting=0, integrity_ok=True))
+                await self._push.send(
+                    StatsReply(
+                        nonce=msg.nonce,
+                        num_total_pages=NUM_KV_PAGES,
+                        num_free_pages=NUM_KV_PAGES - len(self.active),
+                        num_running=len(self.active),
+                        num_waiting=0,
+                        integrity_ok=True,
+                    )
+                )
 
     async def _emit(self, out: RequestOutput) -> None:
         await self._push.send(BatchOutput([out]))
@@ -130,16 +141,18 @@ class FakeScheduler:
         while True:
             if script.delay_s:
                 await asyncio.sleep(script.delay_s)
-            new = ids[done: done + script.chunk]
+            new = ids[done : done + script.chunk]
             done += len(new)
             last = done >= len(ids)
-            out = RequestOutput(req.rid, new, num_prompt_tokens=len(req.prompt_ids),
-                                num_output_tokens=done)
+            out = RequestOutput(
+                req.rid, new, num_prompt_tokens=len(req.prompt_ids), num_output_tokens=done
+            )
             if sp.logprobs is not None:
                 out.logprobs = [_position(t, SAMPLED_LOGPROB, sp.logprobs) for t in new]
             if first and sp.prompt_logprobs is not None:
                 out.prompt_logprobs = [None] + [
-                    _position(t, PROMPT_LOGPROB, sp.prompt_logprobs) for t in req.prompt_ids[1:]]
+                    _position(t, PROMPT_LOGPROB, sp.prompt_logprobs) for t in req.prompt_ids[1:]
+                ]
             first = False
             if last:
                 out.finish_reason = "error" if script.error else finish
@@ -152,7 +165,8 @@ class FakeScheduler:
 
 def _position(token_id: int, logprob: float, k: int) -> PositionLogprobs:
     top = [TokenLogprob(token_id, logprob)] + [
-        TokenLogprob(token_id + j, logprob - j) for j in range(1, k)]
+        TokenLogprob(token_id + j, logprob - j) for j in range(1, k)
+    ]
     return PositionLogprobs(token_id, logprob, top[:k])
 
 
@@ -175,8 +189,9 @@ async def live_server(
     await engine.start()
     if send_ready:
         await asyncio.wait_for(engine.ready.wait(), TEST_TIMEOUT_S)
-    server = make_uvicorn_server(create_app(engine, tokenizer, MODEL_NAME, MAX_MODEL_LEN),
-                                 "127.0.0.1", 0, "warning")
+    server = make_uvicorn_server(
+        create_app(engine, tokenizer, MODEL_NAME, MAX_MODEL_LEN), "127.0.0.1", 0, "warning"
+    )
     serving = asyncio.create_task(server.serve())
     while not server.started:
         await asyncio.sleep(0.01)
@@ -237,7 +252,7 @@ def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
 
 def sse_events(body: str) -> list[Any]:
     """The JSON payloads of an SSE body, checking it ends with [DONE]."""
-    events = [line[len("data: "):] for line in body.split("\n\n") if line.startswith("data: ")]
+    events = [line[len("data: ") :] for line in body.split("\n\n") if line.startswith("data: ")]
     assert events[-1] == "[DONE]", "a stream must end with [DONE]"
     return [json.loads(e) for e in events[:-1]]
 
@@ -246,6 +261,7 @@ async def post(url: str, path: str, body: dict[str, Any] | str) -> httpx.Respons
     """POST JSON (a dict) or raw text sent as JSON (to test malformed bodies)."""
     async with httpx.AsyncClient(base_url=url, timeout=10) as client:
         if isinstance(body, str):
-            return await client.post(path, content=body,
-                                     headers={"content-type": "application/json"})
+            return await client.post(
+                path, content=body, headers={"content-type": "application/json"}
+            )
         return await client.post(path, json=body)

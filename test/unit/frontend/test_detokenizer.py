@@ -31,7 +31,7 @@ def detokenize(tok, ids: list[int], sizes, prompt: list[int] = (), skip: bool = 
     for size in sizes:
         if i >= len(ids):
             break
-        pieces.append(d.feed(ids[i: i + size]))
+        pieces.append(d.feed(ids[i : i + size]))
         i += size
     assert i >= len(ids)
     pieces.append(d.flush())
@@ -113,8 +113,9 @@ def test_window_stays_small_on_clean_text(tokenizer):
 
 def test_prompt_ending_inside_a_character_is_not_reemitted(tokenizer):
     ids = tokenizer.encode("ab😀 cd")
-    cut = next(i for i in range(1, len(ids)) if tokenizer.decode(ids[:i]).endswith(
-        REPLACEMENT_CHAR))
+    cut = next(
+        i for i in range(1, len(ids)) if tokenizer.decode(ids[:i]).endswith(REPLACEMENT_CHAR)
+    )
     d = IncrementalDetokenizer(tokenizer, ids[:cut])
     text = "".join(d.feed([t]) for t in ids[cut:]) + d.flush()
     assert text == tokenizer.decode(ids[cut:])

@@ -81,6 +81,7 @@ def test_cancelled_consumer_aborts_the_request():
     async def body():
         slow = Script(list(range(100, 200)), delay_s=SLOW_S)
         async with connected(lambda r: slow) as (sched, engine):
+
             async def consume():
                 async for _ in engine.generate("cancel-me", [1], SamplingParams(max_tokens=100)):
                     pass

@@ -96,15 +96,23 @@ def test_messages_validation():
 
 
 def test_content_parts_and_roles():
-    req = chat(messages=[
-        {"role": "system", "content": "be brief"},
-        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        {"role": "assistant", "content": None},
-        {"role": "tool", "content": "42", "tool_call_id": "call_1"},
-    ])
+    req = chat(
+        messages=[
+            {"role": "system", "content": "be brief"},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            },
+            {"role": "assistant", "content": None},
+            {"role": "tool", "content": "42", "tool_call_id": "call_1"},
+        ]
+    )
     assert [m.text for m in req.messages] == ["be brief", "a\nb", "", "42"]
-    assert req.messages[3].to_template() == {"role": "tool", "content": "42",
-                                             "tool_call_id": "call_1"}
+    assert req.messages[3].to_template() == {
+        "role": "tool",
+        "content": "42",
+        "tool_call_id": "call_1",
+    }
 
 
 def test_top_logprobs_requires_logprobs():
@@ -177,14 +185,35 @@ def test_unknown_fields_are_ignored():
 
 
 def test_to_sampling_params_chat_mapping():
-    req = chat(temperature=0.3, top_p=0.9, top_k=40, min_p=0.05, seed=7, presence_penalty=0.5,
-               frequency_penalty=-0.5, repetition_penalty=1.1, stop_token_ids=[5, 6],
-               ignore_eos=True, logprobs=True, top_logprobs=4)
+    req = chat(
+        temperature=0.3,
+        top_p=0.9,
+        top_k=40,
+        min_p=0.05,
+        seed=7,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.1,
+        stop_token_ids=[5, 6],
+        ignore_eos=True,
+        logprobs=True,
+        top_logprobs=4,
+    )
     sp = to_sampling_params(req, max_tokens=33)
     assert sp == SamplingParams(
-        temperature=0.3, top_p=0.9, top_k=40, min_p=0.05, seed=7, repetition_penalty=1.1,
-        presence_penalty=0.5, frequency_penalty=-0.5, max_tokens=33, stop_token_ids=[5, 6],
-        ignore_eos=True, logprobs=4, prompt_logprobs=None,
+        temperature=0.3,
+        top_p=0.9,
+        top_k=40,
+        min_p=0.05,
+        seed=7,
+        repetition_penalty=1.1,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        max_tokens=33,
+        stop_token_ids=[5, 6],
+        ignore_eos=True,
+        logprobs=4,
+        prompt_logprobs=None,
     )
 
 

@@ -10,8 +10,14 @@ from gyrfalcon.ipc.messages import PositionLogprobs, RequestOutput
 
 def out(ids: list[int], done: int, finish: str | None = None, lps: bool = False) -> RequestOutput:
     logprobs = [PositionLogprobs(t, -0.1) for t in ids] if lps else None
-    return RequestOutput("r", ids, logprobs=logprobs, finish_reason=finish,
-                         num_prompt_tokens=3, num_output_tokens=done)
+    return RequestOutput(
+        "r",
+        ids,
+        logprobs=logprobs,
+        finish_reason=finish,
+        num_prompt_tokens=3,
+        num_output_tokens=done,
+    )
 
 
 def test_stop_token_is_counted_but_not_rendered(tokenizer):
@@ -66,4 +72,8 @@ def test_fail_reports_tokens_seen(tokenizer):
     dec.feed(out([10, 11], 2))
     d = dec.fail("lost")
     assert (d.finish_reason, d.error, d.num_output_tokens, d.num_prompt_tokens) == (
-        "error", "lost", 2, 2)
+        "error",
+        "lost",
+        2,
+        2,
+    )

@@ -41,7 +41,11 @@ def test_health_version_models(tokenizer):
             assert models["object"] == "list"
             card = models["data"][0]
             assert (card["id"], card["object"], card["owned_by"], card["max_model_len"]) == (
-                MODEL_NAME, "model", "gyrfalcon", MAX_MODEL_LEN)
+                MODEL_NAME,
+                "model",
+                "gyrfalcon",
+                MAX_MODEL_LEN,
+            )
             info = (await client.get("/server_info")).json()
             assert info["integrity_ok"] and info["model"] == MODEL_NAME
             assert info["num_running"] == 0
@@ -63,9 +67,11 @@ def test_chat_non_streaming(tokenizer):
             assert choice["message"] == {"role": "assistant", "content": REPLY}
             assert choice["finish_reason"] == "stop"  # EOS, counted but not rendered
             n_reply = len(tokenizer.encode(REPLY))
-            assert data["usage"] == {"prompt_tokens": len(prompt),
-                                     "completion_tokens": n_reply + 1,
-                                     "total_tokens": len(prompt) + n_reply + 1}
+            assert data["usage"] == {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": n_reply + 1,
+                "total_tokens": len(prompt) + n_reply + 1,
+            }
 
     run(body)
 
@@ -73,17 +79,24 @@ def test_chat_non_streaming(tokenizer):
 def test_max_tokens_and_stop_token_ids(tokenizer):
     async def body():
         async with live_server(tokenizer, replying(tokenizer)) as srv:
-            r = await post(srv.url, "/v1/chat/completions",
-                           {"messages": USER, "max_completion_tokens": 3, "max_tokens": 50})
+            r = await post(
+                srv.url,
+                "/v1/chat/completions",
+                {"messages": USER, "max_completion_tokens": 3, "max_tokens": 50},
+            )
             choice = r.json()["choices"][0]
             assert choice["finish_reason"] == "length"
             assert choice["message"]["content"] == tokenizer.decode(tokenizer.encode(REPLY)[:3])
             assert r.json()["usage"]["completion_tokens"] == 3
             comma = tokenizer.encode(",")[0]
-            r = await post(srv.url, "/v1/chat/completions",
-                           {"messages": USER, "stop_token_ids": [comma]})
+            r = await post(
+                srv.url, "/v1/chat/completions", {"messages": USER, "stop_token_ids": [comma]}
+            )
             choice = r.json()["choices"][0]
-            assert (choice["message"]["content"], choice["finish_reason"]) == ("Hello world", "stop")
+            assert (choice["message"]["content"], choice["finish_reason"]) == (
+                "Hello world",
+                "stop",
+            )
             assert srv.scheduler.requests[1].sampling.stop_token_ids == [comma]
 
     run(body)
@@ -93,11 +106,14 @@ def test_stop_string_truncates_and_aborts_the_engine_request(tokenizer):
     async def body():
         script = replying(tokenizer, REPLY + " and on" * 50, delay_s=SLOW_S / 4)
         async with live_server(tokenizer, script) as srv:
-            r = await post(srv.url, "/v1/chat/completions",
-                           {"messages": USER, "stop": ["nothing", "is 😀"]})
+            r = await post(
+                srv.url, "/v1/chat/completions", {"messages": USER, "stop": ["nothing", "is 😀"]}
+            )
             choice = r.json()["choices"][0]
             assert (choice["message"]["content"], choice["finish_reason"]) == (
-                "Hello world, this ", "stop")
+                "Hello world, this ",
+                "stop",
+            )
             rid = srv.scheduler.requests[0].rid
             await wait_until(lambda: srv.scheduler.aborted == [rid])
             assert r.json()["usage"]["completion_tokens"] < 20
@@ -108,8 +124,11 @@ def test_stop_string_truncates_and_aborts_the_engine_request(tokenizer):
 def test_n_fanout_seeds_and_usage(tokenizer):
     async def body():
         async with live_server(tokenizer, replying(tokenizer)) as srv:
-            r = await post(srv.url, "/v1/chat/completions",
-                           {"messages": USER, "n": 3, "seed": 11, "max_tokens": 4})
+            r = await post(
+                srv.url,
+                "/v1/chat/completions",
+                {"messages": USER, "n": 3, "seed": 11, "max_tokens": 4},
+            )
             data = r.json()
             assert [c["index"] for c in data["choices"]] == [0, 1, 2]
             reqs = sorted(srv.scheduler.requests, key=lambda q: q.rid)
@@ -125,15 +144,27 @@ def test_n_fanout_seeds_and_usage(tokenizer):
 def test_chat_streaming_with_logprobs_and_usage(tokenizer):
     async def body():
         async with live_server(tokenizer, replying(tokenizer, chunk=2)) as srv:
-            r = await post(srv.url, "/v1/chat/completions", {
-                "messages": USER, "stream": True, "n": 2, "logprobs": True, "top_logprobs": 2,
-                "stream_options": {"include_usage": True}})
+            r = await post(
+                srv.url,
+                "/v1/chat/completions",
+                {
+                    "messages": USER,
+                    "stream": True,
+                    "n": 2,
+                    "logprobs": True,
+                    "top_logprobs": 2,
+                    "stream_options": {"include_usage": True},
+                },
+            )
             assert r.headers["content-type"].startswith("text/event-stream")
             chunks = sse_events(r.text)
             assert all(c["object"] == "chat.completion.chunk" for c in chunks)
             for i in range(2):
-                mine = [c["choices"][0] for c in chunks if c["choices"] and
-                        c["choices"][0]["index"] == i]
+                mine = [
+                    c["choices"][0]
+                    for c in chunks
+                    if c["choices"] and c["choices"][0]["index"] == i
+                ]
                 assert mine[0]["delta"] == {"role": "assistant", "content": ""}
                 assert "".join(m["delta"].get("content") or "" for m in mine) == REPLY
                 assert [m["finish_reason"] for m in mine][-1] == "stop"
@@ -146,7 +177,8 @@ def test_chat_streaming_with_logprobs_and_usage(tokenizer):
                 assert len(tokens[0]["top_logprobs"]) == 2
             usage = chunks[-1]
             assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 2 * (
-                len(tokenizer.encode(REPLY)) + 1)
+                len(tokenizer.encode(REPLY)) + 1
+            )
 
     run(body)
 
@@ -160,8 +192,8 @@ def test_official_openai_client(tokenizer):
             resp = await client.chat.completions.create(model=MODEL_NAME, messages=USER)
             assert resp.choices[0].message.content == REPLY
             stream = await client.chat.completions.create(
-                model=MODEL_NAME, messages=USER, stream=True,
-                stream_options={"include_usage": True})
+                model=MODEL_NAME, messages=USER, stream=True, stream_options={"include_usage": True}
+            )
             parts, usage = [], None
             async for chunk in stream:
                 parts += [c.delta.content or "" for c in chunk.choices]

@@ -23,13 +23,18 @@ def test_completions_prompt_list_n_and_index(tokenizer):
 
     async def body():
         async with live_server(tokenizer, by_prompt) as srv:
-            r = await post(srv.url, "/v1/completions",
-                           {"prompt": ["A one", "B two"], "n": 2, "seed": 5})
+            r = await post(
+                srv.url, "/v1/completions", {"prompt": ["A one", "B two"], "n": 2, "seed": 5}
+            )
             data = r.json()
             assert data["object"] == "text_completion"
             texts = [(c["index"], c["text"]) for c in data["choices"]]
-            assert texts == [(0, " first reply"), (1, " first reply"),
-                             (2, " second reply"), (3, " second reply")]
+            assert texts == [
+                (0, " first reply"),
+                (1, " first reply"),
+                (2, " second reply"),
+                (3, " second reply"),
+            ]
             seeds = {q.rid.rsplit("-", 1)[1]: q.sampling.seed for q in srv.scheduler.requests}
             assert seeds == {"0": 5, "1": 6, "2": 5, "3": 6}
             assert all(q.sampling.max_tokens == 16 for q in srv.scheduler.requests)
@@ -43,8 +48,11 @@ def test_completions_echo_with_logprobs(tokenizer):
     async def body():
         async with live_server(tokenizer, replying(tokenizer, " yes", finish="length")) as srv:
             prompt_ids = tokenizer.encode("Is it 世界?")
-            r = await post(srv.url, "/v1/completions",
-                           {"prompt": prompt_ids, "echo": True, "logprobs": 1, "max_tokens": 5})
+            r = await post(
+                srv.url,
+                "/v1/completions",
+                {"prompt": prompt_ids, "echo": True, "logprobs": 1, "max_tokens": 5},
+            )
             choice = r.json()["choices"][0]
             assert choice["text"] == "Is it 世界? yes"
             lp = choice["logprobs"]
@@ -61,13 +69,14 @@ def test_completions_echo_with_logprobs(tokenizer):
 def test_completions_streaming_echo(tokenizer):
     async def body():
         async with live_server(tokenizer, replying(tokenizer, " and more")) as srv:
-            r = await post(srv.url, "/v1/completions",
-                           {"prompt": "Start", "echo": True, "stream": True, "stop": "more"})
+            r = await post(
+                srv.url,
+                "/v1/completions",
+                {"prompt": "Start", "echo": True, "stream": True, "stop": "more"},
+            )
             chunks = sse_events(r.text)
             assert chunks[0]["choices"][0]["text"].startswith("Start")
             assert "".join(c["choices"][0]["text"] for c in chunks) == "Start and "
             assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
     run(body)
-
-

@@ -29,16 +29,32 @@ from .frontend_fakes import (
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
         ("/v1/chat/completions", {"messages": USER, "temperature": 3}, 400, "temperature"),
         ("/v1/chat/completions", {"messages": USER, "n": 0}, 400, "n"),
-        ("/v1/chat/completions", {"messages": [{"role": "bot", "content": "x"}]}, 400,
-         "messages[0].role"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "bot", "content": "x"}]},
+            400,
+            "messages[0].role",
+        ),
         ("/v1/chat/completions", {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
         ("/v1/chat/completions", {"messages": USER, "model": "gpt-9"}, 404, "model"),
-        ("/v1/chat/completions", {"messages": USER, "max_tokens": MAX_MODEL_LEN}, 400,
-         "max_tokens"),
-        ("/v1/chat/completions", {"messages": USER, "stop_token_ids": [10**9]}, 400,
-         "stop_token_ids"),
-        ("/v1/chat/completions",
-         {"messages": [{"role": "user", "content": "word " * MAX_MODEL_LEN}]}, 400, "messages"),
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "max_tokens": MAX_MODEL_LEN},
+            400,
+            "max_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "stop_token_ids": [10**9]},
+            400,
+            "stop_token_ids",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "word " * MAX_MODEL_LEN}]},
+            400,
+            "messages",
+        ),
         ("/v1/completions", {"prompt": "hi", "suffix": "x"}, 400, "suffix"),
         ("/v1/completions", {"prompt": [1, 10**9]}, 400, "prompt"),
         ("/v1/completions", {"prompt": {"a": 1}}, 400, "prompt"),
@@ -67,8 +83,9 @@ def test_streaming_client_disconnect_aborts(tokenizer):
         async with live_server(tokenizer, slow_script) as srv:
             async with (
                 httpx.AsyncClient(base_url=srv.url) as client,
-                client.stream("POST", "/v1/chat/completions",
-                              json={"messages": USER, "stream": True, "n": 2}) as r,
+                client.stream(
+                    "POST", "/v1/chat/completions", json={"messages": USER, "stream": True, "n": 2}
+                ) as r,
             ):
                 async for line in r.aiter_lines():
                     if '"content":"' in line and '"content":""' not in line:
@@ -84,8 +101,9 @@ def test_streaming_client_disconnect_aborts(tokenizer):
 def test_non_streaming_client_disconnect_aborts(tokenizer):
     async def body():
         async with live_server(tokenizer, slow_script) as srv:
-            client_task = asyncio.create_task(post(srv.url, "/v1/completions",
-                                                   {"prompt": "hi", "max_tokens": 90}))
+            client_task = asyncio.create_task(
+                post(srv.url, "/v1/completions", {"prompt": "hi", "max_tokens": 90})
+            )
             await wait_until(lambda: len(srv.scheduler.active) == 1)
             client_task.cancel()
             rid = srv.scheduler.requests[0].rid
@@ -111,5 +129,3 @@ def test_engine_rejection_and_death(tokenizer):
             assert r.status_code == 503 and "worker exited" in r.json()["error"]["message"]
 
     run(body)
-
-

@@ -1,4 +1,10 @@
-from gyrfalcon.ipc.messages import ForwardMode, GenerateRequest, RowResult, SamplingParams, StepResult
+from gyrfalcon.ipc.messages import (
+    ForwardMode,
+    GenerateRequest,
+    RowResult,
+    SamplingParams,
+    StepResult,
+)
 from gyrfalcon.scheduler.scheduler import Scheduler, SchedulerConfig
 
 EOS = 99

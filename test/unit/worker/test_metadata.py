@@ -5,7 +5,11 @@ from gyrfalcon.worker.metadata import RowInput, build_batch_tensors, slot_of
 
 
 def test_slots_positions_and_padding():
-    rows = [RowInput(0, [5, 6, 7], [3]), RowInput(5, [9], [4, 8]), RowInput(2, [1, 2, 3, 4], [2, 6])]
+    rows = [
+        RowInput(0, [5, 6, 7], [3]),
+        RowInput(5, [9], [4, 8]),
+        RowInput(2, [1, 2, 3, 4], [2, 6]),
+    ]
     bt = build_batch_tensors(rows, page_size=4, device=torch.device("cpu"))
     assert bt.input_ids.tolist() == [5, 6, 7, 9, 1, 2, 3, 4]
     assert bt.positions.tolist() == [0, 1, 2, 5, 2, 3, 4, 5]
