@@ -160,3 +160,27 @@ def test_penalties_and_sampling_knobs_accepted(client, model_name, stream):
     else:
         text = r.choices[0].message.content
     assert text
+
+
+def test_streaming_with_n_choices(client, model_name):
+    chunks = list(
+        client.chat.completions.create(
+            model=model_name, messages=MSG, temperature=0.8, seed=11, n=2, max_tokens=12,
+            stream=True, stream_options={"include_usage": True},
+        )
+    )
+    texts = {0: "", 1: ""}
+    finished = {}
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+            if ch.finish_reason:
+                finished[ch.index] = ch.finish_reason
+    assert set(finished) == {0, 1} and all(texts.values())
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens >= 2
+    # the same request without streaming gives the same two texts (seed + i per choice)
+    full = client.chat.completions.create(
+        model=model_name, messages=MSG, temperature=0.8, seed=11, n=2, max_tokens=12
+    )
+    assert [full.choices[i].message.content for i in (0, 1)] == [texts[0], texts[1]]

@@ -61,6 +61,19 @@ def test_sigterm_stops_every_process(smollm2_dir, tmp_path):
     assert not [k for k in kids if alive(k)], "child processes outlived the server"
 
 
+def test_ctrl_c_stops_every_process(smollm2_dir, tmp_path):
+    srv = start_server(smollm2_dir, str(tmp_path / "log"), "--num-kv-pages", "64")
+    kids = children_of(srv.proc.pid)
+    os.killpg(srv.proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends
+    try:
+        code = srv.proc.wait(30)
+    finally:
+        stop_server(srv)
+    assert code == 0, srv.log()[-3000:]
+    time.sleep(0.5)
+    assert not [k for k in kids if alive(k)], "child processes outlived the server"
+
+
 def test_dead_worker_makes_the_server_exit_nonzero(smollm2_dir, tmp_path):
     srv = start_server(smollm2_dir, str(tmp_path / "log"), "--num-kv-pages", "64")
     kids = children_of(srv.proc.pid)

@@ -11,9 +11,11 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import re
 import shutil
+import time
 
 from gyrfalcon.loader.gguf_convert import CONVERTER_VERSION, MARKER_FILE, convert_gguf_to_hf
 
@@ -35,6 +37,8 @@ HUB_ALLOW_PATTERNS = [
     "*.json",
 ]
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[A-Za-z0-9][\w.\-]*)?$")
+
+logger = logging.getLogger(__name__)
 
 
 def default_cache_dir() -> str:
@@ -97,7 +101,11 @@ def _convert_cached(gguf_path: str, out_dir: str) -> str:
         return out_dir
     if os.path.lexists(out_dir):
         shutil.rmtree(out_dir)
-    return convert_gguf_to_hf(gguf_path, out_dir)
+    logger.info("converting %s into %s (once; later starts reuse it)", gguf_path, out_dir)
+    t0 = time.perf_counter()
+    out = convert_gguf_to_hf(gguf_path, out_dir)
+    logger.info("converted in %.1f s", time.perf_counter() - t0)
+    return out
 
 
 def gguf_cache_dir(gguf_path: str, cache_dir: str | None = None) -> str:
