@@ -76,6 +76,23 @@ class ServerArgs:
     chunked_prefill_size: int = field(
         default=2048, metadata={"help": "max prompt tokens of one request in one step"}
     )
+    enforce_eager: bool = field(
+        default=False, metadata={"help": "never use CUDA graphs for decode"}
+    )
+    cuda_graph_max_bs: int = field(
+        default=256, metadata={"help": "largest decode batch run through a CUDA graph"}
+    )
+    cuda_graph_bs: str | None = field(
+        default=None,
+        metadata={"help": "comma-separated decode batch sizes to capture (default: 1,2,4,8,16,..)"},
+    )
+    static_graph_replay: bool = field(
+        default=False,
+        metadata={
+            "help": "testing aid: run decode through the graph runner's padded static "
+            "buffers eagerly instead of replaying graphs (works on CPU)"
+        },
+    )
     seed: int = field(default=0, metadata={"help": "global random seed"})
     log_level: str = field(default="info", metadata={"help": "debug|info|warning|error"})
     cache_dir: str | None = field(
@@ -102,6 +119,19 @@ class ServerArgs:
         if backend == "auto":
             backend = "torch_ref"
         return dataclasses.replace(self, device=device, dtype=dtype, attention_backend=backend)
+
+    def graph_mode(self) -> str | None:
+        """How decode runs: "cuda" graphs, "static" buffer replay, or None (eager)."""
+        if self.static_graph_replay:
+            return "static"
+        if self.device.startswith("cuda") and not self.enforce_eager:
+            return "cuda"
+        return None
+
+    def graph_batch_sizes(self) -> list[int] | None:
+        if not self.cuda_graph_bs:
+            return None
+        return [int(x) for x in self.cuda_graph_bs.split(",") if x.strip()]
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from gyrfalcon.config.model_config import ModelConfig
+from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.ipc.messages import (
     NewRequest,
     RankBatch,
@@ -23,9 +24,10 @@ from gyrfalcon.ipc.messages import (
 )
 from gyrfalcon.layers.attention.registry import create_backend
 from gyrfalcon.models.registry import build_model
+from gyrfalcon.worker.cuda_graph import GraphRunner
 from gyrfalcon.worker.forward_batch import ForwardBatch
 from gyrfalcon.worker.kv_cache import KVCache
-from gyrfalcon.worker.metadata import RowInput, build_batch_tensors
+from gyrfalcon.worker.metadata import BatchTensors, RowInput, build_batch_tensors
 from gyrfalcon.worker.sampler import (
     RequestSamplingState,
     prepare,
@@ -36,6 +38,8 @@ from gyrfalcon.worker.sampler import (
 
 logger = logging.getLogger(__name__)
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 @dataclass
 class WorkerRequest:
@@ -45,26 +49,20 @@ class WorkerRequest:
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        model_cfg: ModelConfig,
-        model_dir: str,
-        dtype: torch.dtype,
-        device: torch.device,
-        page_size: int,
-        attention_backend: str,
-        load_format: str = "auto",
-        seed: int = 0,
-    ):
-        self.cfg, self.device, self.dtype = model_cfg, device, dtype
-        self.page_size = page_size
-        torch.manual_seed(seed)
+    def __init__(self, args: ServerArgs, model_cfg: ModelConfig, model_dir: str, rank: int = 0):
+        """Load the model; call init_kv_cache() next. `args` must be resolved."""
+        self.args, self.cfg = args, model_cfg
+        self.device = torch.device(args.device if args.device != "cuda" else f"cuda:{rank}")
+        self.dtype = DTYPES[args.dtype]
+        self.page_size = args.page_size
+        torch.manual_seed(args.seed)
         t0 = time.perf_counter()
-        self.model = build_model(model_cfg, model_dir, dtype, device, load_format)
+        self.model = build_model(model_cfg, model_dir, self.dtype, self.device, args.load_format)
         logger.info("model loaded in %.1f s", time.perf_counter() - t0)
         self.kv_cache: KVCache | None = None
+        self.graphs: GraphRunner | None = None
         self.attn = create_backend(
-            attention_backend,
+            args.attention_backend,
             model_cfg.num_heads,
             model_cfg.num_kv_heads,
             model_cfg.head_dim,
@@ -72,8 +70,9 @@ class ModelRunner:
         )
         self.requests: dict[str, WorkerRequest] = {}
 
-    def init_kv_cache(self, num_pages: int) -> None:
-        """Allocate the paged KV cache (after weights, so sizing sees their memory)."""
+    def init_kv_cache(self, num_pages: int, max_model_len: int) -> None:
+        """Allocate the paged KV cache (after weights, so sizing sees their memory),
+        then set up decode graphs for contexts up to max_model_len."""
         c = self.cfg
         self.kv_cache = KVCache(
             c.num_layers,
@@ -84,6 +83,28 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
+        mode = self.args.graph_mode()
+        if mode == "cuda" and not self.attn.supports_cuda_graph:
+            logger.warning("%s backend cannot be captured; decode runs eagerly", self.attn.name)
+            mode = None
+        if mode is None:
+            return
+        self.graphs = GraphRunner(
+            self._decode_logits,
+            self.attn,
+            self.kv_cache,
+            self.page_size,
+            max_bs=min(self.args.cuda_graph_max_bs, self.args.max_num_seqs),
+            max_pages=-(-max_model_len // self.page_size),
+            device=self.device,
+            mode=mode,
+            sizes=self.args.graph_batch_sizes(),
+        )
+        self.graphs.capture()
+
+    def _decode_logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """The captured function: a decode batch -> logits [bs, vocab] float32."""
+        return self.model.compute_logits(self.model(batch))
 
     # ------------------------------------------------------------ request state
 
@@ -119,6 +140,37 @@ class ModelRunner:
             inputs.append(RowInput(row.start, list(row.input_ids), req.pages))
         assert self.kv_cache is not None, "init_kv_cache() first"
         bt = build_batch_tensors(inputs, self.page_size, self.device)
+        results = [RowResult(rid=row.rid, token_id=-1) for row in rb.rows]
+        sample_rows = [i for i, row in enumerate(rb.rows) if row.sample]
+        if self.graphs is not None and self.graphs.can_run(rb.forward_mode, bt):
+            assert len(sample_rows) == len(rb.rows), "every decode row samples"
+            logits = self.graphs.run(bt)  # [bs, vocab]
+        else:
+            logits = self._eager(rb, reqs, bt, results, sample_rows)
+        if not sample_rows:
+            return results
+        states = [reqs[i].sampling for i in sample_rows]
+        # NOTE: one device->host copy per step; everything below reads the CPU copy.
+        out = sample(logits, prepare(states, self.cfg.vocab_size, self.device)).cpu()
+        token_ids = out.token_ids.tolist()
+        for j, i in enumerate(sample_rows):
+            states[j].output_ids.append(token_ids[j])
+            results[i].token_id = token_ids[j]
+            k = states[j].params.logprobs
+            if k is not None:
+                results[i].logprobs = to_position_logprobs(out, j, k)
+        return results
+
+    def _eager(
+        self,
+        rb: RankBatch,
+        reqs: list[WorkerRequest],
+        bt: BatchTensors,
+        results: list[RowResult],
+        sample_rows: list[int],
+    ) -> torch.Tensor:
+        """Run the batch without graphs; returns logits of the sampling rows."""
+        assert self.kv_cache is not None
         batch = ForwardBatch(
             mode=rb.forward_mode,
             input_ids=bt.input_ids,
@@ -136,25 +188,9 @@ class ModelRunner:
         )
         batch.attn_meta = self.attn.build_metadata(batch)
         hidden = self.model(batch)  # [T, hidden]
-
-        results = [RowResult(rid=row.rid, token_id=-1) for row in rb.rows]
         self._prompt_logprobs(rb, reqs, hidden, bt.q_starts.tolist(), results)
-        sample_rows = [i for i, row in enumerate(rb.rows) if row.sample]
-        if not sample_rows:
-            return results
-        idx = bt.last_token_idx[torch.tensor(sample_rows, device=self.device)]
-        logits = self.model.compute_logits(hidden[idx])  # [n, vocab]
-        states = [reqs[i].sampling for i in sample_rows]
-        # NOTE: one device->host copy per step; everything below reads the CPU copy.
-        out = sample(logits, prepare(states, self.cfg.vocab_size, self.device)).cpu()
-        token_ids = out.token_ids.tolist()
-        for j, i in enumerate(sample_rows):
-            states[j].output_ids.append(token_ids[j])
-            results[i].token_id = token_ids[j]
-            k = states[j].params.logprobs
-            if k is not None:
-                results[i].logprobs = to_position_logprobs(out, j, k)
-        return results
+        idx = bt.last_token_idx[torch.tensor(sample_rows, dtype=torch.int64, device=self.device)]
+        return self.model.compute_logits(hidden[idx])  # [n, vocab]
 
     def _prompt_logprobs(
         self,

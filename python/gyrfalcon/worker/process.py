@@ -22,30 +22,18 @@ logger = logging.getLogger(__name__)
 
 POLL_MS = 1000
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def build_runner(
     args: ServerArgs, model_dir: str, cfg: ModelConfig, rank: int
 ) -> tuple[ModelRunner, int]:
     """Load the model, then size and allocate the KV cache; returns (runner, context len)."""
-    device = torch.device(args.device if args.device != "cuda" else f"cuda:{rank}")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dtype = DTYPES[args.dtype]
-    runner = ModelRunner(
-        cfg,
-        model_dir,
-        dtype,
-        device,
-        args.page_size,
-        args.attention_backend,
-        args.load_format,
-        args.seed,
-    )
-    pages = num_kv_pages(args, cfg, dtype, device)
-    runner.init_kv_cache(pages)
-    return runner, max_model_len(args, cfg, pages)
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+    runner = ModelRunner(args, cfg, model_dir, rank)
+    pages = num_kv_pages(args, cfg, runner.dtype, runner.device)
+    context = max_model_len(args, cfg, pages)
+    runner.init_kv_cache(pages, context)
+    return runner, context
 
 
 def run_worker(

@@ -16,6 +16,10 @@ from gyrfalcon.worker.forward_batch import ForwardBatch
 
 class AttentionBackend(ABC):
     name: str
+    # A backend that supports CUDA graphs keeps its decode metadata in static
+    # buffers (capture_buffers) and rebuilds it in place before every replay
+    # (prepare_replay), from the graph runner's static batch.
+    supports_cuda_graph: bool = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -33,3 +37,11 @@ class AttentionBackend(ABC):
 
         q: [T, H, D]; k, v: [T, KVH, D] -> [T, H * D]
         """
+
+    def capture_buffers(self, max_bs: int, max_pages: int, device: torch.device) -> None:
+        """Allocate static decode metadata for batches up to max_bs rows."""
+        raise NotImplementedError(f"{self.name} does not support CUDA graphs")
+
+    def prepare_replay(self, batch: ForwardBatch) -> Any:
+        """Decode metadata in the static buffers for `batch` (capture and replay)."""
+        raise NotImplementedError(f"{self.name} does not support CUDA graphs")
