@@ -46,7 +46,12 @@ class ServerArgs:
         },
     )
     attention_backend: str = field(
-        default="auto", metadata={"help": "auto|torch_ref", "choices": ["auto", "torch_ref"]}
+        default="auto",
+        metadata={
+            "help": "auto = flashinfer on CUDA when importable (bf16/fp16), else triton on "
+            "CUDA, else torch_ref",
+            "choices": ["auto", "torch_ref", "triton", "flashinfer"],
+        },
     )
     page_size: int = field(default=16, metadata={"help": "tokens per KV page"})
     num_kv_pages: int | None = field(
@@ -117,7 +122,7 @@ class ServerArgs:
             dtype = "bfloat16" if device == "cuda" else "float32"
         backend = self.attention_backend
         if backend == "auto":
-            backend = "torch_ref"
+            backend = default_attention_backend(device, dtype)
         return dataclasses.replace(self, device=device, dtype=dtype, attention_backend=backend)
 
     def graph_mode(self) -> str | None:
@@ -190,3 +195,15 @@ def parse_size(text: str) -> int:
         if s.endswith(suffix):
             return int(float(s[: -len(suffix)]) * units[suffix])
     return int(float(s))
+
+
+def default_attention_backend(device: str, dtype: str) -> str:
+    """flashinfer on CUDA when importable (it has no float32 kernels), else triton on CUDA,
+    else torch_ref."""
+    if not device.startswith("cuda"):
+        return "torch_ref"
+    import importlib.util
+
+    if dtype != "float32" and importlib.util.find_spec("flashinfer") is not None:
+        return "flashinfer"
+    return "triton"
