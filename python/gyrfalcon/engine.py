@@ -14,7 +14,7 @@ from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.ipc.messages import GenerateRequest, RequestOutput, SamplingParams
 from gyrfalcon.scheduler.scheduler import Scheduler, SchedulerConfig
-from gyrfalcon.worker.process import build_runner
+from gyrfalcon.worker.model_runner import build_runner
 
 
 class LocalEngine:

@@ -165,8 +165,14 @@ def test_penalties_and_sampling_knobs_accepted(client, model_name, stream):
 def test_streaming_with_n_choices(client, model_name):
     chunks = list(
         client.chat.completions.create(
-            model=model_name, messages=MSG, temperature=0.8, seed=11, n=2, max_tokens=12,
-            stream=True, stream_options={"include_usage": True},
+            model=model_name,
+            messages=MSG,
+            temperature=0.8,
+            seed=11,
+            n=2,
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
         )
     )
     texts = {0: "", 1: ""}

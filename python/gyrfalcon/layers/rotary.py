@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from gyrfalcon.layers.dispatch import use_fused
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2] in float32, with optional scaling."""
@@ -39,14 +41,25 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None):
+    def __init__(
+        self, head_dim: int, theta: float, scaling: dict[str, Any] | None, max_positions: int
+    ):
         super().__init__()
+        self.max_positions = max_positions
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+        self.cos_sin_cache: torch.Tensor | None = None  # [max_positions, D] fp32, CUDA only
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T]; q: [T, H, D]; k: [T, KVH, D]
+        if use_fused(q):
+            from gyrfalcon.kernels.rotary import build_cos_sin_cache, rotary_inplace
+
+            if self.cos_sin_cache is None:
+                # NOTE: built by the first (eager) forward, before any graph capture
+                self.cos_sin_cache = build_cos_sin_cache(self.inv_freq, self.max_positions)
+            return rotary_inplace(q, k, positions, self.cos_sin_cache)
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos().to(q.dtype)[:, None, :]

@@ -35,7 +35,9 @@ class LlamaAttention(nn.Module):
             cfg.hidden_size, [q, kv, kv], bias=cfg.qkv_bias, shard_ids=["q", "k", "v"]
         )
         self.o_proj = RowParallelLinear(q, cfg.hidden_size)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
+        )
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -77,11 +79,24 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg)
 
     def forward(
-        self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch
-    ) -> torch.Tensor:
-        # NOTE: same residual order as the HF reference, so float32 results match exactly.
-        h = h + self.self_attn(positions, self.input_layernorm(h), batch)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        self,
+        positions: torch.Tensor,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's output delta, residual stream); the next layer adds them.
+
+        NOTE: x + residual is the same float sum as HF's residual + x, so float32
+        output still matches HF exactly on CPU; on CUDA add+norm is one kernel.
+        """
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm.add_and_norm(h, residual)
+        x = self.self_attn(positions, x, batch)
+        x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -106,9 +121,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states after the final norm: [T, hidden]."""
         h = self.embed_tokens(batch.input_ids)
+        residual = None
         for layer in self.layers:
-            h = layer(batch.positions, h, batch)
-        return self.norm(h)
+            h, residual = layer(batch.positions, h, residual, batch)
+        return self.norm.add_and_norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> [N, vocab] in float32

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from gyrfalcon.layers.dispatch import use_fused
+
 
 class KVCache:
     def __init__(
@@ -28,6 +30,11 @@ class KVCache:
 
     def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # loc: [T] slots; k, v: [T, KVH, D]
+        if use_fused(k):
+            from gyrfalcon.kernels.kv_store import store_kv
+
+            store_kv(k, v, self.k[layer], self.v[layer], loc)
+            return
         self.k[layer].index_copy_(0, loc, k.to(self.k.dtype))
         self.v[layer].index_copy_(0, loc, v.to(self.v.dtype))
 

@@ -27,6 +27,7 @@ from gyrfalcon.models.registry import build_model
 from gyrfalcon.worker.cuda_graph import GraphRunner
 from gyrfalcon.worker.forward_batch import ForwardBatch
 from gyrfalcon.worker.kv_cache import KVCache
+from gyrfalcon.worker.kv_sizing import max_model_len, num_kv_pages
 from gyrfalcon.worker.metadata import BatchTensors, RowInput, build_batch_tensors
 from gyrfalcon.worker.sampler import (
     RequestSamplingState,
@@ -215,3 +216,16 @@ class ModelRunner:
                 req.prompt_ids[row.start + 1 : end + 1], dtype=torch.int64, device=self.device
             )
             results[i].prompt_logprobs = prompt_logprobs(logits, next_ids, k)
+
+
+def build_runner(
+    args: ServerArgs, model_dir: str, cfg: ModelConfig, rank: int
+) -> tuple[ModelRunner, int]:
+    """Load the model, then size and allocate the KV cache; returns (runner, context len)."""
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+    runner = ModelRunner(args, cfg, model_dir, rank)
+    pages = num_kv_pages(args, cfg, runner.dtype, runner.device)
+    context = max_model_len(args, cfg, pages)
+    runner.init_kv_cache(pages, context)
+    return runner, context

@@ -7,7 +7,6 @@ import os
 import sys
 import traceback
 
-import torch
 import zmq
 
 from gyrfalcon.config.model_config import ModelConfig
@@ -15,25 +14,11 @@ from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.ipc.messages import SchedulerToWorker, Shutdown, StepPlan, WorkerError, WorkerReady
 from gyrfalcon.ipc.sockets import Channel, IpcPaths
 from gyrfalcon.utils import parent_alive, setup_child
-from gyrfalcon.worker.kv_sizing import max_model_len, num_kv_pages
-from gyrfalcon.worker.model_runner import ModelRunner
+from gyrfalcon.worker.model_runner import build_runner
 
 logger = logging.getLogger(__name__)
 
 POLL_MS = 1000
-
-
-def build_runner(
-    args: ServerArgs, model_dir: str, cfg: ModelConfig, rank: int
-) -> tuple[ModelRunner, int]:
-    """Load the model, then size and allocate the KV cache; returns (runner, context len)."""
-    if args.device == "cuda":
-        torch.cuda.set_device(rank)
-    runner = ModelRunner(args, cfg, model_dir, rank)
-    pages = num_kv_pages(args, cfg, runner.dtype, runner.device)
-    context = max_model_len(args, cfg, pages)
-    runner.init_kv_cache(pages, context)
-    return runner, context
 
 
 def run_worker(

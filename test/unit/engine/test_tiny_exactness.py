@@ -5,7 +5,6 @@ Covers batching, chunked prefill, mid-flight arrivals and preemption with a tiny
 
 import pytest
 import torch
-
 from conftest import TINY_ARCHS
 
 from gyrfalcon.config.server_args import ServerArgs

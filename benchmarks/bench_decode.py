@@ -1,0 +1,354 @@
+#!/usr/bin/env python3
+"""Decode step latency and tokens/s of the model runner, against the bandwidth roofline.
+
+The runner is built once (``worker.model_runner.build_runner``, as the server does)
+with KV pages for the largest batch. Per batch size: random prompts of
+--context tokens are prefilled (plans of at most --prefill-tokens tokens),
+--warmup decode steps run, then --steps decode steps are timed one by one
+(device synchronized around each), each row feeding back its greedy token;
+then the requests are freed. Plans are hand-built, so scheduler time is not
+counted; metadata, forward, sampling and the copy of sampled ids to the host are.
+Roofline: (weight bytes + KV bytes at the mean KV length of the timed steps) /
+the bandwidth measured in this run (or --bandwidth). Unknown flags go to
+ServerArgs (``gyrfalcon serve --help``), e.g. ``--page-size 32 --enforce-eager``.
+
+    python benchmarks/bench_decode.py --model benchmarks/models/llama-3.1-8b \\
+        --load-format dummy --device-kind h100 --output-json decode_llama.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+try:
+    import gyrfalcon  # noqa: F401
+except ImportError:  # running from a checkout without an installed package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+
+from gyrfalcon.bench.bandwidth import measure_read_bandwidth
+from gyrfalcon.bench.roofline import kv_read_bytes, roofline_step_ms, tokens_per_s, weight_bytes
+from gyrfalcon.config.model_config import ModelConfig
+from gyrfalcon.config.server_args import ServerArgs, parse_size
+from gyrfalcon.ipc import messages as msg
+from gyrfalcon.loader.resolve import default_model_name, resolve_model
+from gyrfalcon.worker.model_runner import ModelRunner, build_runner
+
+GREEDY = msg.SamplingParams(temperature=0.0, max_tokens=1 << 30, ignore_eos=True)
+
+
+def commit() -> str:
+    """Short commit of the checkout, or $GYRFALCON_COMMIT where there is no git."""
+    if os.environ.get("GYRFALCON_COMMIT"):
+        return os.environ["GYRFALCON_COMMIT"]
+    try:
+        cmd = ["git", "rev-parse", "--short", "HEAD"]
+        here = Path(__file__).resolve().parent
+        return subprocess.check_output(cmd, cwd=here, text=True, stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclasses.dataclass
+class Seq:
+    rid: str
+    prompt: list[int]
+    pages: list[int] = dataclasses.field(default_factory=list)
+    kv_len: int = 0  # tokens whose K/V are in the cache
+    last: int = -1  # token sampled last step (the next step's input)
+
+
+class Driver:
+    """Feeds hand-built StepPlans to a ModelRunner and tracks pages like a scheduler."""
+
+    def __init__(self, runner: ModelRunner, page_size: int, num_pages: int):
+        self.runner, self.page_size = runner, page_size
+        self.free_pages = list(range(num_pages - 1, 0, -1))  # page 0 is the dummy page
+        self.seqs: list[Seq] = []
+        self.step_id = 0
+
+    def _grow(self, seq: Seq, length: int) -> list[int]:
+        """Allocate pages so `seq` holds `length` tokens; returns the new ones."""
+        need = -(-length // self.page_size) - len(seq.pages)
+        if need > len(self.free_pages):
+            raise RuntimeError("out of KV pages; the page budget is computed wrongly")
+        new = [self.free_pages.pop() for _ in range(max(0, need))]
+        seq.pages.extend(new)
+        return new
+
+    def _run(
+        self,
+        mode: msg.ForwardMode,
+        rows: list[msg.ScheduledRow],
+        new: Sequence[msg.NewRequest] = (),
+        finished: Sequence[str] = (),
+    ) -> dict[str, int]:
+        """Execute one plan; returns the sampled token of each row by rid."""
+        plan = msg.StepPlan(self.step_id, list(new), list(finished), [msg.RankBatch(mode, rows)])
+        self.step_id += 1
+        result = self.runner.execute(plan)
+        return {r.rid: r.token_id for r in result.rows}
+
+    def prefill(self, prompts: list[list[int]], token_cap: int) -> None:
+        """Add requests and compute their prompts in plans of at most `token_cap` tokens."""
+        base = self.step_id
+        self.seqs = [Seq(f"{base}-{i}", p) for i, p in enumerate(prompts)]
+        rows: list[msg.ScheduledRow] = []
+        new: list[msg.NewRequest] = []
+        chunks: list[tuple[Seq, int]] = []
+        budget = token_cap
+        for seq in self.seqs:
+            new.append(msg.NewRequest(seq.rid, seq.prompt, GREEDY))
+            start = 0
+            while start < len(seq.prompt):
+                end = start + min(len(seq.prompt) - start, budget)
+                pages = self._grow(seq, end)
+                last = end == len(seq.prompt)
+                rows.append(msg.ScheduledRow(seq.rid, start, seq.prompt[start:end], pages, last))
+                chunks.append((seq, end - start))
+                budget -= end - start
+                start = end
+                if budget == 0:
+                    self._flush_prefill(rows, new, chunks)
+                    rows, new, chunks, budget = [], [], [], token_cap
+        if rows:
+            self._flush_prefill(rows, new, chunks)
+
+    def _flush_prefill(
+        self, rows: list[msg.ScheduledRow], new: list[msg.NewRequest], chunks: list[tuple[Seq, int]]
+    ) -> None:
+        out = self._run(msg.ForwardMode.PREFILL, rows, new)
+        for seq, n in chunks:
+            seq.kv_len += n
+            if seq.kv_len == len(seq.prompt):
+                seq.last = out[seq.rid]
+
+    def decode(self) -> None:
+        """One decode step: every sequence consumes the token it sampled last."""
+        rows = [
+            msg.ScheduledRow(s.rid, s.kv_len, [s.last], self._grow(s, s.kv_len + 1), True)
+            for s in self.seqs
+        ]
+        out = self._run(msg.ForwardMode.DECODE, rows)
+        for s in self.seqs:
+            s.kv_len += 1
+            s.last = out[s.rid]
+
+    def release(self) -> None:
+        """Free every sequence on the worker (finished_rids) and return its pages."""
+        self._run(msg.ForwardMode.DECODE, [], finished=[s.rid for s in self.seqs])
+        for s in self.seqs:
+            self.free_pages.extend(reversed(s.pages))
+        self.seqs = []
+        assert not self.runner.requests, "the worker kept state of freed requests"
+
+
+def bench_batch(
+    driver: Driver, ns: argparse.Namespace, batch_size: int, vocab: int, gen: torch.Generator
+) -> dict[str, float]:
+    """Prefill `batch_size` prompts, warm up, time `steps` decode steps, free them."""
+    device = driver.runner.device
+    prompts = torch.randint(0, vocab, (batch_size, ns.context), generator=gen).tolist()
+    try:
+        sync(device)
+        t0 = time.perf_counter()
+        driver.prefill(prompts, ns.prefill_tokens)
+        sync(device)
+        prefill_s = time.perf_counter() - t0
+        for _ in range(ns.warmup):
+            driver.decode()
+        times = []
+        for _ in range(ns.steps):
+            sync(device)
+            t0 = time.perf_counter()
+            driver.decode()
+            sync(device)
+            times.append(time.perf_counter() - t0)
+    finally:
+        driver.release()
+    return {
+        "prefill_s": prefill_s,
+        "step_ms": 1e3 * sum(times) / len(times),
+        "step_ms_median": 1e3 * statistics.median(times),
+        "step_ms_min": 1e3 * min(times),
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Any other flag is a ServerArgs flag (see `gyrfalcon serve --help`).",
+    )
+    ap.add_argument("--model", default=None, help="HF dir (default: the embedded SmolLM2)")
+    ap.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--device", default="auto", help="auto|cpu|cuda|cuda:N")
+    ap.add_argument("--device-kind", default="unknown", help="label recorded in the JSON")
+    ap.add_argument("--batch-sizes", default="1,8,32,64,128,256")
+    ap.add_argument("--context", type=int, default=1024, help="prompt tokens per request")
+    ap.add_argument("--steps", type=int, default=32, help="timed decode steps")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed decode steps first")
+    ap.add_argument("--prefill-tokens", type=int, default=16384, help="token cap of a plan")
+    ap.add_argument("--bandwidth", type=float, default=None, help="B/s; skips measuring it")
+    ap.add_argument("--bandwidth-bytes", default=None, help="buffer of the bandwidth probe")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--output-json", default=None)
+    return ap
+
+
+def server_args(ns: argparse.Namespace, extra: list[str], model_dir: str) -> ServerArgs:
+    """ServerArgs from the ServerArgs flags in `extra`, overlaid with this script's flags."""
+    sp = argparse.ArgumentParser(prog="bench_decode.py (ServerArgs flags)", add_help=False)
+    ServerArgs.add_cli_args(sp)
+    sns = sp.parse_args(extra)
+    if sns.model is not None:
+        sp.error(f"unexpected argument {sns.model!r} (use --model)")
+    base = ServerArgs.from_cli_args(sns)
+    return dataclasses.replace(
+        base,
+        model=model_dir,
+        load_format=ns.load_format,
+        dtype=ns.dtype,
+        attention_backend=ns.attention_backend,
+        device=ns.device,
+        seed=ns.seed,
+    ).resolved()
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'batch':>6} {'context':>8} {'step ms':>9} {'tok/s':>10} {'roof ms':>9} {'%roof':>6}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['batch_size']:>6} {r['context']:>8}  {r['error']}")
+            continue
+        pct = 100 * r["roofline_step_ms"] / r["step_ms"]
+        print(
+            f"{r['batch_size']:>6} {r['context']:>8} {r['step_ms']:>9.3f} {r['tok_s']:>10.1f} "
+            f"{r['roofline_step_ms']:>9.3f} {pct:>5.1f}%"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    ns, extra = ap.parse_known_args(argv)
+    batch_sizes = [int(x) for x in ns.batch_sizes.split(",")]
+    if min(batch_sizes) < 1 or ns.context < 1 or ns.steps < 1 or ns.prefill_tokens < 1:
+        ap.error("batch sizes, --context, --steps and --prefill-tokens must be >= 1")
+    model_dir = resolve_model(ns.model)
+    has_weights = glob.glob(os.path.join(model_dir, "*.safetensors"))
+    if ns.load_format != "dummy" and not has_weights:
+        ap.error(f"{model_dir} has no weights; pass --load-format dummy")
+    cfg = ModelConfig.from_dir(model_dir)
+    span = ns.context + ns.warmup + ns.steps  # KV length after the last step
+    if span > cfg.max_position_embeddings:
+        ap.error(
+            f"context + warmup + steps = {span} exceeds the model's {cfg.max_position_embeddings}"
+        )
+    args = server_args(ns, extra, model_dir)
+    pages_per_seq = -(-span // args.page_size)
+    need_pages = 1 + max(batch_sizes) * pages_per_seq
+    if args.num_kv_pages is None:
+        args = dataclasses.replace(args, num_kv_pages=need_pages)
+    elif args.num_kv_pages < need_pages:
+        ap.error(f"--num-kv-pages {args.num_kv_pages} < {need_pages} needed")
+    if args.max_model_len is not None and args.max_model_len < span:
+        ap.error(f"--max-model-len {args.max_model_len} < context + warmup + steps = {span}")
+    args = dataclasses.replace(
+        args,
+        max_model_len=args.max_model_len or span,  # graph buffers sized for what runs
+        max_num_seqs=max(args.max_num_seqs, max(batch_sizes)),
+    )
+    device = torch.device(args.device)
+
+    if ns.bandwidth is not None:
+        bandwidth, bw_source = ns.bandwidth, "given"
+    else:
+        probe = ns.bandwidth_bytes or ("1GiB" if device.type == "cuda" else "256MiB")
+        bandwidth, bw_source = measure_read_bandwidth(device, parse_size(probe)), "measured"
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print(f"bandwidth {bandwidth / 1e9:.1f} GB/s ({bw_source})", flush=True)
+
+    runner = build_runner(args, model_dir, cfg, rank=0)[0]
+    graphs = getattr(runner, "graphs", None)
+    dtype_bytes = torch.empty((), dtype=runner.dtype).element_size()
+    wbytes = weight_bytes(cfg, dtype_bytes)
+    driver = Driver(runner, args.page_size, args.num_kv_pages)
+    gen = torch.Generator().manual_seed(ns.seed)
+    mean_kv = ns.context + ns.warmup + (ns.steps + 1) / 2  # KV read by the mean timed step
+    rows: list[dict] = []
+    for bs in batch_sizes:
+        row: dict = {"batch_size": bs, "context": ns.context}
+        try:
+            t = bench_batch(driver, ns, bs, cfg.vocab_size, gen)
+        except torch.OutOfMemoryError as exc:  # record it and go on with the other sizes
+            torch.cuda.empty_cache()
+            row["error"] = f"out of memory: {str(exc).splitlines()[0]}"
+            rows.append(row)
+            print(f"batch {bs}: {row['error']}", flush=True)
+            continue
+        kv = kv_read_bytes(cfg, bs, 1, dtype_bytes) * mean_kv
+        roof = roofline_step_ms(wbytes, kv, bandwidth)
+        row.update(t)
+        row.update(
+            tok_s=tokens_per_s(bs, t["step_ms"]),
+            roofline_step_ms=roof,
+            roofline_tok_s=tokens_per_s(bs, roof),
+            mean_kv_len=mean_kv,
+            kv_read_bytes=kv,
+        )
+        rows.append(row)
+        print(f"batch {bs}: {t['step_ms']:.3f} ms/step, {row['tok_s']:.1f} tok/s", flush=True)
+
+    result = {
+        "bench": "decode",
+        "device_kind": ns.device_kind,
+        "model": default_model_name(ns.model),
+        "model_dir": model_dir,
+        "commit": commit(),
+        "dtype": args.dtype,
+        "attention_backend": args.attention_backend,
+        "load_format": args.load_format,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "graph_mode": graphs.mode if graphs is not None else "eager",
+        "graph_batch_sizes": graphs.sizes if graphs is not None else [],
+        "torch_version": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "bandwidth_bytes_per_s": bandwidth,
+        "bandwidth_source": bw_source,
+        "weight_bytes": wbytes,
+        "context": ns.context,
+        "steps": ns.steps,
+        "warmup": ns.warmup,
+        "server_args": dataclasses.asdict(args),
+        "rows": rows,
+    }
+    if ns.output_json:
+        os.makedirs(os.path.dirname(os.path.abspath(ns.output_json)), exist_ok=True)
+        with open(ns.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    print_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""Triton fused kernels on CUDA at realistic sizes, against the torch layers on CUDA.
+
+Run on the GPU machine: `python -m pytest test/gpu -m gpu -q`.
+"""
+
+import importlib.util
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from gyrfalcon.layers import activation as ref_act
+from gyrfalcon.layers.norm import RMSNorm
+from gyrfalcon.layers.rotary import RotaryEmbedding
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.bfloat16, torch.float32]
+# float32: summation order / approximate rsqrt+exp / fma contraction cost a few ulps.
+# bf16: every intermediate is rounded like torch's, so an approximate rsqrt/exp can
+# flip at most a rounding or two (a bf16 ulp is 2**-8..2**-7 relative).
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=2**-6)}
+
+
+@pytest.fixture(scope="module")
+def kern():
+    """The kernel modules, compiled for the GPU.
+
+    NOTE: the CPU unit tests set TRITON_INTERPRET=1 at import and triton decides
+    interpreter-vs-compiler when a kernel module is imported (and consults the flag
+    while compiling), so fresh module objects are built and used with it unset.
+    """
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("triton")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("TRITON_INTERPRET", raising=False)
+        mods = {}
+        for name in ("norm", "rotary", "activation", "kv_store"):
+            spec = importlib.util.find_spec(f"gyrfalcon.kernels.{name}")
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            mods[name] = mod
+        assert "TRITON_INTERPRET" not in os.environ
+        yield SimpleNamespace(**mods)
+
+
+def ref_norm(hidden, dtype, eps=1e-5):
+    norm = RMSNorm(hidden, eps)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden) * 0.5 + 1.0)
+    return norm.to(device="cuda", dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 300, 8192])
+@pytest.mark.parametrize("H,block", [(576, None), (4096, None), (4096, 1024)])
+def test_rmsnorm(kern, dtype, T, H, block):
+    torch.manual_seed(0)
+    norm = ref_norm(H, dtype)
+    x = (torch.randn(T, H, device="cuda") * 3).to(dtype)
+    out = kern.norm.rmsnorm(x, norm.weight.data, norm.eps, block_size=block)
+    torch.testing.assert_close(out, norm(x), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rmsnorm_per_head_qk_norm(kern, dtype):
+    torch.manual_seed(1)
+    T, Hq, Hk, D = 4096, 32, 8, 128
+    norm = ref_norm(D, dtype)
+    qkv = torch.randn(T, (Hq + 2 * Hk) * D, device="cuda").to(dtype)
+    k = qkv[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D)
+    torch.testing.assert_close(
+        kern.norm.rmsnorm(k, norm.weight.data, norm.eps), norm(k), **TOL[dtype]
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 8192])
+@pytest.mark.parametrize("block", [None, 1024])
+def test_fused_add_rmsnorm(kern, dtype, T, block):
+    torch.manual_seed(2)
+    H = 4096
+    norm = ref_norm(H, dtype)
+    x = torch.randn(T, H, device="cuda").to(dtype)
+    res = (torch.randn(T, H, device="cuda") * 4).to(dtype)
+    want_res = res + x
+    want = norm(want_res)
+    normed, new_res = kern.norm.fused_add_rmsnorm(
+        x, res, norm.weight.data, norm.eps, block_size=block
+    )
+    assert normed.data_ptr() == x.data_ptr() and new_res.data_ptr() == res.data_ptr()
+    assert torch.equal(new_res, want_res)  # one rounded add, exactly torch's
+    torch.testing.assert_close(normed, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 8192])
+@pytest.mark.parametrize("Hq,Hk,D", [(32, 8, 128), (9, 3, 64)])
+def test_rotary_on_split_qkv(kern, dtype, T, Hq, Hk, D):
+    torch.manual_seed(3)
+    max_pos = 32768
+    rope = RotaryEmbedding(D, 500000.0, None).cuda()
+    cache = kern.rotary.build_cos_sin_cache(rope.inv_freq, max_pos)
+    qkv = torch.randn(T, (Hq + 2 * Hk) * D, device="cuda").to(dtype)
+    q, k, v = qkv.split([Hq * D, Hk * D, Hk * D], dim=-1)
+    q, k, v = q.view(T, Hq, D), k.view(T, Hk, D), v.view(T, Hk, D)
+    positions = torch.randint(0, max_pos, (T,), device="cuda")
+    want_q, want_k = rope(positions, q.clone(), k.clone())
+    v0 = v.clone()
+    kern.rotary.rotary_inplace(q, k, positions, cache)
+    torch.testing.assert_close(q, want_q, **TOL[dtype])
+    torch.testing.assert_close(k, want_k, **TOL[dtype])
+    assert torch.equal(v, v0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 8192])
+@pytest.mark.parametrize("inter", [1536, 14336])
+def test_silu_and_mul(kern, dtype, T, inter):
+    torch.manual_seed(4)
+    x = (torch.randn(T, 2 * inter, device="cuda") * 4).to(dtype)
+    out = kern.activation.silu_and_mul(x)
+    torch.testing.assert_close(out, ref_act.silu_and_mul(x), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 8192])
+def test_store_kv_matches_index_copy(kern, dtype, T):
+    torch.manual_seed(5)
+    Hq, KVH, D, S = 32, 8, 128, 65536
+    qkv = torch.randn(T, (Hq + 2 * KVH) * D, device="cuda", dtype=torch.float32)
+    _, k, v = qkv.split([Hq * D, KVH * D, KVH * D], dim=-1)
+    k, v = k.view(T, KVH, D), v.view(T, KVH, D)
+    loc = torch.randperm(S - 16, device="cuda")[:T] + 16  # page 0 (16 slots) is the dummy
+    pad = torch.arange(T, device="cuda") % 7 == 3
+    loc[pad] = 0
+    k_cache = torch.zeros(S, KVH, D, device="cuda", dtype=dtype)
+    v_cache = torch.zeros(S, KVH, D, device="cuda", dtype=dtype)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    real = ~pad
+    want_k.index_copy_(0, loc[real], k[real].to(dtype))
+    want_v.index_copy_(0, loc[real], v[real].to(dtype))
+    kern.kv_store.store_kv(k, v, k_cache, v_cache, loc)
+    # exact, including float32 -> bf16 rounding; slot 0 is only written by padded rows
+    assert torch.equal(k_cache[1:], want_k[1:]) and torch.equal(v_cache[1:], want_v[1:])
+    if pad.any():
+        hits = (k_cache[0][None] == k[pad].to(dtype)).any(dim=0)
+        assert hits.all()
+
+
+def test_kernels_capture_in_cuda_graph(kern):
+    # no host syncs: the whole sequence must be capturable and replayable
+    torch.manual_seed(6)
+    T, H, Hq, Hk, D, inter, dt = 64, 4096, 32, 8, 128, 14336, torch.bfloat16
+    norm = ref_norm(H, dt)
+    rope = RotaryEmbedding(D, 10000.0, None).cuda()
+    cache = kern.rotary.build_cos_sin_cache(rope.inv_freq, 4096)
+    x = torch.randn(T, H, device="cuda").to(dt)
+    qkv = torch.randn(T, (Hq + 2 * Hk) * D, device="cuda").to(dt)
+    gu = torch.randn(T, 2 * inter, device="cuda").to(dt)
+    positions = torch.randint(0, 4096, (T,), device="cuda")
+    loc = torch.randperm(1024, device="cuda")[:T]
+    kc = torch.zeros(1024, Hk, D, device="cuda", dtype=dt)
+    vc = torch.zeros_like(kc)
+    q, k, v = qkv.split([Hq * D, Hk * D, Hk * D], dim=-1)
+    q, k, v = q.view(T, Hq, D), k.view(T, Hk, D), v.view(T, Hk, D)
+    want_q, want_k = rope(positions, q.clone(), k.clone())
+
+    def step():
+        n = kern.norm.rmsnorm(x, norm.weight.data, norm.eps)
+        kern.rotary.rotary_inplace(q, k, positions, cache)
+        kern.kv_store.store_kv(k, v, kc, vc, loc)
+        return n, kern.activation.silu_and_mul(gu)
+
+    qkv0 = qkv.clone()
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    qkv.copy_(qkv0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        n, act = step()
+    qkv.copy_(qkv0)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(n, norm(x), **TOL[dt])
+    torch.testing.assert_close(act, ref_act.silu_and_mul(gu), **TOL[dt])
+    torch.testing.assert_close(q, want_q, **TOL[dt])
+    assert torch.equal(kc[loc], k)
