@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from gyrfalcon.layers import activation as ref_act
+from gyrfalcon.layers.dispatch import torch_reference_ops
 from gyrfalcon.layers.norm import RMSNorm
 from gyrfalcon.layers.rotary import RotaryEmbedding
 
@@ -21,6 +22,13 @@ DTYPES = [torch.bfloat16, torch.float32]
 # bf16: every intermediate is rounded like torch's, so an approximate rsqrt/exp can
 # flip at most a rounding or two (a bf16 ulp is 2**-8..2**-7 relative).
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=2**-6)}
+
+
+@pytest.fixture(autouse=True)
+def _reference_layers():
+    """The layers below are the references: keep them on their torch code on CUDA."""
+    with torch_reference_ops():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +109,7 @@ def test_fused_add_rmsnorm(kern, dtype, T, block):
 def test_rotary_on_split_qkv(kern, dtype, T, Hq, Hk, D):
     torch.manual_seed(3)
     max_pos = 32768
-    rope = RotaryEmbedding(D, 500000.0, None).cuda()
+    rope = RotaryEmbedding(D, 500000.0, None, 32768).cuda()
     cache = kern.rotary.build_cos_sin_cache(rope.inv_freq, max_pos)
     qkv = torch.randn(T, (Hq + 2 * Hk) * D, device="cuda").to(dtype)
     q, k, v = qkv.split([Hq * D, Hk * D, Hk * D], dim=-1)
@@ -155,7 +163,7 @@ def test_kernels_capture_in_cuda_graph(kern):
     torch.manual_seed(6)
     T, H, Hq, Hk, D, inter, dt = 64, 4096, 32, 8, 128, 14336, torch.bfloat16
     norm = ref_norm(H, dt)
-    rope = RotaryEmbedding(D, 10000.0, None).cuda()
+    rope = RotaryEmbedding(D, 10000.0, None, 4096).cuda()
     cache = kern.rotary.build_cos_sin_cache(rope.inv_freq, 4096)
     x = torch.randn(T, H, device="cuda").to(dt)
     qkv = torch.randn(T, (Hq + 2 * Hk) * D, device="cuda").to(dt)

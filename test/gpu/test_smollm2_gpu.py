@@ -44,56 +44,46 @@ def hf_model(d, dtype):
     return AutoModelForCausalLM.from_pretrained(d, dtype=dtype).cuda().eval()
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch_ref"])
-def test_float32_token_identical_to_hf(smollm2_gpu_dir, prompts, backend):
+@pytest.fixture(scope="module")
+def hf_float32_outputs(smollm2_gpu_dir, prompts):
     m = hf_model(smollm2_gpu_dir, torch.float32)
     ref = []
     for p in prompts:
         ids = torch.tensor([p], device="cuda")
         g = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False)
         ref.append(g[0, len(p) :].tolist())
+    return ref
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch_ref"])
+def test_float32_token_identical_to_hf(smollm2_gpu_dir, prompts, hf_float32_outputs, backend):
     args = ServerArgs(
-        model=smollm2_gpu_dir,
-        device="cuda",
-        dtype="float32",
-        attention_backend=backend,
+        model=smollm2_gpu_dir, device="cuda", dtype="float32", attention_backend=backend,
         num_kv_pages=2048,
-    )
-    got = LocalEngine(args, smollm2_gpu_dir).generate(
-        prompts, SamplingParams(temperature=0, max_tokens=48)
-    )
-    assert got == ref
+    )  # fmt: skip
+    eng = LocalEngine(args, smollm2_gpu_dir)
+    got = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=48))
+    assert got == hf_float32_outputs
 
 
 def test_bf16_flashinfer_teacher_forced_argmax(smollm2_gpu_dir, prompts):
-    """Feed HF's bf16 greedy continuation; compare per-position argmax of both models."""
-    m = hf_model(smollm2_gpu_dir, torch.bfloat16)
-    seqs = []
-    for p in prompts:
-        ids = torch.tensor([p], device="cuda")
-        g = m.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=300,
-            min_new_tokens=300,
-            do_sample=False,
-        )
-        seqs.append(g[0].tolist())
-    agree = total = 0
+    """On the same token sequences, the per-position argmax of the engine (bf16,
+    flashinfer, read through prompt logprobs) agrees with HF bf16 at >= 99%."""
     args = ServerArgs(
-        model=smollm2_gpu_dir,
-        device="cuda",
-        dtype="bfloat16",
-        attention_backend="flashinfer",
+        model=smollm2_gpu_dir, device="cuda", dtype="bfloat16", attention_backend="flashinfer",
         num_kv_pages=2048,
-    )
+    )  # fmt: skip
     eng = LocalEngine(args, smollm2_gpu_dir)
-    for p, seq in zip(prompts, seqs):
+    # continuations to teacher-force on (any fluent text works; the engine is fast)
+    outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=280, ignore_eos=True))
+    seqs = [p + o for p, o in zip(prompts, outs)]
+    m = hf_model(smollm2_gpu_dir, torch.bfloat16)
+    agree = total = 0
+    for i, (p, seq) in enumerate(zip(prompts, seqs)):
         with torch.no_grad():
-            hf_arg = m(torch.tensor([seq], device="cuda")).logits[0, len(p) - 1 : -1].argmax(-1)
-        # the engine, forced along the same tokens: prompt_logprobs top-1 at each position
-        sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
-        eng.add("x", seq, sp)
+            logits = m(torch.tensor([seq], device="cuda")).logits[0]
+        hf_arg = logits[len(p) - 1 : -1].argmax(-1).tolist()  # predicts tokens len(p)..end
+        eng.add(f"tf{i}", seq, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
         plp = None
         while eng.has_work():
             for out in eng.step():
@@ -101,7 +91,8 @@ def test_bf16_flashinfer_teacher_forced_argmax(smollm2_gpu_dir, prompts):
                     plp = out.prompt_logprobs
         eng.step()
         ours = [pos.top[0].token_id for pos in plp[len(p) :]]
-        agree += sum(int(a == b) for a, b in zip(ours, hf_arg.tolist()))
+        assert len(ours) == len(hf_arg)
+        agree += sum(int(a == b) for a, b in zip(ours, hf_arg))
         total += len(ours)
     assert total >= 2000
     assert agree / total >= 0.99, (agree, total)

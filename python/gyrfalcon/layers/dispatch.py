@@ -7,8 +7,10 @@ branch, because Triton picks interpreter vs compiler at import time.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
+from collections.abc import Iterator
 
 import torch
 
@@ -18,5 +20,20 @@ def _has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+_reference_only = False
+
+
+@contextlib.contextmanager
+def torch_reference_ops() -> Iterator[None]:
+    """Inside this block layers run their torch reference code on CUDA too
+    (tests compare the fused kernels against it)."""
+    global _reference_only
+    old, _reference_only = _reference_only, True
+    try:
+        yield
+    finally:
+        _reference_only = old
+
+
 def use_fused(x: torch.Tensor) -> bool:
-    return x.is_cuda and _has_triton()
+    return x.is_cuda and not _reference_only and _has_triton()

@@ -118,7 +118,7 @@ def test_fused_add_rmsnorm_out_of_place_keeps_inputs():
 
 @pytest.mark.parametrize("scaling", [None, LLAMA3])
 def test_cos_sin_cache_is_exactly_the_reference_table(scaling):
-    rope = RotaryEmbedding(64, 500000.0, scaling)
+    rope = RotaryEmbedding(64, 500000.0, scaling, 4096)
     cache = build_cos_sin_cache(rope.inv_freq, 300)
     freqs = torch.arange(300).float()[:, None] * rope.inv_freq[None, :]
     assert cache.shape == (300, 64) and cache.dtype == torch.float32
@@ -130,7 +130,7 @@ def test_cos_sin_cache_is_exactly_the_reference_table(scaling):
 def test_rotary_inplace_on_split_qkv(T, D, scaling):
     torch.manual_seed(T + D)
     Hq, Hk, max_pos = 6, 2, 4096
-    rope = RotaryEmbedding(D, 10000.0, scaling)
+    rope = RotaryEmbedding(D, 10000.0, scaling, 4096)
     cache = build_cos_sin_cache(rope.inv_freq, max_pos)
     qkv = torch.randn(T, (Hq + 2 * Hk) * D)
     positions = torch.randint(0, max_pos, (T,))
@@ -149,7 +149,7 @@ def test_rotary_inplace_on_split_qkv(T, D, scaling):
 def test_rotary_bf16():
     torch.manual_seed(4)
     T, Hq, Hk, D = 37, 4, 2, 64
-    rope = RotaryEmbedding(D, 10000.0, None)
+    rope = RotaryEmbedding(D, 10000.0, None, 4096)
     cache = build_cos_sin_cache(rope.inv_freq, 1024)
     q = torch.randn(T, Hq, D).to(torch.bfloat16)
     k = torch.randn(T, Hk, D).to(torch.bfloat16)

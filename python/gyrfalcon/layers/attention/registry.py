@@ -12,4 +12,14 @@ def create_backend(
         from gyrfalcon.layers.attention.torch_ref import TorchRefBackend
 
         return TorchRefBackend(num_heads, num_kv_heads, head_dim, scale)
-    raise ValueError(f"unknown attention backend {name!r} (available: torch_ref)")
+    if name == "triton":
+        from gyrfalcon.layers.attention.triton_backend import TritonBackend
+
+        return TritonBackend(num_heads, num_kv_heads, head_dim, scale)
+    if name == "flashinfer":
+        from gyrfalcon.layers.attention.flashinfer_backend import FlashInferBackend
+
+        return FlashInferBackend(num_heads, num_kv_heads, head_dim, scale)
+    raise ValueError(
+        f"unknown attention backend {name!r} (available: torch_ref, triton, flashinfer)"
+    )

@@ -1,0 +1,210 @@
+"""Triton attention backend: paged split-KV decode and paged causal extend kernels.
+
+An all-decode batch (every row has one new token) runs the split-KV decode
+kernel; any other batch runs the extend kernel for all its rows (a decode row
+is an extend row with q_len 1). Everything that needs host values (max_q_len,
+whether the batch is all-decode) is computed once per step in build_metadata,
+so `forward` launches kernels without host syncs.
+
+CUDA graphs (decode only): `capture_buffers` allocates static int32 page table
+and seq_lens buffers plus the decode scratch for max_bs rows; `prepare_replay`
+copies the graph runner's static batch into them and returns metadata whose
+tensors are views of those buffers, so a captured graph reads fresh values on
+every replay. The decode grid depends only on the padded batch size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gyrfalcon.kernels.attention_decode import DecodeScratch, alloc_decode_scratch, decode_attention
+from gyrfalcon.kernels.attention_extend import extend_attention
+from gyrfalcon.layers.attention.base import AttentionBackend
+from gyrfalcon.worker.forward_batch import ForwardBatch
+
+
+@dataclass
+class TritonMeta:
+    page_table: torch.Tensor  # [bs, max_pages] int32
+    seq_lens: torch.Tensor  # [bs] int32, KV length of each row after this step (>= 1)
+    q_starts: torch.Tensor  # [bs] int32, offset of each row's first new token in [T]
+    q_lens: torch.Tensor  # [bs] int32, new tokens of each row (>= 1)
+    max_q_len: int  # host value: sets the extend grid
+    is_decode: bool  # every row has exactly one new token (T == bs)
+    scratch: DecodeScratch | None  # decode partials, rows [0, bs) used; None unless is_decode
+
+
+@dataclass
+class _StaticDecode:
+    """CUDA-graph buffers: rows [0, max_bs) of the decode metadata."""
+
+    page_table: torch.Tensor  # [max_bs, max_pages] int32
+    seq_lens: torch.Tensor  # [max_bs] int32
+    scratch: DecodeScratch
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+    supports_cuda_graph = True
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        num_kv_splits: int = 8,
+        decode_block_n: int | None = None,
+        extend_block_m: int | None = None,
+        extend_block_n: int | None = None,
+    ):
+        """num_kv_splits: fixed split-KV count of the decode kernel (its grid is
+        (bs, KVH, num_kv_splits)); block sizes default to the kernels' choice."""
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+        assert 1 <= num_kv_splits, num_kv_splits
+        self.num_kv_splits = num_kv_splits
+        self.decode_block_n = decode_block_n
+        self.extend_block_m, self.extend_block_n = extend_block_m, extend_block_n
+        self._scratch: DecodeScratch | None = None  # eager decode scratch, grown on demand
+        self._static: _StaticDecode | None = None
+
+    # ------------------------------------------------------------ metadata
+
+    def _decode_scratch(self, bs: int, device: torch.device) -> DecodeScratch:
+        """Eager-mode scratch with at least bs rows (reused across steps and layers).
+
+        NOTE: reuse is safe because every layer's stage 2 consumes the partials
+        before the next launch on the same stream overwrites them.
+        """
+        s = self._scratch
+        if s is None or s.mid_o.shape[0] < bs or s.mid_o.device != device:
+            rows = max(bs, 2 * s.mid_o.shape[0] if s is not None else 1)
+            s = alloc_decode_scratch(
+                rows, self.num_heads, self.head_dim, self.num_kv_splits, device
+            )
+            self._scratch = s
+        return s
+
+    def _check(self, batch: ForwardBatch) -> None:
+        """Shape and length assertions on the batch (host values only, no syncs)."""
+        bs, num_tokens = batch.batch_size, batch.num_tokens
+        assert bs >= 1, "empty batch"
+        assert len(batch.q_lens_cpu) == bs, (len(batch.q_lens_cpu), bs)
+        assert batch.seq_lens.shape == (bs,), (batch.seq_lens.shape, bs)
+        assert batch.q_lens.shape == (bs,) and batch.q_starts.shape == (bs,), (
+            batch.q_lens.shape,
+            batch.q_starts.shape,
+            bs,
+        )
+        assert batch.page_table.dim() == 2 and batch.page_table.shape[0] == bs, (
+            batch.page_table.shape,
+            bs,
+        )
+        assert batch.out_cache_loc.shape == (num_tokens,), (batch.out_cache_loc.shape, num_tokens)
+        assert sum(batch.q_lens_cpu) == num_tokens, (sum(batch.q_lens_cpu), num_tokens)
+        capacity = batch.page_table.shape[1] * batch.page_size
+        for row, (q_len, seq_len) in enumerate(zip(batch.q_lens_cpu, batch.seq_lens_cpu)):
+            assert 1 <= q_len <= seq_len <= capacity, (
+                f"row {row}: q_len {q_len} seq_len {seq_len} page capacity {capacity}"
+            )
+
+    def build_metadata(self, batch: ForwardBatch) -> TritonMeta:
+        self._check(batch)
+        bs = batch.batch_size
+        is_decode = batch.num_tokens == bs  # with every q_len >= 1: all rows have one token
+        device = batch.seq_lens.device
+        return TritonMeta(
+            page_table=batch.page_table.to(torch.int32),
+            seq_lens=batch.seq_lens.to(torch.int32),
+            q_starts=batch.q_starts.to(torch.int32),
+            q_lens=batch.q_lens.to(torch.int32),
+            max_q_len=max(batch.q_lens_cpu),
+            is_decode=is_decode,
+            scratch=self._decode_scratch(bs, device) if is_decode else None,
+        )
+
+    # ------------------------------------------------------------ CUDA graphs
+
+    def capture_buffers(self, max_bs: int, max_pages: int, device: torch.device) -> None:
+        self._static = _StaticDecode(
+            page_table=torch.zeros((max_bs, max_pages), dtype=torch.int32, device=device),
+            seq_lens=torch.ones(max_bs, dtype=torch.int32, device=device),
+            scratch=alloc_decode_scratch(
+                max_bs, self.num_heads, self.head_dim, self.num_kv_splits, device
+            ),
+        )
+
+    def prepare_replay(self, batch: ForwardBatch) -> TritonMeta:
+        """Decode metadata for `batch` in the static buffers (same tensors every call)."""
+        st = self._static
+        assert st is not None, "capture_buffers must run before prepare_replay"
+        self._check(batch)
+        bs, width = batch.batch_size, batch.page_table.shape[1]
+        assert batch.num_tokens == bs, "graphs replay decode batches only"
+        assert bs <= st.seq_lens.shape[0] and width <= st.page_table.shape[1], (
+            bs,
+            width,
+            tuple(st.page_table.shape),
+        )
+        # NOTE: columns past `width` keep stale pages; the kernel reads only the
+        # pages of positions < seq_len, which all lie in the copied columns.
+        st.page_table[:bs, :width].copy_(batch.page_table)
+        st.seq_lens[:bs].copy_(batch.seq_lens)
+        return TritonMeta(
+            page_table=st.page_table[:bs],
+            seq_lens=st.seq_lens[:bs],
+            q_starts=st.seq_lens[:0],  # unused by the decode kernel
+            q_lens=st.seq_lens[:0],
+            max_q_len=1,
+            is_decode=True,
+            scratch=st.scratch,
+        )
+
+    # ------------------------------------------------------------ forward
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        meta: TritonMeta = batch.attn_meta
+        num_tokens = q.shape[0]
+        assert q.shape == (num_tokens, self.num_heads, self.head_dim), q.shape
+        assert k.shape == v.shape == (num_tokens, self.num_kv_heads, self.head_dim), k.shape
+        cache = batch.kv_cache
+        cache.write(layer, batch.out_cache_loc, k, v)
+        k_all, v_all = cache.k[layer], cache.v[layer]  # [slots, KVH, D]
+        q = q.contiguous()
+        out = torch.empty_like(q)  # [T, H, D]
+        if meta.is_decode:
+            assert meta.scratch is not None and meta.seq_lens.shape[0] == num_tokens
+            decode_attention(
+                q,
+                k_all,
+                v_all,
+                meta.page_table,
+                meta.seq_lens,
+                out,
+                meta.scratch,
+                batch.page_size,
+                self.scale,
+                block_n=self.decode_block_n,
+            )
+        else:
+            extend_attention(
+                q,
+                k_all,
+                v_all,
+                meta.page_table,
+                meta.q_starts,
+                meta.q_lens,
+                meta.seq_lens,
+                out,
+                meta.max_q_len,
+                batch.page_size,
+                self.scale,
+                block_m=self.extend_block_m,
+                block_n=self.extend_block_n,
+            )
+        return out.view(num_tokens, -1)

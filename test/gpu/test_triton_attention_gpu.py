@@ -1,0 +1,199 @@
+"""Triton attention backend on CUDA in bf16 at realistic sizes, against torch_ref in fp32.
+
+Run on the GPU machine: `pytest test/gpu/test_triton_attention_gpu.py -m gpu`.
+
+NOTE: the Triton kernels are imported inside the fixture, never at module level:
+collecting this file on a CPU machine must not decorate them in compiled mode
+before the CPU unit tests switch Triton to its interpreter.
+"""
+
+import importlib
+import importlib.util
+
+import pytest
+import torch
+
+from gyrfalcon.ipc.messages import ForwardMode
+from gyrfalcon.layers.attention.torch_ref import TorchRefBackend
+from gyrfalcon.worker.forward_batch import ForwardBatch
+from gyrfalcon.worker.kv_cache import KVCache
+from gyrfalcon.worker.metadata import RowInput, build_batch_tensors
+
+pytestmark = pytest.mark.gpu
+
+PS = 16
+LAYER = 1
+# bf16 inputs and bf16 probabilities in the PV product vs an fp32 oracle
+TOL = dict(atol=2e-2, rtol=2e-2)
+
+
+def _interpreted(module) -> bool:
+    return any(type(v).__name__ == "InterpretedFunction" for v in vars(module).values())
+
+
+@pytest.fixture(scope="module")
+def triton_backend_cls():
+    """TritonBackend with its kernels compiled for the GPU.
+
+    NOTE: CPU unit tests collected in the same session may have set
+    TRITON_INTERPRET=1 and imported kernel modules under it (triton picks
+    interpreter vs compiler at import and consults the flag while compiling), so
+    the flag is unset for this module and interpreted kernel modules are reloaded
+    in place (functions that already reference them see the compiled kernels).
+    """
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("triton")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("TRITON_INTERPRET", raising=False)
+        for name in ("attention_decode", "attention_extend", "kv_store"):
+            full = f"gyrfalcon.kernels.{name}"
+            if importlib.util.find_spec(full) is None:
+                continue
+            module = importlib.import_module(full)
+            if _interpreted(module):
+                importlib.reload(module)
+            assert not _interpreted(module), f"{full} is still interpreted"
+        from gyrfalcon.layers.attention.triton_backend import TritonBackend
+
+        yield TritonBackend
+
+
+def make_case(spec, kv_heads, head_dim, seed, pad_rows=0):
+    """(prefix, q_len) rows on scrambled pages of a bf16 cache; prefix KV pre-written."""
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-(p + n) // PS) for p, n in spec]
+    perm = (torch.randperm(sum(need) + 7, generator=gen) + 1).tolist()
+    cache = KVCache(2, sum(need) + 8, PS, kv_heads, head_dim, torch.bfloat16, dev)
+    cache.k.normal_()
+    cache.v.normal_()
+    rows = []
+    for (prefix, n), count in zip(spec, need):
+        pages, perm = perm[:count], perm[count:]
+        rows.append(RowInput(prefix, [0] * n, pages))
+    rows += [RowInput(0, [0], [0])] * pad_rows
+    return cache, rows
+
+
+def make_batch(rows, cache, backend, mode):
+    bt = build_batch_tensors(rows, PS, cache.k.device)
+    batch = ForwardBatch(
+        mode,
+        bt.input_ids,
+        bt.positions,
+        bt.out_cache_loc,
+        bt.seq_lens,
+        bt.q_lens,
+        bt.q_starts,
+        bt.page_table,
+        bt.seq_lens_cpu,
+        bt.q_lens_cpu,
+        PS,
+        cache,
+        backend,
+    )
+    batch.attn_meta = backend.build_metadata(batch)
+    return batch
+
+
+def compare(cls, spec, heads, kv_heads, head_dim, mode, pad_rows=0, seed=0, **kw):
+    torch.manual_seed(seed)
+    cache, rows = make_case(spec, kv_heads, head_dim, seed, pad_rows)
+    scale = head_dim**-0.5
+    tri = cls(heads, kv_heads, head_dim, scale, **kw)
+    ref = TorchRefBackend(heads, kv_heads, head_dim, scale)
+    tb = make_batch(rows, cache, tri, mode)
+    rb = make_batch(rows, cache, ref, mode)
+    T = tb.num_tokens
+    q = torch.randn(T, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(T, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(T, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    out = tri.forward(q, k, v, LAYER, tb)
+    # the oracle reads the same bf16 cache, upcast: fp32 attention of bf16 values
+    expect = ref.forward(q.float(), k, v, LAYER, rb)
+    n_real = sum(n for _, n in spec)
+    got, want = out[:n_real].float(), expect[:n_real]
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(got, want, **TOL)
+    assert (got - want).abs().mean() < 2e-3, "systematic error"
+
+
+GEOMETRIES = [(32, 8, 128), (32, 32, 128), (24, 8, 64), (64, 8, 128), (16, 2, 256)]
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", GEOMETRIES)
+@pytest.mark.parametrize("bs,splits", [(1, 8), (7, 16), (64, 8)])
+def test_decode_bf16(triton_backend_cls, heads, kv_heads, head_dim, bs, splits):
+    gen = torch.Generator().manual_seed(bs)
+    lens = torch.randint(1, 4097, (bs,), generator=gen).tolist()
+    edges = [1, PS - 1, PS, PS + 1, 4096]
+    lens[: min(bs, len(edges))] = edges[: min(bs, len(edges))]
+    spec = [(n - 1, 1) for n in lens]
+    compare(
+        triton_backend_cls,
+        spec,
+        heads,
+        kv_heads,
+        head_dim,
+        ForwardMode.DECODE,
+        pad_rows=3,
+        num_kv_splits=splits,
+    )
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", GEOMETRIES)
+def test_extend_mixed_bf16(triton_backend_cls, heads, kv_heads, head_dim):
+    # fresh prefills, chunks after long cached prefixes, verify rows, decodes
+    spec = [(0, 1024), (3000, 512), (0, 77), (2047, 129), (4000, 96)]
+    spec += [(int(p), 4) for p in torch.randint(1, 4000, (16,)).tolist()]
+    spec += [(int(p), 1) for p in torch.randint(1, 4000, (8,)).tolist()]
+    compare(triton_backend_cls, spec, heads, kv_heads, head_dim, ForwardMode.MIXED)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_verify_bf16(triton_backend_cls, k):
+    spec = [(int(p), k + 1) for p in torch.randint(1, 4000, (64,)).tolist()]
+    compare(triton_backend_cls, spec, 32, 8, 128, ForwardMode.VERIFY, pad_rows=4)
+
+
+def test_decode_cuda_graph_replay(triton_backend_cls):
+    """Capture a padded decode batch (dummy rows only), replay with real rows."""
+    heads, kv_heads, head_dim, padded = 32, 8, 128, 8
+    scale = head_dim**-0.5
+    tri = triton_backend_cls(heads, kv_heads, head_dim, scale)
+    ref = TorchRefBackend(heads, kv_heads, head_dim, scale)
+    lens = [1, 300, 4096, 17, 2049]
+    cache, rows = make_case([(n - 1, 1) for n in lens], kv_heads, head_dim, 0)
+    max_pages = 4096 // PS
+    tri.capture_buffers(padded, max_pages, cache.k.device)
+    static = {
+        "q": torch.zeros(padded, heads, head_dim, device="cuda", dtype=torch.bfloat16),
+        "k": torch.zeros(padded, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16),
+        "v": torch.zeros(padded, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16),
+    }
+    dummy = make_batch([RowInput(0, [0], [0])] * padded, cache, tri, ForwardMode.DECODE)
+    static_loc = dummy.out_cache_loc.clone()
+    dummy.out_cache_loc = static_loc
+    dummy.attn_meta = tri.prepare_replay(dummy)
+    run = lambda: tri.forward(static["q"], static["k"], static["v"], LAYER, dummy)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = run()
+
+    real = make_batch(rows + [RowInput(0, [0], [0])] * 3, cache, tri, ForwardMode.DECODE)
+    tri.prepare_replay(real)  # refills the static page table and seq_lens
+    static_loc.copy_(real.out_cache_loc)
+    for name in static:
+        static[name].normal_()
+    graph.replay()
+    torch.cuda.synchronize()
+    rb = make_batch(rows + [RowInput(0, [0], [0])] * 3, cache, ref, ForwardMode.DECODE)
+    expect = ref.forward(static["q"].float(), static["k"], static["v"], LAYER, rb)
+    n = len(lens)
+    torch.testing.assert_close(static_out[:n].float(), expect[:n], **TOL)

@@ -1,0 +1,243 @@
+"""Triton attention backend vs torch_ref on ragged paged batches (Triton interpreter on CPU)."""
+
+import os
+
+_PRIOR_INTERPRET = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"  # NOTE: must precede every import of triton
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if torch.cuda.is_available():
+    # NOTE: kernels are interpreted or compiled once per session, when their module is
+    # imported; on a GPU machine they must compile (test/gpu covers them there).
+    if _PRIOR_INTERPRET is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = _PRIOR_INTERPRET
+    pytest.skip("CPU interpreter tests; test/gpu covers CUDA", allow_module_level=True)
+pytest.importorskip("triton")
+
+from gyrfalcon.ipc.messages import ForwardMode  # noqa: E402
+from gyrfalcon.kernels import attention_decode  # noqa: E402
+from gyrfalcon.layers.attention.registry import create_backend  # noqa: E402
+from gyrfalcon.layers.attention.torch_ref import TorchRefBackend  # noqa: E402
+from gyrfalcon.layers.attention.triton_backend import TritonBackend  # noqa: E402
+from gyrfalcon.worker.forward_batch import ForwardBatch  # noqa: E402
+from gyrfalcon.worker.kv_cache import KVCache  # noqa: E402
+from gyrfalcon.worker.metadata import RowInput, build_batch_tensors  # noqa: E402
+
+if type(attention_decode._decode_split_kernel).__name__ != "InterpretedFunction":
+    pytest.skip(
+        "the kernels were imported in compiled mode before TRITON_INTERPRET was set",
+        allow_module_level=True,
+    )
+
+CPU = torch.device("cpu")
+PS = 4  # page size
+LAYER = 1  # a non-zero layer, so per-layer cache offsets are exercised
+TOL = dict(atol=1e-4, rtol=1e-4)
+
+
+def make_case(spec, num_kv_heads, head_dim, seed, pad_rows=0):
+    """spec: (prefix, q_len) per row -> (cache, rows); pages are scrambled, page 0 unused.
+
+    Prefix KV is written as an earlier step would have; pad_rows decode rows of
+    length 1 on the dummy page are appended.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-(p + n) // PS) for p, n in spec]
+    perm = (torch.randperm(sum(need) + 3, generator=gen) + 1).tolist()
+    cache = KVCache(2, sum(need) + 4, PS, num_kv_heads, head_dim, torch.float32, CPU)
+    cache.k.normal_(generator=gen)  # garbage everywhere (the dummy page included)
+    cache.v.normal_(generator=gen)
+    rows = []
+    for (prefix, n), count in zip(spec, need):
+        pages, perm = perm[:count], perm[count:]
+        rows.append(RowInput(prefix, [0] * n, pages))
+    rows += [RowInput(0, [0], [0])] * pad_rows
+    return cache, rows
+
+
+def make_batch(rows, cache, backend, mode):
+    bt = build_batch_tensors(rows, PS, CPU)
+    batch = ForwardBatch(
+        mode,
+        bt.input_ids,
+        bt.positions,
+        bt.out_cache_loc,
+        bt.seq_lens,
+        bt.q_lens,
+        bt.q_starts,
+        bt.page_table,
+        bt.seq_lens_cpu,
+        bt.q_lens_cpu,
+        PS,
+        cache,
+        backend,
+    )
+    batch.attn_meta = backend.build_metadata(batch)
+    return batch
+
+
+def run_both(spec, heads, kv_heads, head_dim, mode, seed=0, pad_rows=0, **kw):
+    """(triton output, torch_ref output, triton batch) on the same inputs."""
+    cache, rows = make_case(spec, kv_heads, head_dim, seed, pad_rows)
+    scale = head_dim**-0.5
+    tri = TritonBackend(heads, kv_heads, head_dim, scale, **kw)
+    ref = TorchRefBackend(heads, kv_heads, head_dim, scale)
+    tb = make_batch(rows, cache, tri, mode)
+    rb = make_batch(rows, cache, ref, mode)
+    gen = torch.Generator().manual_seed(seed + 1)
+    # real tokens come first in [T]; padded rows' tokens get inputs of their own, so
+    # real rows see the same q, k, v whatever pad_rows is
+    n_real = sum(n for _, n in spec)
+    q = torch.randn(n_real, heads, head_dim, generator=gen)
+    k = torch.randn(n_real, kv_heads, head_dim, generator=gen)
+    v = torch.randn(n_real, kv_heads, head_dim, generator=gen)
+    if pad_rows:
+        q = torch.cat([q, 100 * torch.randn(pad_rows, heads, head_dim)])
+        k = torch.cat([k, 100 * torch.randn(pad_rows, kv_heads, head_dim)])
+        v = torch.cat([v, 100 * torch.randn(pad_rows, kv_heads, head_dim)])
+    if tb.attn_meta.scratch is not None:  # stale partials must never leak into outputs
+        tb.attn_meta.scratch.mid_o.fill_(float("nan"))
+        tb.attn_meta.scratch.mid_lse.fill_(float("nan"))
+    # both write the same k, v to the same slots, so the order does not matter
+    out = tri.forward(q, k, v, LAYER, tb)
+    expect = ref.forward(q, k, v, LAYER, rb)
+    return out, expect, tb
+
+
+# decode lengths: 1, page edges (PS-1, PS, PS+1), block edges, and longer rows
+DECODE_LENS = [1, PS - 1, PS, PS + 1, 16, 17, 45]
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,splits",
+    [(2, 2, 64, 1), (6, 2, 64, 3), (8, 2, 128, 4), (8, 1, 64, 8), (4, 4, 128, 2)],
+)
+def test_decode_matches_ref(heads, kv_heads, head_dim, splits):
+    spec = [(n - 1, 1) for n in DECODE_LENS]
+    out, expect, tb = run_both(
+        spec, heads, kv_heads, head_dim, ForwardMode.DECODE, num_kv_splits=splits, decode_block_n=16
+    )
+    assert tb.attn_meta.is_decode and tb.attn_meta.scratch.num_kv_splits == splits
+    assert out.shape == (len(spec), heads * head_dim)
+    torch.testing.assert_close(out, expect, **TOL)
+
+
+def test_decode_default_blocks_many_empty_splits():
+    # default block sizes (64 keys) with 16 splits: every row leaves most splits empty
+    spec = [(n - 1, 1) for n in [1, 5, 63, 64, 65, 200]]
+    out, expect, _ = run_both(spec, 4, 1, 64, ForwardMode.DECODE, num_kv_splits=16)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expect, **TOL)
+
+
+@pytest.mark.parametrize("head_dim", [8, 32, 80, 256])
+def test_other_head_dims(head_dim):
+    # powers of two below 64 and up to 256, and a non-power of two (masked lanes)
+    spec = [(n - 1, 1) for n in [1, 9, 30]]
+    out, expect, _ = run_both(
+        spec, 4, 2, head_dim, ForwardMode.DECODE, num_kv_splits=2, decode_block_n=16
+    )
+    torch.testing.assert_close(out, expect, **TOL)
+    spec = [(0, 5), (6, 3), (2, 1)]
+    out, expect, _ = run_both(spec, 4, 2, head_dim, ForwardMode.MIXED, extend_block_m=16)
+    torch.testing.assert_close(out, expect, **TOL)
+
+
+def test_decode_padded_rows_leave_real_rows_unchanged():
+    spec = [(n - 1, 1) for n in [7, 1, 20]]
+    kw = dict(num_kv_splits=4, decode_block_n=16)
+    alone, expect, _ = run_both(spec, 6, 2, 64, ForwardMode.DECODE, **kw)
+    padded, _, tb = run_both(spec, 6, 2, 64, ForwardMode.DECODE, pad_rows=3, **kw)
+    assert padded.shape[0] == 6 and tb.seq_lens_cpu[3:] == [1, 1, 1]
+    assert (tb.page_table[3:] == 0).all()
+    torch.testing.assert_close(padded[:3], alone, atol=0, rtol=0)
+    torch.testing.assert_close(padded[:3], expect, **TOL)
+    assert torch.isfinite(padded).all()
+
+
+# extend rows (prefix, q_len): fresh prefill, chunks after a cached prefix (one
+# crossing several 16-query blocks), verify rows (k + 1 = 4), a decode row
+EXTEND_SPEC = [(0, 7), (9, 5), (3, 37), (12, 4), (PS - 1, 4), (5, 1), (0, 1)]
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim",
+    [(2, 2, 64), (3, 1, 64), (8, 2, 128), (8, 1, 64)],
+)
+def test_extend_matches_ref(heads, kv_heads, head_dim):
+    out, expect, tb = run_both(
+        EXTEND_SPEC,
+        heads,
+        kv_heads,
+        head_dim,
+        ForwardMode.MIXED,
+        extend_block_m=16,
+        extend_block_n=16,
+    )
+    assert not tb.attn_meta.is_decode and tb.attn_meta.max_q_len == 37
+    torch.testing.assert_close(out, expect, **TOL)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_verify_batch_matches_ref(k):
+    # every row scores its last accepted token plus k drafts, prefixes at page edges
+    spec = [(prefix, k + 1) for prefix in [1, PS - 1, PS, 2 * PS + 1, 30]]
+    out, expect, tb = run_both(spec, 4, 1, 64, ForwardMode.VERIFY, pad_rows=2)
+    assert tb.attn_meta.max_q_len == k + 1
+    n_real = len(spec) * (k + 1)
+    torch.testing.assert_close(out[:n_real], expect[:n_real], **TOL)
+
+
+def test_extend_default_blocks_long_prefill():
+    out, expect, _ = run_both([(0, 70), (50, 20)], 4, 2, 64, ForwardMode.PREFILL)
+    torch.testing.assert_close(out, expect, **TOL)
+
+
+def test_static_buffers_reused_across_replays():
+    # capture_buffers + prepare_replay: metadata lives in the same static tensors
+    tri = TritonBackend(4, 2, 64, 64**-0.5, num_kv_splits=4, decode_block_n=16)
+    tri.capture_buffers(max_bs=8, max_pages=16, device=CPU)
+    ref = TorchRefBackend(4, 2, 64, 64**-0.5)
+    ptrs = set()
+    for seed, lens in enumerate([[5, 1, 33], [17, 2, 8, 4, 40]]):
+        cache, rows = make_case([(n - 1, 1) for n in lens], 2, 64, seed, pad_rows=1)
+        tb = make_batch(rows, cache, tri, ForwardMode.DECODE)
+        tb.attn_meta = tri.prepare_replay(tb)
+        meta = tb.attn_meta
+        assert meta.is_decode and meta.page_table.dtype == torch.int32
+        ptrs.add((meta.page_table.data_ptr(), meta.seq_lens.data_ptr()))
+        rb = make_batch(rows, cache, ref, ForwardMode.DECODE)
+        q = torch.randn(len(rows), 4, 64)
+        k, v = torch.randn(len(rows), 2, 64), torch.randn(len(rows), 2, 64)
+        out = tri.forward(q, k, v, LAYER, tb)
+        expect = ref.forward(q, k, v, LAYER, rb)
+        torch.testing.assert_close(out[: len(lens)], expect[: len(lens)], **TOL)
+    assert len(ptrs) == 1, "prepare_replay must reuse the static buffers"
+
+
+def test_metadata_rejects_inconsistent_batches():
+    cache, rows = make_case([(3, 1), (8, 1)], 2, 64, 0)
+    tri = TritonBackend(4, 2, 64, 0.125)
+    batch = make_batch(rows, cache, tri, ForwardMode.DECODE)
+    # a multi-step slot list [bs * steps] against [bs] lengths (spec bug class 4)
+    batch.out_cache_loc = torch.cat([batch.out_cache_loc, batch.out_cache_loc])
+    with pytest.raises(AssertionError):
+        tri.build_metadata(batch)
+    batch = make_batch(rows, cache, tri, ForwardMode.DECODE)
+    batch.seq_lens_cpu = [4, 0]  # a zero length (spec bug class 5)
+    with pytest.raises(AssertionError):
+        tri.build_metadata(batch)
+    batch = make_batch(rows, cache, tri, ForwardMode.DECODE)
+    batch.seq_lens_cpu = [4, 9 * PS]  # beyond the row's page capacity
+    with pytest.raises(AssertionError):
+        tri.build_metadata(batch)
+
+
+def test_registry_creates_triton():
+    backend = create_backend("triton", 8, 2, 64, 0.125)
+    assert isinstance(backend, TritonBackend) and backend.name == "triton"
+    assert backend.supports_cuda_graph
