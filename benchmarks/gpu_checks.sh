@@ -3,7 +3,15 @@
 # or `bench` (decode benchmarks). Results and logs go to $OUT.
 #   usage (on the GPU machine, from the repo root): benchmarks/gpu_checks.sh tests|bench
 set -uo pipefail
-OUT=${OUT:-/tmp/gyr-out}; KIND=${DEVICE_KIND:-unknown}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/gyr-out}; mkdir -p "$OUT"
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+N=$(nvidia-smi -L | wc -l)
+case "$GPU" in
+  *H100*) KIND=${DEVICE_KIND:-nvidia-h100-x$N} ;;
+  *H200*) KIND=${DEVICE_KIND:-nvidia-h200$([ "$N" -gt 1 ] && echo "-x$N")} ;;
+  *) KIND=${DEVICE_KIND:-unknown} ;;
+esac
+echo "device kind: $KIND ($GPU)"
 if [ ! -f /tmp/site/.installed ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
