@@ -23,12 +23,12 @@ export GYRFALCON_CACHE=/tmp/gyr-cache
 case "${1:-tests}" in
   tests)
     nvidia-smi -L
-    python3 -m pytest -m gpu test/gpu -q -p no:cacheprovider -rfE --durations=10 \
+    python3 -m pytest -m gpu test/gpu -q -p no:cacheprovider -rA --durations=10 \
       > "$OUT/gpu_tests.log" 2>&1
     echo "pytest exit $?"; tail -40 "$OUT/gpu_tests.log" ;;
   bench)
     B="python3 benchmarks/bench_decode.py --device-kind $KIND"
-    $B --model benchmarks/models/llama-3.1-8b --load-format dummy --batch-sizes "${BS:-1,8,32,64}" \
+    $B --model benchmarks/models/llama-3.1-8b --load-format dummy --batch-sizes "${BS:-1,8,32,64,128,256}" \
       --output-json "$OUT/decode_llama8b.json" 2>&1 | tail -12
     $B --model "$GYRFALCON_SMOLLM2_GGUF" --batch-sizes 1 --context 1024 \
       --output-json "$OUT/decode_smollm2_graphs.json" 2>&1 | tail -4

@@ -10,7 +10,7 @@ import torch
 TINY_ARCHS = ("llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3")
 
 
-def make_tiny_hf_model(path: str, arch: str = "llama", seed: int = 0):
+def make_tiny_hf_model(path: str, arch: str = "llama", seed: int = 0, **overrides):
     """Save a tiny random HF causal LM (float32) into path; returns the HF model."""
     import transformers as tf
 
@@ -26,6 +26,7 @@ def make_tiny_hf_model(path: str, arch: str = "llama", seed: int = 0):
         eos_token_id=2,
         bos_token_id=1,
     )
+    common.update(overrides)
     if arch in ("llama", "llama-tied"):
         cfg = tf.LlamaConfig(**common, rope_theta=10000.0)
         cls = tf.LlamaForCausalLM
