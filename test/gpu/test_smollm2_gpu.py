@@ -20,13 +20,36 @@ QUESTIONS = [
     "What is 17 times 23? Show your work.",
     "Name the planets of the solar system in order from the sun.",
 ]
+# For the teacher-forced check: more everyday questions, so that the natural
+# answers (up to EOS) cover >= 2000 positions.
+MORE_QUESTIONS = QUESTIONS + [
+    "How do airplanes stay in the air?",
+    "Describe a healthy breakfast.",
+    "What causes the seasons on Earth?",
+    "Write a short poem about the sea.",
+    "How does a refrigerator work?",
+    "Give three tips for learning a new language.",
+    "What is the difference between weather and climate?",
+    "Explain what a computer virus is.",
+    "Why do cats purr?",
+    "How can I improve my sleep?",
+    "What is the water cycle?",
+    "Summarize the story of Cinderella.",
+    "What are the benefits of regular exercise?",
+    "How do vaccines work?",
+    "Write a thank-you note to a teacher.",
+    "What is machine learning, in simple terms?",
+    "How do bees make honey?",
+    "Explain gravity to a child.",
+    "What should I pack for a weekend camping trip?",
+    "Why is reading important?",
+]
 
 
-@pytest.fixture(scope="module")
-def prompts(smollm2_gpu_dir):
+def chat_prompts(model_dir, questions):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(smollm2_gpu_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
     return [
         tok.encode(
             tok.apply_chat_template(
@@ -34,8 +57,13 @@ def prompts(smollm2_gpu_dir):
             ),
             add_special_tokens=False,
         )
-        for q in QUESTIONS
+        for q in questions
     ]
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_gpu_dir):
+    return chat_prompts(smollm2_gpu_dir, QUESTIONS)
 
 
 def hf_model(d, dtype):
@@ -83,10 +111,15 @@ def agreement(a, b):
     return sum(int(x == y) for x, y in pairs) / len(pairs), len(pairs)
 
 
-def test_bf16_flashinfer_teacher_forced_argmax(smollm2_gpu_dir, prompts):
-    """On the same token sequences, the per-position argmax of the engine (bf16,
-    flashinfer) agrees with HF bf16 at >= 99%. Also printed, for scale: HF bf16 vs
-    HF float32 and the other backends in bf16."""
+def test_bf16_flashinfer_teacher_forced_argmax(smollm2_gpu_dir):
+    """On the same answers (greedy, up to EOS), the per-position argmax of the engine
+    (bf16, flashinfer) agrees with HF bf16 at >= 99% of >= 2000 positions, and is no
+    further from HF float32 than HF bf16 itself is. Printed for scale: every backend.
+
+    NOTE: positions after EOS are left out on purpose: there the model is off its
+    training distribution, near-ties abound, and HF bf16 itself disagrees with HF
+    float32 at ~1.4% (measured on nvidia-h200), so they measure bf16 noise, not us."""
+    prompts = chat_prompts(smollm2_gpu_dir, MORE_QUESTIONS)
 
     def make(backend, dtype="bfloat16"):
         args = ServerArgs(
@@ -96,7 +129,7 @@ def test_bf16_flashinfer_teacher_forced_argmax(smollm2_gpu_dir, prompts):
         return LocalEngine(args, smollm2_gpu_dir)
 
     fi = make("flashinfer")
-    outs = fi.generate(prompts, SamplingParams(temperature=0, max_tokens=280, ignore_eos=True))
+    outs = fi.generate(prompts, SamplingParams(temperature=0, max_tokens=256))
     seqs = [p + o for p, o in zip(prompts, outs)]
 
     def hf_argmax(dtype):
@@ -123,3 +156,5 @@ def test_bf16_flashinfer_teacher_forced_argmax(smollm2_gpu_dir, prompts):
     rate, total = report["flashinfer_bf16_vs_hf_bf16"]
     assert total >= 2000
     assert rate >= 0.99, report
+    noise = report["hf_bf16_vs_hf_fp32"][0]
+    assert report["flashinfer_bf16_vs_hf_fp32"][0] >= noise - 0.005, report
