@@ -19,8 +19,8 @@ from gyrfalcon.worker.model_runner import build_runner
 
 class LocalEngine:
     def __init__(self, args: ServerArgs, model_dir: str):
-        self.args = args = args.resolved()
         self.model_cfg = ModelConfig.from_dir(model_dir)
+        self.args = args = args.resolved(self.model_cfg.head_dim)
         self.runner, context_len = build_runner(args, model_dir, self.model_cfg, rank=0)
         assert self.runner.kv_cache is not None
         self.scheduler = Scheduler(

@@ -61,13 +61,16 @@ def serve(args: ServerArgs) -> int:
     from gyrfalcon.scheduler.process import run_scheduler
     from gyrfalcon.worker.process import run_worker
 
-    args = args.resolved()
     configure_logging(args.log_level)
     model_dir = resolve_model(args.model, args.cache_dir)
     model_cfg = ModelConfig.from_dir(model_dir)
+    args = args.resolved(model_cfg.head_dim)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir)
     name = args.served_model_name or default_model_name(args.model)
-    logger.info("serving %s (%s) from %s on %s", name, args.dtype, model_dir, args.device)
+    logger.info(
+        "serving %s (%s, %s attention) from %s on %s",
+        name, args.dtype, args.attention_backend, model_dir, args.device,
+    )  # fmt: skip
 
     paths, ipc_root = IpcPaths.create()
     ctx = mp.get_context("spawn")

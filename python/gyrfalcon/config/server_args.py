@@ -110,8 +110,9 @@ class ServerArgs:
 
     # ---- helpers -------------------------------------------------------
 
-    def resolved(self) -> ServerArgs:
-        """Return a copy with every "auto" resolved for this machine."""
+    def resolved(self, head_dim: int | None = None) -> ServerArgs:
+        """Return a copy with every "auto" resolved for this machine (and, when the
+        model's head_dim is given, for that model's attention)."""
         import torch
 
         device = self.device
@@ -122,7 +123,7 @@ class ServerArgs:
             dtype = "bfloat16" if device == "cuda" else "float32"
         backend = self.attention_backend
         if backend == "auto":
-            backend = default_attention_backend(device, dtype)
+            backend = default_attention_backend(device, dtype, head_dim)
         return dataclasses.replace(self, device=device, dtype=dtype, attention_backend=backend)
 
     def graph_mode(self) -> str | None:
@@ -197,13 +198,17 @@ def parse_size(text: str) -> int:
     return int(float(s))
 
 
-def default_attention_backend(device: str, dtype: str) -> str:
-    """flashinfer on CUDA when importable (it has no float32 kernels), else triton on CUDA,
-    else torch_ref."""
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+
+
+def default_attention_backend(device: str, dtype: str, head_dim: int | None = None) -> str:
+    """flashinfer on CUDA when importable and it has kernels for the model (16-bit
+    dtypes; head dims 64/128/256), else triton on CUDA, else torch_ref."""
     if not device.startswith("cuda"):
         return "torch_ref"
     import importlib.util
 
-    if dtype != "float32" and importlib.util.find_spec("flashinfer") is not None:
+    fits = dtype != "float32" and (head_dim is None or head_dim in FLASHINFER_HEAD_DIMS)
+    if fits and importlib.util.find_spec("flashinfer") is not None:
         return "flashinfer"
     return "triton"

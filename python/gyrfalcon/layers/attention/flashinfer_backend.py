@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gyrfalcon.config.server_args import FLASHINFER_HEAD_DIMS
 from gyrfalcon.layers.attention.base import AttentionBackend
 from gyrfalcon.worker.forward_batch import ForwardBatch
 
@@ -60,6 +61,10 @@ class FlashInferBackend(AttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        if head_dim not in FLASHINFER_HEAD_DIMS:
+            raise ValueError(
+                f"flashinfer has no kernels for head_dim {head_dim}; use --attention-backend triton"
+            )
         import flashinfer
 
         self._fi = flashinfer

@@ -1,0 +1,42 @@
+import argparse
+
+import pytest
+
+from gyrfalcon.config.server_args import ServerArgs, default_attention_backend, parse_size
+
+
+def parse(*argv):
+    p = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(p)
+    return ServerArgs.from_cli_args(p.parse_args(list(argv)))
+
+
+def test_cli_defaults_come_from_the_dataclass():
+    assert parse() == ServerArgs()
+    a = parse("m.gguf", "--port", "9000", "--enforce-eager", "--mem-fraction", "0.5")
+    assert (a.model, a.port, a.enforce_eager, a.mem_fraction) == ("m.gguf", 9000, True, 0.5)
+
+
+def test_bad_choice_is_rejected():
+    with pytest.raises(SystemExit):
+        parse("--dtype", "int3")
+
+
+def test_parse_size():
+    assert parse_size("2GiB") == 2 << 30
+    assert parse_size("512MiB") == 512 << 20
+    assert parse_size("1.5GB") == 1_500_000_000
+    assert parse_size("4096") == 4096
+
+
+def test_resolved_on_cpu():
+    a = ServerArgs(device="cpu").resolved()
+    assert (a.dtype, a.attention_backend, a.graph_mode()) == ("float32", "torch_ref", None)
+    assert ServerArgs(device="cpu", static_graph_replay=True).resolved().graph_mode() == "static"
+    assert ServerArgs(cuda_graph_bs="1, 4,8").graph_batch_sizes() == [1, 4, 8]
+
+
+def test_default_backend_never_picks_flashinfer_where_it_has_no_kernels():
+    assert default_attention_backend("cpu", "bfloat16", 128) == "torch_ref"
+    assert default_attention_backend("cuda", "float32", 128) == "triton"
+    assert default_attention_backend("cuda", "bfloat16", 16) == "triton"
