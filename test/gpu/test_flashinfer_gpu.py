@@ -31,21 +31,7 @@ def make_batch(spec, H, KVH, D, ps, backend, cache, gen):
         rows.append(RowInput(prefix, [0] * n, pages))
     bt = build_batch_tensors(rows, ps, dev)
     mode = ForwardMode.DECODE if all(n == 1 for _, n in spec) else ForwardMode.MIXED
-    return ForwardBatch(
-        mode,
-        bt.input_ids,
-        bt.positions,
-        bt.out_cache_loc,
-        bt.seq_lens,
-        bt.q_lens,
-        bt.q_starts,
-        bt.page_table,
-        bt.seq_lens_cpu,
-        bt.q_lens_cpu,
-        ps,
-        cache,
-        backend,
-    )
+    return ForwardBatch.from_tensors(mode, bt, ps, cache, backend)
 
 
 @pytest.mark.parametrize("H,KVH,D", [(8, 8, 64), (12, 4, 64), (32, 8, 128), (16, 2, 128)])

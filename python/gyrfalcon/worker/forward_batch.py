@@ -16,6 +16,7 @@ from gyrfalcon.ipc.messages import ForwardMode
 if TYPE_CHECKING:
     from gyrfalcon.layers.attention.base import AttentionBackend
     from gyrfalcon.worker.kv_cache import KVCache
+    from gyrfalcon.worker.metadata import BatchTensors
 
 
 @dataclass
@@ -34,6 +35,32 @@ class ForwardBatch:
     kv_cache: KVCache
     attn_backend: AttentionBackend
     attn_meta: Any = None  # built by attn_backend.build_metadata(self)
+
+    @classmethod
+    def from_tensors(
+        cls,
+        mode: ForwardMode,
+        bt: BatchTensors,
+        page_size: int,
+        kv_cache: KVCache,
+        attn_backend: AttentionBackend,
+    ) -> ForwardBatch:
+        """A batch over the metadata builder's tensors (attn_meta still to build)."""
+        return cls(
+            mode=mode,
+            input_ids=bt.input_ids,
+            positions=bt.positions,
+            out_cache_loc=bt.out_cache_loc,
+            seq_lens=bt.seq_lens,
+            q_lens=bt.q_lens,
+            q_starts=bt.q_starts,
+            page_table=bt.page_table,
+            seq_lens_cpu=bt.seq_lens_cpu,
+            q_lens_cpu=bt.q_lens_cpu,
+            page_size=page_size,
+            kv_cache=kv_cache,
+            attn_backend=attn_backend,
+        )
 
     @property
     def batch_size(self) -> int:

@@ -172,20 +172,8 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Run the batch without graphs; returns logits of the sampling rows."""
         assert self.kv_cache is not None
-        batch = ForwardBatch(
-            mode=rb.forward_mode,
-            input_ids=bt.input_ids,
-            positions=bt.positions,
-            out_cache_loc=bt.out_cache_loc,
-            seq_lens=bt.seq_lens,
-            q_lens=bt.q_lens,
-            q_starts=bt.q_starts,
-            page_table=bt.page_table,
-            seq_lens_cpu=bt.seq_lens_cpu,
-            q_lens_cpu=bt.q_lens_cpu,
-            page_size=self.page_size,
-            kv_cache=self.kv_cache,
-            attn_backend=self.attn,
+        batch = ForwardBatch.from_tensors(
+            rb.forward_mode, bt, self.page_size, self.kv_cache, self.attn
         )
         batch.attn_meta = self.attn.build_metadata(batch)
         hidden = self.model(batch)  # [T, hidden]

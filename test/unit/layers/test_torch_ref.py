@@ -39,21 +39,7 @@ def test_ragged_mixed_batch_matches_dense():
     bt = build_batch_tensors(rows, ps, torch.device("cpu"))
     T = bt.input_ids.shape[0]
     q, k, v = torch.randn(T, H, D), torch.randn(T, KVH, D), torch.randn(T, KVH, D)
-    batch = ForwardBatch(
-        ForwardMode.MIXED,
-        bt.input_ids,
-        bt.positions,
-        bt.out_cache_loc,
-        bt.seq_lens,
-        bt.q_lens,
-        bt.q_starts,
-        bt.page_table,
-        bt.seq_lens_cpu,
-        bt.q_lens_cpu,
-        ps,
-        cache,
-        backend,
-    )
+    batch = ForwardBatch.from_tensors(ForwardMode.MIXED, bt, ps, cache, backend)
     batch.attn_meta = backend.build_metadata(batch)
     out = backend.forward(q, k, v, 0, batch)
     start = 0

@@ -61,21 +61,7 @@ def make_case(spec, num_kv_heads, head_dim, seed, pad_rows=0):
 
 def make_batch(rows, cache, backend, mode):
     bt = build_batch_tensors(rows, PS, CPU)
-    batch = ForwardBatch(
-        mode,
-        bt.input_ids,
-        bt.positions,
-        bt.out_cache_loc,
-        bt.seq_lens,
-        bt.q_lens,
-        bt.q_starts,
-        bt.page_table,
-        bt.seq_lens_cpu,
-        bt.q_lens_cpu,
-        PS,
-        cache,
-        backend,
-    )
+    batch = ForwardBatch.from_tensors(mode, bt, PS, cache, backend)
     batch.attn_meta = backend.build_metadata(batch)
     return batch
 
