@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # One GPU-machine session: install the carried wheels, then `tests` (pytest -m gpu)
 # or `bench` (decode benchmarks). Results and logs go to $OUT.
-#   usage (on the GPU machine, from the repo root): benchmarks/gpu_checks.sh tests|bench
+#   usage (on the GPU machine, from the repo root): benchmarks/gpu_checks.sh tests|bench|sglang|sweep
+#   sglang: Llama-3.1-8B shape (dummy weights, synthetic tokenizer) served, start-up time,
+#           then SGLang's serving check (500 prompts, input U[1,4096], output U[1,2048],
+#           EOS ignored, all at once) and the KV accounting after it;
+#   sweep:  the same server, random 1024 in / 512 out at concurrency 1, 16, 64, 256.
 set -uo pipefail
 OUT=${OUT:-/tmp/gyr-out}; mkdir -p "$OUT"
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
@@ -20,7 +24,42 @@ fi
 export PYTHONPATH=$PWD/python:/tmp/site
 export GYRFALCON_SMOLLM2_GGUF=${GYRFALCON_SMOLLM2_GGUF:-/tmp/SmolLM2-135M-Instruct.Q4_1.gguf}
 export GYRFALCON_CACHE=/tmp/gyr-cache
+start_server() {  # dummy 8B with a synthetic tokenizer; records the start-up time
+  python3 -m gyrfalcon.bench.synthetic_tokenizer benchmarks/models/llama-3.1-8b /tmp/tok8b >/dev/null
+  local t0=$(date +%s.%N)
+  python3 -m gyrfalcon.cli serve benchmarks/models/llama-3.1-8b --load-format dummy \
+    --tokenizer /tmp/tok8b --port 8100 --served-model-name llama-3.1-8b-dummy \
+    > "$OUT/server_$1.log" 2>&1 &
+  SERVER=$!
+  until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8100/health')" 2>/dev/null; do
+    kill -0 $SERVER 2>/dev/null || { echo "server died"; tail -30 "$OUT/server_$1.log"; exit 1; }
+    sleep 0.5
+  done
+  echo "{\"bench\": \"startup\", \"device_kind\": \"$KIND\", \"model\": \"llama-3.1-8b dummy\", \"commit\": \"${GYRFALCON_COMMIT:-unknown}\", \"seconds_to_healthy\": $(python3 -c "print(round($(date +%s.%N) - $t0, 1))")}" > "$OUT/startup_$1.json"
+  cat "$OUT/startup_$1.json"; grep -a "captured" "$OUT/server_$1.log"
+}
+serve_bench() {  # name, then bench_serving flags
+  local name=$1; shift
+  python3 -m gyrfalcon.cli bench serve --port 8100 --disable-tqdm --device-kind "$KIND" \
+    --output-json "$OUT/serving_$name.json" "$@" 2>&1 | grep -aE "Successful|Failed|throughput|Median TTFT|Median TPOT"
+}
 case "${1:-tests}" in
+  sglang)
+    start_server sglang
+    serve_bench sglang_protocol --num-prompts 500 --random-input-len 4096 --random-output-len 2048 \
+      --random-range-ratio 0 --ignore-eos --seed 1
+    python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8100/server_info').read().decode())" \
+      | tee "$OUT/server_info_after_sglang.json"
+    kill -TERM $SERVER; wait $SERVER; echo "server exit $?" ;;
+  sweep)
+    start_server sweep
+    for C in 1 16 64 256; do
+      N=$(( C == 1 ? 16 : 500 ))
+      echo "concurrency $C"
+      serve_bench "c$C" --num-prompts $N --random-input-len 1024 --random-output-len 512 \
+        --ignore-eos --max-concurrency $C --seed 2
+    done
+    kill -TERM $SERVER; wait $SERVER; echo "server exit $?" ;;
   tests)
     nvidia-smi -L
     python3 -m pytest -m gpu test/gpu -q -p no:cacheprovider -rA --durations=10 \
