@@ -62,6 +62,8 @@ DEFAULTS = BenchDefaults()
 
 
 def _git_commit() -> str:
+    if os.environ.get("GYRFALCON_COMMIT"):  # a copy of the tree without .git
+        return os.environ["GYRFALCON_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
