@@ -1,8 +1,9 @@
 """A synthetic tokenizer for models served with dummy weights (no real tokenizer at hand).
 
 Token i is the word "<i>" (delimited, so no token is a prefix of another); words
-are split on whitespace; special tokens are the model's bos/eos ids. Detokenizing costs about what a real fast tokenizer costs,
-so serving benchmarks on dummy weights stay representative of the frontend.
+are split on whitespace; special tokens are the model's bos/eos ids. Detokenizing
+costs about what a real fast tokenizer costs, so serving benchmarks on dummy
+weights stay representative of the frontend.
 """
 
 from __future__ import annotations
