@@ -24,7 +24,6 @@ import glob
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -38,6 +37,7 @@ except ImportError:  # running from a checkout without an installed package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
 from gyrfalcon.bench.bandwidth import measure_read_bandwidth
+from gyrfalcon.bench.provenance import git_commit
 from gyrfalcon.bench.roofline import kv_read_bytes, roofline_step_ms, tokens_per_s, weight_bytes
 from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs, parse_size
@@ -46,18 +46,6 @@ from gyrfalcon.loader.resolve import default_model_name, resolve_model
 from gyrfalcon.worker.model_runner import ModelRunner, build_runner
 
 GREEDY = msg.SamplingParams(temperature=0.0, max_tokens=1 << 30, ignore_eos=True)
-
-
-def commit() -> str:
-    """Short commit of the checkout, or $GYRFALCON_COMMIT where there is no git."""
-    if os.environ.get("GYRFALCON_COMMIT"):
-        return os.environ["GYRFALCON_COMMIT"]
-    try:
-        cmd = ["git", "rev-parse", "--short", "HEAD"]
-        here = Path(__file__).resolve().parent
-        return subprocess.check_output(cmd, cwd=here, text=True, stderr=subprocess.DEVNULL).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def sync(device: torch.device) -> None:
@@ -323,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         "device_kind": ns.device_kind,
         "model": default_model_name(ns.model),
         "model_dir": model_dir,
-        "commit": commit(),
+        "commit": git_commit(),
         "dtype": args.dtype,
         "attention_backend": args.attention_backend,
         "load_format": args.load_format,

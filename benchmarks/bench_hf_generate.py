@@ -9,17 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import time
 
 import torch
-
-
-def commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> None:
@@ -36,6 +28,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
+    from gyrfalcon.bench.provenance import git_commit
     from gyrfalcon.loader.resolve import resolve_model
 
     model_dir = resolve_model(args.model)
@@ -67,7 +60,7 @@ def main() -> None:
         "bench": "hf_generate",
         "device_kind": args.device_kind,
         "model": model_dir,
-        "commit": commit(),
+        "commit": git_commit(),
         "dtype": args.dtype,
         "input_len": args.input_len,
         "output_len": args.output_len,
