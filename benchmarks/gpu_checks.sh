@@ -28,7 +28,7 @@ start_server() {  # dummy 8B with a synthetic tokenizer; records the start-up ti
   python3 -m gyrfalcon.bench.synthetic_tokenizer benchmarks/models/llama-3.1-8b /tmp/tok8b >/dev/null
   local t0=$(date +%s.%N)
   python3 -m gyrfalcon.cli serve benchmarks/models/llama-3.1-8b --load-format dummy \
-    --tokenizer /tmp/tok8b --port 8100 --served-model-name llama-3.1-8b-dummy \
+    --tokenizer /tmp/tok8b --port 8100 --served-model-name llama-3.1-8b-dummy ${SERVER_FLAGS:-} \
     > "$OUT/server_$1.log" 2>&1 &
   SERVER=$!
   until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8100/health')" 2>/dev/null; do
