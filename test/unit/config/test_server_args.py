@@ -40,3 +40,13 @@ def test_default_backend_never_picks_flashinfer_where_it_has_no_kernels():
     assert default_attention_backend("cpu", "bfloat16", 128) == "torch_ref"
     assert default_attention_backend("cuda", "float32", 128) == "triton"
     assert default_attention_backend("cuda", "bfloat16", 16) == "triton"
+
+
+def test_step_budgets_default_by_device_and_respect_explicit_values():
+    cpu = ServerArgs(device="cpu").resolved()
+    assert (cpu.chunked_prefill_size, cpu.max_num_batched_tokens) == (2048, 8192)
+    gpu = ServerArgs(device="cuda", dtype="bfloat16").resolved()
+    assert (gpu.chunked_prefill_size, gpu.max_num_batched_tokens) == (8192, 16384)
+    mine = ServerArgs(device="cuda", chunked_prefill_size=512, max_num_batched_tokens=1024)
+    assert mine.resolved().chunked_prefill_size == 512
+    assert parse("--chunked-prefill-size", "64").chunked_prefill_size == 64
