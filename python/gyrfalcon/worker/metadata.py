@@ -63,18 +63,23 @@ def build_batch_tensors(
     max_pages = max((len(r.pages) for r in rows), default=1)
     table = [r.pages + [dummy_page] * (max_pages - len(r.pages)) for r in rows]
 
-    def t(x: list[int]) -> torch.Tensor:
-        return torch.tensor(x, dtype=torch.int64, device=device)
+    last = [s + n - 1 for s, n in zip(q_starts, q_lens)]
+    # NOTE: one host->device copy for the whole step; the fields are views of it.
+    parts = [ids, positions, slots, seq_lens, q_lens, q_starts, last]
+    flat = [x for part in parts for x in part] + [p for row in table for p in row]
+    packed = torch.tensor(flat, dtype=torch.int64).to(device)
+    sizes = [len(part) for part in parts] + [len(rows) * max_pages]
+    t_ids, t_pos, t_slots, t_seq, t_q, t_starts, t_last, t_table = packed.split(sizes)
 
     bt = BatchTensors(
-        input_ids=t(ids),
-        positions=t(positions),
-        out_cache_loc=t(slots),
-        seq_lens=t(seq_lens),
-        q_lens=t(q_lens),
-        q_starts=t(q_starts),
-        page_table=t(table).view(len(rows), max_pages),
-        last_token_idx=t([s + n - 1 for s, n in zip(q_starts, q_lens)]),
+        input_ids=t_ids,
+        positions=t_pos,
+        out_cache_loc=t_slots,
+        seq_lens=t_seq,
+        q_lens=t_q,
+        q_starts=t_starts,
+        page_table=t_table.view(len(rows), max_pages),
+        last_token_idx=t_last,
         seq_lens_cpu=seq_lens,
         q_lens_cpu=q_lens,
     )
