@@ -24,15 +24,12 @@ class LocalEngine:
         self.runner, context_len = build_runner(args, model_dir, self.model_cfg, rank=0)
         assert self.runner.kv_cache is not None
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                num_pages=self.runner.kv_cache.num_pages,
-                page_size=args.page_size,
-                max_model_len=context_len,
-                max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                chunked_prefill_size=args.chunked_prefill_size,
-                eos_token_ids=self.model_cfg.eos_token_ids,
-                check_invariants=True,
+            SchedulerConfig.from_args(
+                args,
+                self.runner.kv_cache.num_pages,
+                context_len,
+                self.model_cfg.eos_token_ids,
+                check_invariants=True,  # NOTE: tests drive this engine; always check
             )
         )
 

@@ -70,15 +70,8 @@ class SchedulerLoop:
         assert isinstance(ready, WorkerReady)
         a = self.args
         self.sched = Scheduler(
-            SchedulerConfig(
-                num_pages=ready.num_kv_pages,
-                page_size=a.page_size,
-                max_model_len=ready.max_model_len,
-                max_num_seqs=a.max_num_seqs,
-                max_num_batched_tokens=a.max_num_batched_tokens,
-                chunked_prefill_size=a.chunked_prefill_size,
-                eos_token_ids=self.model_cfg.eos_token_ids,
-                check_invariants=a.check_invariants,
+            SchedulerConfig.from_args(
+                a, ready.num_kv_pages, ready.max_model_len, self.model_cfg.eos_token_ids
             )
         )
         self.to_frontend.send(EngineReady(ready.max_model_len, ready.num_kv_pages, a.page_size))

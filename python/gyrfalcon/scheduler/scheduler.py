@@ -10,6 +10,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass
 
+from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.ipc.messages import (
     ForwardMode,
     GenerateRequest,
@@ -36,6 +37,28 @@ class SchedulerConfig:
     chunked_prefill_size: int
     eos_token_ids: tuple[int, ...]
     check_invariants: bool = False
+
+    @classmethod
+    def from_args(
+        cls,
+        args: ServerArgs,
+        num_pages: int,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...],
+        check_invariants: bool | None = None,
+    ) -> SchedulerConfig:
+        """The scheduler's limits from resolved server args and what the worker sized."""
+        check = args.check_invariants if check_invariants is None else check_invariants
+        return cls(
+            num_pages=num_pages,
+            page_size=args.page_size,
+            max_model_len=max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            chunked_prefill_size=args.chunked_prefill_size,
+            eos_token_ids=eos_token_ids,
+            check_invariants=check,
+        )
 
 
 def forward_mode(decision: Decision) -> ForwardMode:
@@ -165,7 +188,7 @@ class Scheduler:
             return "length"
         return None
 
-    def _finish(self, req: Request, reason: str) -> None:
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         if req.status is Status.RUNNING:
             self.running.remove(req)
         elif req.status is Status.WAITING:
@@ -177,7 +200,9 @@ class Scheduler:
         if req.sent_to_worker:
             self._finished_for_worker.append(req.rid)
         del self.requests[req.rid]
-        self._outputs.append(self._delta(req))
+        out = self._delta(req)
+        out.error = error
+        self._outputs.append(out)
 
     def _final(self, req: Request, reason: str, error: str) -> RequestOutput:
         return RequestOutput(
@@ -214,8 +239,7 @@ class Scheduler:
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         for req in list(self.requests.values()):
-            self._finish(req, "error")
-            self._outputs[-1].error = message
+            self._finish(req, "error", message)
         return self.take_outputs()
 
     # ------------------------------------------------------------ introspection
