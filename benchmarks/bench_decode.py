@@ -4,10 +4,13 @@
 The runner is built once (``worker.model_runner.build_runner``, as the server does)
 with KV pages for the largest batch. Per batch size: random prompts of
 --context tokens are prefilled (plans of at most --prefill-tokens tokens),
---warmup decode steps run, then --steps decode steps are timed one by one
-(device synchronized around each), each row feeding back its greedy token;
-then the requests are freed. Plans are hand-built, so scheduler time is not
-counted; metadata, forward, sampling and the copy of sampled ids to the host are.
+--warmup decode steps run, then --steps decode steps are timed as the server
+runs them (`step_ms`): each step is submitted before the previous one's tokens
+are read, its inputs filled on the device from them. Then --steps more are timed
+one by one with the device synchronized around each (`step_ms_sync`, what a
+step costs with no overlap). The requests are then freed. Plans are hand-built,
+so scheduler time is not counted; metadata, forward, sampling and the copy of
+sampled ids to the host are.
 Roofline: (weight bytes + KV bytes at the mean KV length of the timed steps) /
 the bandwidth measured in this run (or --bandwidth). Unknown flags go to
 ServerArgs (``gyrfalcon serve --help``), e.g. ``--page-size 32 --enforce-eager``.
@@ -19,10 +22,12 @@ ServerArgs (``gyrfalcon serve --help``), e.g. ``--page-size 32 --enforce-eager``
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import glob
 import json
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -43,6 +48,7 @@ from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs, parse_size
 from gyrfalcon.ipc import messages as msg
 from gyrfalcon.loader.resolve import default_model_name, resolve_model
+from gyrfalcon.scheduler.request import PLACEHOLDER
 from gyrfalcon.worker.model_runner import ModelRunner, build_runner
 
 GREEDY = msg.SamplingParams(temperature=0.0, max_tokens=1 << 30, ignore_eos=True)
@@ -127,16 +133,47 @@ class Driver:
             if seq.kv_len == len(seq.prompt):
                 seq.last = out[seq.rid]
 
-    def decode(self) -> None:
-        """One decode step: every sequence consumes the token it sampled last."""
+    def submit_decode(self, overlap: bool) -> None:
+        """Launch one decode step: every sequence consumes the token it sampled last.
+
+        With `overlap` the input is PLACEHOLDER, which the runner fills on the device
+        from the previous step, so this step can go out before that one's result is read.
+        """
         rows = [
-            msg.ScheduledRow(s.rid, s.kv_len, [s.last], self._grow(s, s.kv_len + 1), True)
+            msg.ScheduledRow(
+                s.rid,
+                s.kv_len,
+                [PLACEHOLDER if overlap else s.last],
+                self._grow(s, s.kv_len + 1),
+                True,
+            )
             for s in self.seqs
         ]
-        out = self._run(msg.ForwardMode.DECODE, rows)
+        plan = msg.StepPlan(self.step_id, [], [], [msg.RankBatch(msg.ForwardMode.DECODE, rows)])
+        self.step_id += 1
+        self.runner.submit(plan)
         for s in self.seqs:
             s.kv_len += 1
+
+    def take(self) -> None:
+        """Read the oldest submitted decode step's tokens."""
+        out = {r.rid: r.token_id for r in self.runner.take().rows}
+        for s in self.seqs:
             s.last = out[s.rid]
+
+    def decode(self) -> None:
+        """One decode step, waited for."""
+        self.submit_decode(overlap=False)
+        self.take()
+
+    def decode_overlapped(self, steps: int) -> None:
+        """`steps` decode steps with one more always submitted before the oldest is read."""
+        for _ in range(steps):
+            self.submit_decode(overlap=True)
+            if len(self.runner.pending) > 1:
+                self.take()
+        while self.runner.pending:
+            self.take()
 
     def release(self) -> None:
         """Free every sequence on the worker (finished_rids) and return its pages."""
@@ -159,8 +196,12 @@ def bench_batch(
         driver.prefill(prompts, ns.prefill_tokens)
         sync(device)
         prefill_s = time.perf_counter() - t0
-        for _ in range(ns.warmup):
-            driver.decode()
+        driver.decode_overlapped(ns.warmup)
+        sync(device)
+        t0 = time.perf_counter()
+        driver.decode_overlapped(ns.steps)
+        sync(device)
+        overlapped_s = time.perf_counter() - t0
         times = []
         for _ in range(ns.steps):
             sync(device)
@@ -168,14 +209,32 @@ def bench_batch(
             driver.decode()
             sync(device)
             times.append(time.perf_counter() - t0)
+        if ns.profile_dir:
+            profile_host(driver, ns, batch_size)
     finally:
         driver.release()
     return {
         "prefill_s": prefill_s,
-        "step_ms": 1e3 * sum(times) / len(times),
-        "step_ms_median": 1e3 * statistics.median(times),
-        "step_ms_min": 1e3 * min(times),
+        "step_ms": 1e3 * overlapped_s / ns.steps,
+        "step_ms_sync": 1e3 * sum(times) / len(times),
+        "step_ms_sync_median": 1e3 * statistics.median(times),
+        "step_ms_sync_min": 1e3 * min(times),
     }
+
+
+def profile_host(driver: Driver, ns: argparse.Namespace, batch_size: int) -> None:
+    """cProfile of --steps overlapped decode steps: where the host's time goes."""
+    prof = cProfile.Profile()
+    prof.enable()
+    driver.decode_overlapped(ns.steps)
+    sync(driver.runner.device)
+    prof.disable()
+    os.makedirs(ns.profile_dir, exist_ok=True)
+    path = os.path.join(ns.profile_dir, f"host_profile_bs{batch_size}.txt")
+    with open(path, "w") as f:
+        f.write(f"{ns.steps} overlapped decode steps at batch {batch_size}\n")
+        pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(40)
+        pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(40)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--bandwidth-bytes", default=None, help="buffer of the bandwidth probe")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output-json", default=None)
+    ap.add_argument("--profile-dir", default=None, help="write a host cProfile per batch size")
     return ap
 
 
@@ -245,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.load_format != "dummy" and not has_weights:
         ap.error(f"{model_dir} has no weights; pass --load-format dummy")
     cfg = ModelConfig.from_dir(model_dir)
-    span = ns.context + ns.warmup + ns.steps  # KV length after the last step
+    span = ns.context + ns.warmup + 2 * ns.steps  # KV length after the last step
     if span > cfg.max_position_embeddings:
         ap.error(
             f"context + warmup + steps = {span} exceeds the model's {cfg.max_position_embeddings}"
@@ -281,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     wbytes = weight_bytes(cfg, dtype_bytes)
     driver = Driver(runner, args.page_size, args.num_kv_pages)
     gen = torch.Generator().manual_seed(ns.seed)
-    mean_kv = ns.context + ns.warmup + (ns.steps + 1) / 2  # KV read by the mean timed step
+    mean_kv = ns.context + ns.warmup + (ns.steps + 1) / 2  # KV read by the mean overlapped step
     rows: list[dict] = []
     for bs in batch_sizes:
         row: dict = {"batch_size": bs, "context": ns.context}

@@ -68,9 +68,9 @@ case "${1:-tests}" in
   bench)
     B="python3 benchmarks/bench_decode.py --device-kind $KIND"
     $B --model benchmarks/models/llama-3.1-8b --load-format dummy --batch-sizes "${BS:-1,8,32,64,128,256}" \
-      --output-json "$OUT/decode_llama8b.json" 2>&1 | tail -12
-    $B --model "$GYRFALCON_SMOLLM2_GGUF" --batch-sizes 1 --context 1024 \
-      --output-json "$OUT/decode_smollm2_graphs.json" 2>&1 | tail -4
-    $B --model "$GYRFALCON_SMOLLM2_GGUF" --batch-sizes 1 --context 1024 --enforce-eager \
-      --output-json "$OUT/decode_smollm2_eager.json" 2>&1 | tail -4 ;;
+      --output-json "$OUT/decode_llama8b.json" --profile-dir "$OUT/profile_llama8b" 2>&1 | tail -12
+    $B --model benchmarks/models/smollm2-135m --load-format dummy --batch-sizes 1 --steps 256 \
+      --output-json "$OUT/decode_smollm2_graphs.json" --profile-dir "$OUT/profile_smollm2" 2>&1 | tail -4
+    $B --model benchmarks/models/smollm2-135m --load-format dummy --batch-sizes 1 --steps 64 \
+      --enforce-eager --output-json "$OUT/decode_smollm2_eager.json" 2>&1 | tail -4 ;;
 esac

@@ -41,11 +41,7 @@ class LocalEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns the outputs the frontend would receive."""
-        outputs = self.scheduler.take_outputs()
-        plan = self.scheduler.build_plan()
-        if plan is not None:
-            outputs += self.scheduler.process_result(self.runner.execute(plan))
-        return outputs
+        return self.scheduler.pump(self.runner.submit, self.runner.take)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -59,8 +55,6 @@ class LocalEngine:
         while self.has_work():
             for out in self.step():
                 results[out.rid].extend(out.token_ids)
-        for out in self.step():  # drain finals and let the worker drop state
-            results[out.rid].extend(out.token_ids)
         return [results[str(i)] for i in range(len(prompts))]
 
     @torch.inference_mode()

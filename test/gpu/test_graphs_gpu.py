@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from conftest import make_tiny_hf_model
 
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.engine import LocalEngine
@@ -11,29 +10,9 @@ from gyrfalcon.ipc.messages import SamplingParams
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("tiny-gpu"))
-    # head_dim 64: flashinfer has no kernels for the CPU tests' head_dim 16
-    make_tiny_hf_model(d, "llama", hidden_size=256, intermediate_size=512)
-    return d
-
-
-def engine(d, backend, dtype, **kw):
-    args = ServerArgs(
-        model=d,
-        device="cuda",
-        dtype=dtype,
-        attention_backend=backend,
-        page_size=16,
-        num_kv_pages=512,
-        **kw,
-    )
-    return LocalEngine(args, d)
-
-
 @pytest.mark.parametrize("backend,dtype", [("triton", "float32"), ("flashinfer", "bfloat16")])
-def test_graph_replay_matches_eager_every_size(tiny_dir, backend, dtype):
+def test_graph_replay_matches_eager_every_size(tiny_gpu_dir, gpu_engine, backend, dtype):
+    tiny_dir, engine = tiny_gpu_dir, gpu_engine
     gen = torch.Generator().manual_seed(0)
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     for n in (1, 3, 5, 8, 13, 16):  # sizes 1,2,4,8,16: padded 3->4, 5->8, 13->16
@@ -56,7 +35,8 @@ def test_graph_replay_matches_eager_every_size(tiny_dir, backend, dtype):
         g.check_integrity()
 
 
-def test_capture_with_tiny_kv_pool(tiny_dir):
+def test_capture_with_tiny_kv_pool(tiny_gpu_dir, gpu_engine):
+    tiny_dir, engine = tiny_gpu_dir, gpu_engine
     e = engine(tiny_dir, "triton", "float32", cuda_graph_max_bs=32)
     e2 = LocalEngine(
         ServerArgs(

@@ -109,6 +109,10 @@ class ServerArgs:
     check_invariants: bool = field(
         default=False, metadata={"help": "run page-allocator integrity checks every step"}
     )
+    disable_overlap_schedule: bool = field(
+        default=False,
+        metadata={"help": "plan each step only after the previous one's result is back"},
+    )
 
     # ---- helpers -------------------------------------------------------
 

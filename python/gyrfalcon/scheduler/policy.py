@@ -3,7 +3,9 @@
 Order: running decodes (one token each), then unfinished prefills of running
 requests, then new requests FCFS. Limits: a token budget per step
 (max_num_batched_tokens), a prefill-token budget per step (chunked_prefill_size),
-max_num_seqs running requests, and free KV pages. When a decode needs a page
+max_num_seqs running requests, and free KV pages. A request with a sampled token
+still in flight (overlap scheduling) only advances as a decode, and not past
+max_tokens or the context length counting that token. When a decode needs a page
 and none is free, the most recently admitted running request is preempted
 (its pages freed, recomputed later from position 0).
 """
@@ -23,6 +25,7 @@ class Limits:
     chunked_prefill_size: int
     max_num_seqs: int
     page_size: int
+    max_model_len: int = 1 << 62
 
 
 @dataclass
@@ -31,7 +34,8 @@ class Scheduled:
     num_tokens: int  # tokens computed this step, from req.num_computed
     new_pages: list[int]
     reset: bool  # request was preempted since the worker last saw it
-    samples: bool  # the step reaches the last known token, so it samples the next
+    samples: bool  # the step reaches the last token, so it samples the next
+    start: int  # first position computed (req.num_computed when planned)
 
 
 @dataclass
@@ -74,7 +78,13 @@ def _take(req: Request, n: int, alloc: PageAllocator, ps: int) -> Scheduled:
     new_pages = alloc.alloc(pages_needed(len(req.pages), req.num_computed + n, ps))
     req.pages.extend(new_pages)
     reset, req.needs_reset = req.needs_reset, False
-    return Scheduled(req, n, new_pages, reset, req.num_computed + n == req.num_tokens)
+    end = req.num_computed + n
+    return Scheduled(req, n, new_pages, reset, end == req.num_tokens, req.num_computed)
+
+
+def may_decode(req: Request, max_model_len: int) -> bool:
+    """Whether one more token may be sampled, counting tokens in flight."""
+    return req.num_generated < req.sampling.max_tokens and req.num_tokens < max_model_len
 
 
 def schedule(
@@ -93,6 +103,8 @@ def schedule(
             break
         if req.remaining != 1 or req.status is not Status.RUNNING:
             continue
+        if not may_decode(req, limits.max_model_len):
+            continue  # its last token is in flight; the result finishes it
         while pages_needed(len(req.pages), req.num_computed + 1, ps) > alloc.num_free:
             victims = [r for r in running if r.rid not in picked]
             victim = max(victims, key=lambda r: r.arrival)
@@ -108,7 +120,7 @@ def schedule(
 
     # 2) running requests still in (chunked) prefill
     for req in sorted(running, key=lambda r: r.arrival):
-        if req.rid in picked or req.remaining <= 1 and req.output_ids:
+        if req.rid in picked or req.num_pending or req.remaining <= 1 and req.output_ids:
             continue
         n = min(req.remaining, budget, prefill_budget, max_tokens_fitting(req, alloc.num_free, ps))
         if n <= 0:
@@ -121,6 +133,8 @@ def schedule(
     # 3) admit waiting requests FCFS while everything fits
     while waiting and len(running) < limits.max_num_seqs and budget > 0 and prefill_budget > 0:
         req = waiting[0]
+        if req.num_pending:
+            break  # preempted with a token in flight: re-admit once it is back
         # NOTE: admit only when the whole remaining prompt fits in free pages, so a
         # long prompt cannot grab pages chunk by chunk and starve the running set.
         if pages_needed(0, req.num_tokens, ps) > alloc.num_free:

@@ -65,6 +65,11 @@ class SchedulerLoop:
                 raise WorkerFailed(f"worker {msg.rank} failed: {msg.message}")
             return msg
 
+    def _recv_result(self) -> StepResult:
+        result = self._recv_worker()
+        assert isinstance(result, StepResult), f"expected a step result, got {result}"
+        return result
+
     def start(self) -> None:
         ready = self._recv_worker()
         assert isinstance(ready, WorkerReady)
@@ -99,13 +104,7 @@ class SchedulerLoop:
         while msg is not None:
             self._handle(msg)
             msg = self.from_frontend.recv(0)
-        outputs: list[RequestOutput] = sched.take_outputs()
-        plan = sched.build_plan()
-        if plan is not None:
-            self.to_worker.send(plan)
-            result = self._recv_worker()
-            assert isinstance(result, StepResult) and result.step_id == plan.step_id
-            outputs += sched.process_result(result)
+        outputs: list[RequestOutput] = sched.pump(self.to_worker.send, self._recv_result)
         if outputs:
             self.to_frontend.send(BatchOutput(outputs))
         if not sched.has_work() and not parent_alive(self.ppid):

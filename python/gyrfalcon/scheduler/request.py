@@ -1,8 +1,14 @@
 """Scheduler-side request state and the one token-accounting rule.
 
-tokens      = prompt_ids + output_ids
-num_computed = tokens whose KV is written and valid
+tokens       = prompt_ids + output_ids + num_pending placeholders
+num_pending  = tokens sampled by steps in flight whose value is not back yet
+num_computed = tokens whose KV is written (or will be, by a step in flight)
 a request is in decode when num_computed == len(tokens) - 1
+
+With overlap scheduling the next step is planned before the previous one's
+result arrives: a planned step advances num_computed at once, and a sampling
+row adds a pending token. A pending token is fed to the next step as
+PLACEHOLDER; the worker substitutes the id it sampled, on the device.
 """
 
 from __future__ import annotations
@@ -11,6 +17,9 @@ import enum
 from dataclasses import dataclass, field
 
 from gyrfalcon.ipc.messages import PositionLogprobs, SamplingParams
+
+# Input id of a position whose token is still being sampled by a step in flight.
+PLACEHOLDER = -1
 
 
 class Status(enum.Enum):
@@ -27,6 +36,7 @@ class Request:
     arrival: int  # monotonically increasing admission order
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
+    num_pending: int = 0  # sampled tokens in flight (see the module docstring)
     pages: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
@@ -39,17 +49,20 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
 
-    def token_at(self, i: int) -> int:
-        n = len(self.prompt_ids)
-        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+    @property
+    def num_generated(self) -> int:
+        """Output tokens, known or in flight."""
+        return len(self.output_ids) + self.num_pending
 
     def tokens_slice(self, start: int, end: int) -> list[int]:
+        """Token ids of positions [start, end); in-flight tokens are PLACEHOLDER."""
         n = len(self.prompt_ids)
         if end <= n:
             return self.prompt_ids[start:end]
-        return (self.prompt_ids + self.output_ids)[start:end]
+        known = self.prompt_ids + self.output_ids
+        return known[start:end] + [PLACEHOLDER] * (end - max(start, len(known)))
 
     @property
     def remaining(self) -> int:
@@ -58,4 +71,4 @@ class Request:
 
     @property
     def in_decode(self) -> bool:
-        return self.remaining == 1 and len(self.output_ids) > 0
+        return self.remaining == 1 and self.num_generated > 0

@@ -2,12 +2,19 @@
 
 A composition of small parts: the page allocator, the step policy, and the
 request table. It never touches tensors.
+
+Overlap scheduling: up to `max_inflight` plans are out at once. A plan applies
+its decision when it is built (see request.py); results come back in plan
+order. A request that finishes on a result may still have a row in a later
+plan in flight: that row's result is dropped, and its pages, freed at once,
+are only reused by plans the worker runs after it.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gyrfalcon.config.server_args import ServerArgs
@@ -37,6 +44,7 @@ class SchedulerConfig:
     chunked_prefill_size: int
     eos_token_ids: tuple[int, ...]
     check_invariants: bool = False
+    max_inflight: int = 1  # plans out at once; 2 overlaps planning with execution
 
     @classmethod
     def from_args(
@@ -58,11 +66,12 @@ class SchedulerConfig:
             chunked_prefill_size=args.chunked_prefill_size,
             eos_token_ids=eos_token_ids,
             check_invariants=check,
+            max_inflight=1 if args.disable_overlap_schedule else 2,
         )
 
 
 def forward_mode(decision: Decision) -> ForwardMode:
-    decodes = sum(1 for s in decision.rows if s.num_tokens == 1 and s.req.output_ids)
+    decodes = sum(1 for s in decision.rows if s.num_tokens == 1 and s.req.num_generated)
     if decodes == len(decision.rows):
         return ForwardMode.DECODE
     return ForwardMode.PREFILL if decodes == 0 else ForwardMode.MIXED
@@ -73,7 +82,11 @@ class Scheduler:
         self.cfg = cfg
         self.alloc = PageAllocator(cfg.num_pages)
         self.limits = Limits(
-            cfg.max_num_batched_tokens, cfg.chunked_prefill_size, cfg.max_num_seqs, cfg.page_size
+            cfg.max_num_batched_tokens,
+            cfg.chunked_prefill_size,
+            cfg.max_num_seqs,
+            cfg.page_size,
+            cfg.max_model_len,
         )
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
@@ -82,7 +95,7 @@ class Scheduler:
         self._steps = itertools.count()
         self._finished_for_worker: list[str] = []
         self._outputs: list[RequestOutput] = []
-        self._decision = Decision()  # the plan in flight
+        self._inflight: deque[tuple[int, Decision]] = deque()  # (step_id, decision), in order
 
     # ------------------------------------------------------------ inputs
 
@@ -110,9 +123,20 @@ class Scheduler:
     # ------------------------------------------------------------ steps
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        """Requests to run, results to wait for, or finished requests the worker holds."""
+        return bool(self.running or self.waiting or self._inflight or self._finished_for_worker)
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
+
+    def may_plan(self) -> bool:
+        """Whether another plan may go out before the oldest result is back."""
+        return len(self._inflight) < self.cfg.max_inflight
 
     def build_plan(self) -> StepPlan | None:
+        """Plan the next step and apply it to request state; None if nothing to send."""
+        assert self.may_plan(), "too many plans in flight"
         decision = schedule(self.running, self.waiting, self.alloc, self.limits)
         if not decision.rows and not self._finished_for_worker:
             return None
@@ -133,33 +157,52 @@ class Scheduler:
                     reset=s.reset,
                 )
             )
-        batches = (
-            [RankBatch(forward_mode(decision), rows)] if rows else [RankBatch(ForwardMode.IDLE, [])]
-        )
+        mode = forward_mode(decision)
+        for s in decision.rows:  # the plan's effect, applied now (see request.py)
+            s.req.num_computed += s.num_tokens
+            s.req.num_pending += s.samples
+        batches = [RankBatch(mode, rows)] if rows else [RankBatch(ForwardMode.IDLE, [])]
         plan = StepPlan(next(self._steps), new_requests, self._finished_for_worker, batches)
         self._finished_for_worker = []
-        self._decision = decision
+        self._inflight.append((plan.step_id, decision))
         return plan
 
+    def pump(
+        self, submit: Callable[[StepPlan], None], receive: Callable[[], StepResult]
+    ) -> list[RequestOutput]:
+        """One turn of the step pipeline; returns outputs for the frontend.
+
+        Sends a plan if one may go out and there is one; then waits for the oldest
+        result if no further plan may go out, or if there was nothing to plan.
+        """
+        outputs = self.take_outputs()
+        plan = self.build_plan() if self.may_plan() else None
+        if plan is not None:
+            submit(plan)
+        if self._inflight and (plan is None or not self.may_plan()):
+            outputs += self.process_result(receive())
+        return outputs
+
     def process_result(self, result: StepResult) -> list[RequestOutput]:
-        """Advance requests by the step's result; return outputs for the frontend."""
-        decision = self._decision
+        """Apply the oldest plan's result; return outputs for the frontend."""
+        step_id, decision = self._inflight.popleft()
+        assert result.step_id == step_id, f"result of step {result.step_id}, expected {step_id}"
         by_rid = {r.rid: r for r in result.rows}
         for s in decision.rows:
             req = s.req
-            if req.status is Status.FINISHED:  # aborted while the step ran
+            if req.status is Status.FINISHED:  # finished or aborted while the step ran
                 continue
             row = by_rid[req.rid]
             if row.prompt_logprobs is not None and not req.prompt_logprobs_sent:
                 if req.prompt_logprobs is None:
                     req.prompt_logprobs = [None]
                 # NOTE: a recompute after preemption repeats positions already held
-                if len(req.prompt_logprobs) == req.num_computed + 1:
+                if len(req.prompt_logprobs) == s.start + 1:
                     req.prompt_logprobs.extend(row.prompt_logprobs)
-            req.num_computed += s.num_tokens
             if not s.samples:
                 continue
             assert row.token_id >= 0, f"row {req.rid} should have sampled"
+            req.num_pending -= 1
             req.output_ids.append(row.token_id)
             if row.logprobs is not None:
                 req.pending_logprobs.append(row.logprobs)
@@ -184,7 +227,8 @@ class Scheduler:
             return "stop"
         if not sp.ignore_eos and token in self.cfg.eos_token_ids:
             return "stop"
-        if len(req.output_ids) >= sp.max_tokens or req.num_tokens >= self.cfg.max_model_len:
+        known = len(req.prompt_ids) + len(req.output_ids)  # NOTE: not counting tokens in flight
+        if len(req.output_ids) >= sp.max_tokens or known >= self.cfg.max_model_len:
             return "length"
         return None
 

@@ -26,17 +26,40 @@ class SampleOutput:
     top_logprobs: torch.Tensor | None  # [bs, max_logprobs] float32, descending
 
     def cpu(self) -> SampleOutput:
-        """Copy to host with a single device sync (call once per step, before reading)."""
-        tensors = [self.token_ids, self.logprobs, self.top_ids, self.top_logprobs]
-        device = self.token_ids.device
+        """Copy to host and wait (one device sync)."""
+        return HostCopy(self).wait()
+
+
+class HostCopy:
+    """A SampleOutput on its way to the host: started at once, waited for in `wait()`.
+
+    On CUDA the copies are asynchronous into pinned memory and an event marks
+    their end, so the host can plan the next step before this one's ids are read.
+    """
+
+    def __init__(self, out: SampleOutput):
+        tensors = [out.token_ids, out.logprobs, out.top_ids, out.top_logprobs]
+        device = out.token_ids.device
+        self._event: torch.cuda.Event | None = None
         if device.type == "cpu":
-            return self
-        if device.type != "cuda":
-            return SampleOutput(*(None if t is None else t.cpu() for t in tensors))
-        host = [None if t is None else t.to("cpu", non_blocking=True) for t in tensors]
-        # NOTE: the one device->host sync of a step's sampling results.
-        torch.cuda.current_stream(device).synchronize()
-        return SampleOutput(*host)
+            self._out = out
+        elif device.type == "cuda":
+            host = [None if t is None else t.to("cpu", non_blocking=True) for t in tensors]
+            self._out = SampleOutput(*host)
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(device))
+        else:
+            self._out = SampleOutput(*(None if t is None else t.cpu() for t in tensors))
+
+    def done(self) -> bool:
+        """Whether `wait()` would return without blocking."""
+        return self._event is None or self._event.query()
+
+    def wait(self) -> SampleOutput:
+        if self._event is not None:
+            # NOTE: the one device->host sync of a step's sampling results.
+            self._event.synchronize()
+        return self._out
 
 
 def to_position_logprobs(out: SampleOutput, row: int, k: int) -> PositionLogprobs:

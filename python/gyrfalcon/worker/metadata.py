@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from gyrfalcon.worker.host_copy import upload
+
 
 @dataclass(frozen=True)
 class RowInput:
@@ -32,6 +34,7 @@ class BatchTensors:
     last_token_idx: torch.Tensor  # [bs] index in [T] of each row's last new token
     seq_lens_cpu: list[int]
     q_lens_cpu: list[int]
+    q_starts_cpu: list[int]
 
 
 def slot_of(pages: list[int], pos: int, page_size: int) -> int:
@@ -67,7 +70,7 @@ def build_batch_tensors(
     # NOTE: one host->device copy for the whole step; the fields are views of it.
     parts = [ids, positions, slots, seq_lens, q_lens, q_starts, last]
     flat = [x for part in parts for x in part] + [p for row in table for p in row]
-    packed = torch.tensor(flat, dtype=torch.int64).to(device)
+    packed = upload(flat, torch.int64, device)
     sizes = [len(part) for part in parts] + [len(rows) * max_pages]
     t_ids, t_pos, t_slots, t_seq, t_q, t_starts, t_last, t_table = packed.split(sizes)
 
@@ -82,6 +85,7 @@ def build_batch_tensors(
         last_token_idx=t_last,
         seq_lens_cpu=seq_lens,
         q_lens_cpu=q_lens,
+        q_starts_cpu=q_starts,
     )
     assert bt.input_ids.shape == bt.positions.shape == bt.out_cache_loc.shape
     assert bt.seq_lens.shape[0] == bt.q_lens.shape[0] == bt.page_table.shape[0] == len(rows)

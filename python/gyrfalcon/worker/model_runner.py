@@ -1,15 +1,22 @@
-"""Model runner: executes one StepPlan batch and returns a StepResult.
+"""Model runner: executes StepPlans and returns StepResults, in plan order.
 
 The runner never decides what to run: rows, positions and pages come from the
 scheduler. It keeps per-request state that the plan sends only as deltas
 (page table, sampling state with outputs for penalties and seeded generator).
+
+`submit(plan)` launches a step without waiting for the device; `take()` returns
+the oldest step's result, blocking until its sampled ids are on the host. Between
+the two, the next plan can be submitted: its PLACEHOLDER input ids (tokens the
+scheduler has not seen yet) are filled on the device from `last_tokens`, where
+every step scatters the ids it sampled, one slot per request.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,10 +31,13 @@ from gyrfalcon.ipc.messages import (
 )
 from gyrfalcon.layers.attention.registry import create_backend
 from gyrfalcon.models.registry import build_model
+from gyrfalcon.scheduler.request import PLACEHOLDER
 from gyrfalcon.worker.cuda_graph import GraphRunner
 from gyrfalcon.worker.forward_batch import ForwardBatch
+from gyrfalcon.worker.host_copy import upload
 from gyrfalcon.worker.kv_cache import KVCache
 from gyrfalcon.worker.kv_sizing import max_model_len, num_kv_pages
+from gyrfalcon.worker.logprobs import HostCopy
 from gyrfalcon.worker.metadata import BatchTensors, RowInput, build_batch_tensors
 from gyrfalcon.worker.sampler import (
     RequestSamplingState,
@@ -47,6 +57,36 @@ class WorkerRequest:
     prompt_ids: list[int]
     sampling: RequestSamplingState
     pages: list[int]
+    slot: int  # row of ModelRunner.last_tokens
+
+
+@dataclass
+class PendingStep:
+    """A launched step: its results are complete once `copy` has landed on the host."""
+
+    step_id: int
+    results: list[RowResult]
+    sample_rows: list[int] = field(default_factory=list)  # indices into results
+    states: list[RequestSamplingState] = field(default_factory=list)  # of the sample rows
+    copy: HostCopy | None = None
+    resolved: bool = False
+
+    def done(self) -> bool:
+        return self.copy is None or self.copy.done()
+
+    def resolve(self) -> StepResult:
+        """Wait for the sampled ids; record them in the requests' sampling state (once)."""
+        if not self.resolved and self.copy is not None:
+            out = self.copy.wait()
+            token_ids = out.token_ids.tolist()
+            for j, i in enumerate(self.sample_rows):
+                self.states[j].output_ids.append(token_ids[j])
+                self.results[i].token_id = token_ids[j]
+                k = self.states[j].params.logprobs
+                if k is not None:
+                    self.results[i].logprobs = to_position_logprobs(out, j, k)
+        self.resolved = True
+        return StepResult(step_id=self.step_id, rows=self.results)
 
 
 class ModelRunner:
@@ -70,6 +110,9 @@ class ModelRunner:
             model_cfg.head_dim**-0.5,
         )
         self.requests: dict[str, WorkerRequest] = {}
+        self.pending: deque[PendingStep] = deque()
+        self._free_slots: list[int] = []
+        self.last_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
 
     def init_kv_cache(self, num_pages: int, max_model_len: int) -> None:
         """Allocate the paged KV cache (after weights, so sizing sees their memory),
@@ -112,26 +155,56 @@ class ModelRunner:
     def _add(self, new: NewRequest) -> None:
         assert new.rid not in self.requests, f"request {new.rid} sent twice"
         state = RequestSamplingState.create(new.sampling, list(new.prompt_ids), self.device)
-        self.requests[new.rid] = WorkerRequest(list(new.prompt_ids), state, [])
+        if not self._free_slots:  # grow last_tokens (stream-ordered, no sync)
+            n = self.last_tokens.shape[0]
+            grown = torch.zeros(max(64, 2 * n), dtype=torch.int64, device=self.device)
+            grown[:n].copy_(self.last_tokens)
+            self.last_tokens = grown
+            self._free_slots = list(range(grown.shape[0] - 1, n - 1, -1))
+        slot = self._free_slots.pop()
+        self.requests[new.rid] = WorkerRequest(list(new.prompt_ids), state, [], slot)
+
+    def _drop(self, rid: str) -> None:
+        req = self.requests.pop(rid, None)
+        if req is not None:
+            self._free_slots.append(req.slot)
 
     # ------------------------------------------------------------ execution
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult:
+    def submit(self, plan: StepPlan) -> None:
+        """Launch `plan`; its result comes from a later `take()`."""
         for rid in plan.finished_rids:
-            self.requests.pop(rid, None)
+            self._drop(rid)
         for new in plan.new_requests:
             self._add(new)
         # NOTE: one DP rank for now; plan.batches has exactly one entry.
         assert len(plan.batches) == 1, "multi-rank plans need the DP worker group"
-        rows = self._run_batch(plan.batches[0])
-        return StepResult(step_id=plan.step_id, rows=rows)
+        self.pending.append(self._launch(plan.step_id, plan.batches[0]))
 
-    def _run_batch(self, rb: RankBatch) -> list[RowResult]:
+    def oldest_done(self) -> bool:
+        """Whether take() would return without waiting for the device."""
+        return bool(self.pending) and self.pending[0].done()
+
+    def take(self) -> StepResult:
+        """The oldest submitted step's result (blocks until its ids are on the host)."""
+        return self.pending.popleft().resolve()
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one plan to completion (nothing else may be in flight)."""
+        assert not self.pending, "execute() with steps in flight"
+        self.submit(plan)
+        return self.take()
+
+    def _launch(self, step_id: int, rb: RankBatch) -> PendingStep:
+        step = PendingStep(step_id, [RowResult(rid=row.rid, token_id=-1) for row in rb.rows])
         if not rb.rows:
-            return []
-        reqs = []
-        inputs = []
+            return step
+        reqs: list[WorkerRequest] = []
+        inputs: list[RowInput] = []
+        ph_pos: list[int] = []  # token index of each PLACEHOLDER input
+        ph_slot: list[int] = []  # and the slot holding its id
+        n_tokens = 0
         for row in rb.rows:
             req = self.requests[row.rid]
             if row.reset:
@@ -139,28 +212,34 @@ class ModelRunner:
             req.pages.extend(row.new_pages)
             reqs.append(req)
             inputs.append(RowInput(row.start, list(row.input_ids), req.pages))
+            for j, tok in enumerate(row.input_ids):
+                if tok == PLACEHOLDER:
+                    ph_pos.append(n_tokens + j)
+                    ph_slot.append(req.slot)
+            n_tokens += len(row.input_ids)
         assert self.kv_cache is not None, "init_kv_cache() first"
         bt = build_batch_tensors(inputs, self.page_size, self.device)
-        results = [RowResult(rid=row.rid, token_id=-1) for row in rb.rows]
-        sample_rows = [i for i, row in enumerate(rb.rows) if row.sample]
+        if ph_pos:
+            idx = upload([ph_pos, ph_slot], torch.int64, self.device)  # [2, n]
+            bt.input_ids[idx[0]] = self.last_tokens[idx[1]]
+        step.sample_rows = [i for i, row in enumerate(rb.rows) if row.sample]
         if self.graphs is not None and self.graphs.can_run(rb.forward_mode, bt):
-            assert len(sample_rows) == len(rb.rows), "every decode row samples"
+            assert len(step.sample_rows) == len(rb.rows), "every decode row samples"
             logits = self.graphs.run(bt)  # [bs, vocab]
         else:
-            logits = self._eager(rb, reqs, bt, results, sample_rows)
-        if not sample_rows:
-            return results
-        states = [reqs[i].sampling for i in sample_rows]
-        # NOTE: one device->host copy per step; everything below reads the CPU copy.
-        out = sample(logits, prepare(states, self.cfg.vocab_size, self.device)).cpu()
-        token_ids = out.token_ids.tolist()
-        for j, i in enumerate(sample_rows):
-            states[j].output_ids.append(token_ids[j])
-            results[i].token_id = token_ids[j]
-            k = states[j].params.logprobs
-            if k is not None:
-                results[i].logprobs = to_position_logprobs(out, j, k)
-        return results
+            logits = self._eager(rb, reqs, bt, step.results, step.sample_rows)
+        if not step.sample_rows:
+            return step
+        step.states = [reqs[i].sampling for i in step.sample_rows]
+        if any(s.has_penalty for s in step.states):
+            # NOTE: penalties read output_ids on the host: earlier steps must be in.
+            for earlier in self.pending:
+                earlier.resolve()
+        out = sample(logits, prepare(step.states, self.cfg.vocab_size, self.device))
+        slots = upload([reqs[i].slot for i in step.sample_rows], torch.int64, self.device)
+        self.last_tokens.index_copy_(0, slots, out.token_ids)
+        step.copy = HostCopy(out)
+        return step
 
     def _eager(
         self,
@@ -177,9 +256,9 @@ class ModelRunner:
         )
         batch.attn_meta = self.attn.build_metadata(batch)
         hidden = self.model(batch)  # [T, hidden]
-        self._prompt_logprobs(rb, reqs, hidden, bt.q_starts.tolist(), results)
-        idx = bt.last_token_idx[torch.tensor(sample_rows, dtype=torch.int64, device=self.device)]
-        return self.model.compute_logits(hidden[idx])  # [n, vocab]
+        self._prompt_logprobs(rb, reqs, hidden, bt.q_starts_cpu, results)
+        last = [bt.q_starts_cpu[i] + bt.q_lens_cpu[i] - 1 for i in sample_rows]
+        return self.model.compute_logits(hidden[upload(last, torch.int64, self.device)])
 
     def _prompt_logprobs(
         self,
@@ -200,9 +279,7 @@ class ModelRunner:
                 continue
             n = end - row.start
             logits = self.model.compute_logits(hidden[q_starts[i] : q_starts[i] + n])
-            next_ids = torch.tensor(
-                req.prompt_ids[row.start + 1 : end + 1], dtype=torch.int64, device=self.device
-            )
+            next_ids = upload(req.prompt_ids[row.start + 1 : end + 1], torch.int64, self.device)
             results[i].prompt_logprobs = prompt_logprobs(logits, next_ids, k)
 
 

@@ -21,18 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-def _host(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A CPU tensor of `data`, pinned when it is bound for a CUDA device."""
-    t = torch.tensor(data, dtype=dtype)
-    return t.pin_memory() if device.type == "cuda" else t
-
-
-def upload(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Copy a (nested) Python list to `device` without blocking the host on CUDA."""
-    # NOTE: pinned source + non_blocking keeps the copy asynchronous; the caching
-    # host allocator keeps the pinned buffer alive until the copy has run.
-    return _host(data, dtype, device).to(device, non_blocking=True)
+from gyrfalcon.worker.host_copy import host_tensor, upload
 
 
 class DeviceTokenBuffer:
@@ -74,7 +63,7 @@ class DeviceTokenBuffer:
                     grown[: self._len].copy_(self._buf[: self._len])  # type: ignore[index]
                 self._buf, self._device = grown, device
             dst = self._buf[self._len : n]  # type: ignore[index]
-            dst.copy_(_host(new, torch.int64, device), non_blocking=True)
+            dst.copy_(host_tensor(new, torch.int64, device), non_blocking=True)
             self._len = n
         if self._buf is None:
             return torch.empty(0, dtype=torch.int64, device=device)

@@ -34,15 +34,25 @@ def run_worker(
         runner, context_len = build_runner(args, model_dir, cfg, rank)
         outbox.send(WorkerReady(rank, runner.kv_cache.num_pages, context_len))
         while True:
-            msg = inbox.recv(POLL_MS)
-            if msg is None:
-                if not parent_alive(ppid):
-                    return
-                continue
+            if runner.pending:
+                # NOTE: spin between the next plan and the oldest step's end: a plan
+                # is launched as soon as it arrives, a result sent as soon as it is in.
+                if runner.oldest_done():
+                    outbox.send(runner.take())
+                    continue
+                msg = inbox.recv(0)
+                if msg is None:
+                    continue
+            else:
+                msg = inbox.recv(POLL_MS)
+                if msg is None:
+                    if not parent_alive(ppid):
+                        return
+                    continue
             if isinstance(msg, Shutdown):
                 return
             assert isinstance(msg, StepPlan)
-            outbox.send(runner.execute(msg))
+            runner.submit(msg)
     except Exception:
         text = traceback.format_exc()
         logger.error("worker %d failed:\n%s", rank, text)

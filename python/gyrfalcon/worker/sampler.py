@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 import torch
 
 from gyrfalcon.ipc.messages import SamplingParams
+from gyrfalcon.worker.host_copy import upload
 from gyrfalcon.worker.logprobs import SampleOutput, prompt_logprobs, to_position_logprobs
 from gyrfalcon.worker.penalties import (
     DeviceTokenBuffer,
     PenaltyTensors,
     apply_penalty_tensors,
     build_penalty_tensors,
-    upload,
 )
 
 __all__ = [

@@ -47,9 +47,11 @@ def test_main_writes_decode_json(bench: ModuleType, tmp_path: Path) -> None:
         "--batch-sizes", "1,2", "--context", "20", "--steps", "2", "--warmup", "1",
         "--prefill-tokens", "32", "--bandwidth-bytes", "8MiB", "--device-kind", "cpu-test",
         "--output-json", str(out), "--page-size", "8", "--log-level", "warning",
+        "--profile-dir", str(tmp_path / "prof"),
     ]  # fmt: skip
     assert bench.main(argv) == 0
     res = json.loads(out.read_text())
+    assert "(submit)" in (tmp_path / "prof" / "host_profile_bs2.txt").read_text()
     for key in ("bench", "device_kind", "model", "commit", "dtype", "attention_backend"):
         assert isinstance(res[key], str) and res[key]
     assert res["bench"] == "decode" and res["device_kind"] == "cpu-test"
@@ -58,13 +60,13 @@ def test_main_writes_decode_json(bench: ModuleType, tmp_path: Path) -> None:
     assert res["bandwidth_bytes_per_s"] > 0 and res["bandwidth_source"] == "measured"
     # the ServerArgs flag went through; KV pages sized for the largest batch
     assert res["server_args"]["page_size"] == 8
-    assert res["server_args"]["num_kv_pages"] == 1 + 2 * 3  # ceil((20 + 1 + 2) / 8) pages each
+    assert res["server_args"]["num_kv_pages"] == 1 + 2 * 4  # ceil((20 + 1 + 2 * 2) / 8) each
     assert [r["batch_size"] for r in res["rows"]] == [1, 2]
     cfg = ModelConfig.from_dir(str(SMOL))
     for r in res["rows"]:
         assert r["context"] == 20 and r["step_ms"] > 0 and r["prefill_s"] > 0
         assert r["tok_s"] == pytest.approx(r["batch_size"] * 1e3 / r["step_ms"])
-        assert r["step_ms_min"] <= r["step_ms_median"] <= r["step_ms"] * 2
+        assert 0 < r["step_ms_sync_min"] <= r["step_ms_sync_median"] <= r["step_ms_sync"] * 2
         assert r["mean_kv_len"] == 20 + 1 + 1.5
         kv = kv_read_bytes(cfg, r["batch_size"], 1, 4) * r["mean_kv_len"]
         want = roofline_step_ms(weight_bytes(cfg, 4), kv, res["bandwidth_bytes_per_s"])
@@ -134,6 +136,13 @@ def test_driver_plans_match_local_engine(bench: ModuleType, tmp_path: Path) -> N
     sampling = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
     assert engine.generate(prompts, sampling) == got
 
+    # overlapped: inputs filled on the device from the previous step; same tokens
+    driver.prefill(prompts, token_cap=4)
+    driver.decode_overlapped(steps)  # two steps in flight at a time
+    assert [s.last for s in driver.seqs] == [g[steps] for g in got]
+    driver.release()
+    assert sorted(driver.free_pages) == free_before
+
 
 def test_main_through_static_graph_replay(bench: ModuleType, tmp_path: Path) -> None:
     """A graph flag of ServerArgs reaches the runner; batch 3 is padded into a graph of 4."""
@@ -148,5 +157,5 @@ def test_main_through_static_graph_replay(bench: ModuleType, tmp_path: Path) -> 
     res = json.loads(out.read_text())
     assert res["graph_mode"] == "static" and max(res["graph_batch_sizes"]) == 4
     assert res["bandwidth_source"] == "given" and res["bandwidth_bytes_per_s"] == 1e10
-    assert res["server_args"]["max_model_len"] == 8 + 1 + 2
+    assert res["server_args"]["max_model_len"] == 8 + 1 + 2 * 2  # overlapped + synced steps
     assert res["rows"][0]["step_ms"] > 0

@@ -53,12 +53,20 @@ def test_batched_greedy_matches_hf(tiny_model_dirs, arch):
     assert eng.scheduler.alloc.num_free == eng.scheduler.alloc.num_usable
 
 
-def test_mid_flight_arrivals_and_preemption_match_hf(tiny_model_dirs):
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_mid_flight_arrivals_and_preemption_match_hf(tiny_model_dirs, overlap):
     d = tiny_model_dirs["llama"]
     ps = prompts(2, [6, 11, 3, 14, 8])
     ref = hf_greedy(d, ps, GREEDY.max_tokens)
     # 12 usable pages of 4 tokens: not enough for all five at once -> preemption
-    eng = engine(d, num_kv_pages=13, chunked_prefill_size=5, max_num_batched_tokens=7)
+    eng = engine(
+        d,
+        num_kv_pages=13,
+        chunked_prefill_size=5,
+        max_num_batched_tokens=7,
+        disable_overlap_schedule=not overlap,
+    )
+    assert eng.scheduler.cfg.max_inflight == (2 if overlap else 1)
     got = {str(i): [] for i in range(len(ps))}
     eng.add("0", ps[0], GREEDY)
     preempted = 0
@@ -86,3 +94,37 @@ def test_bfloat16_on_cpu_runs_and_mostly_agrees(tiny_model_dirs):
     ).generate(ps, GREEDY)
     assert [len(g) for g in got] == [GREEDY.max_tokens] * 2
     assert got[0][:2] == ref[0][:2] and got[1][:2] == ref[1][:2]
+
+
+def test_overlap_keeps_sampled_and_stopped_outputs(tiny_model_dirs):
+    """Seeded sampling, stop tokens, EOS and penalties: the same tokens with overlap as without.
+
+    A request that stops has one more step in flight, whose token is dropped; a
+    penalized row makes the runner wait for earlier steps' tokens first.
+    """
+    d = tiny_model_dirs["llama"]
+    ps = prompts(4, [7, 12, 5, 9])
+    ref_greedy = engine(d, num_kv_pages=64).generate(ps, GREEDY)
+    stop_tok = ref_greedy[1][4]  # request 1 stops at its 5th token
+    cases = [
+        SamplingParams(temperature=1.0, seed=11, max_tokens=10),
+        SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_tok]),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=9, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, max_tokens=8, frequency_penalty=0.5),
+    ]
+
+    def run(overlap):
+        eng = engine(d, num_kv_pages=64, disable_overlap_schedule=not overlap)
+        for i, (p, sp) in enumerate(zip(ps, cases)):
+            eng.add(str(i), p, sp)
+        got = {str(i): [] for i in range(len(ps))}
+        while eng.has_work():
+            for out in eng.step():
+                got[out.rid].extend(out.token_ids)
+        assert not eng.runner.requests and not eng.runner.pending
+        eng.check_integrity()
+        return [got[str(i)] for i in range(len(ps))]
+
+    sync, over = run(False), run(True)
+    assert over == sync
+    assert sync[1][-1] == stop_tok and len(sync[1]) <= 5

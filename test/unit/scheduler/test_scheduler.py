@@ -76,7 +76,10 @@ def test_abort_waiting_and_running():
     s.abort("b")
     out = s.take_outputs()
     assert [(o.rid, o.finish_reason) for o in out] == [("a", "abort"), ("b", "abort")]
-    assert s.alloc.num_free == s.alloc.num_usable and not s.has_work()
+    assert s.alloc.num_free == s.alloc.num_usable
+    assert s.has_work()  # the worker still holds "a"
+    plan, _ = fake_step(s, {})
+    assert plan.finished_rids == ["a"] and not s.has_work()
     s.check_integrity()
     s.abort("unknown")  # ignored
 

@@ -8,6 +8,12 @@ the ForwardBatch once per step; every layer's `forward` only runs.
 Decode under CUDA graphs uses one graph-mode decode wrapper per captured batch
 size, all sharing static indptr/indices/last_page_len buffers; `prepare_replay`
 re-plans the wrapper of the padded size before each replay.
+
+A plan copies its schedule to the device from a page-locked host buffer of the
+wrapper, asynchronously. With the next step planned while this one runs, the
+host must not rewrite that buffer before the copy has run: every plan waits on
+an event recorded after the previous plan (by then, at most the step in flight
+is ahead of it on the stream, so the wait is short).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 from gyrfalcon.config.server_args import FLASHINFER_HEAD_DIMS
 from gyrfalcon.layers.attention.base import AttentionBackend
 from gyrfalcon.worker.forward_batch import ForwardBatch
+from gyrfalcon.worker.host_copy import upload
 
 WORKSPACE_BYTES = 256 << 20
 
@@ -82,11 +89,18 @@ class FlashInferBackend(AttentionBackend):
             self._workspace, "NHD", use_tensor_cores=self._tensor_cores
         )
         self._prefill = self._fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+        self._plan_done = torch.cuda.Event() if device.type == "cuda" else None
+
+    def _plan(self, wrapper, *args, **kwargs) -> None:
+        """wrapper.plan(...), never overwriting a pinned schedule whose copy is pending."""
+        if self._plan_done is not None:
+            self._plan_done.synchronize()  # no-op before the first record
+        wrapper.plan(*args, **kwargs)
+        if self._plan_done is not None:
+            self._plan_done.record()
 
     def _indices(self, batch: ForwardBatch, csr: PagedCsr, out: torch.Tensor | None = None):
-        flat = torch.tensor(csr.flat_index, dtype=torch.int64).to(
-            batch.page_table.device, non_blocking=True
-        )
+        flat = upload(csr.flat_index, torch.int64, batch.page_table.device)
         idx = batch.page_table.reshape(-1)[flat].to(torch.int32)
         if out is None:
             return idx
@@ -95,7 +109,8 @@ class FlashInferBackend(AttentionBackend):
 
     def _plan_decode(self, wrapper, batch: ForwardBatch, csr: PagedCsr, indices) -> None:
         dtype = batch.kv_cache.k.dtype
-        wrapper.plan(
+        self._plan(
+            wrapper,
             torch.tensor(csr.indptr, dtype=torch.int32),
             indices,
             torch.tensor(csr.last_page_len, dtype=torch.int32),
@@ -122,7 +137,8 @@ class FlashInferBackend(AttentionBackend):
         for n in batch.q_lens_cpu:
             qo_indptr.append(qo_indptr[-1] + n)
         dtype = batch.kv_cache.k.dtype
-        self._prefill.plan(
+        self._plan(
+            self._prefill,
             torch.tensor(qo_indptr, dtype=torch.int32),
             torch.tensor(csr.indptr, dtype=torch.int32),
             indices,
