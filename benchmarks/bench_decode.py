@@ -177,6 +177,8 @@ class Driver:
 
     def release(self) -> None:
         """Free every sequence on the worker (finished_rids) and return its pages."""
+        while self.runner.pending:  # a step cut short by an error
+            self.runner.take()
         self._run(msg.ForwardMode.DECODE, [], finished=[s.rid for s in self.seqs])
         for s in self.seqs:
             self.free_pages.extend(reversed(s.pages))
@@ -197,11 +199,14 @@ def bench_batch(
         sync(device)
         prefill_s = time.perf_counter() - t0
         driver.decode_overlapped(ns.warmup)
+        graphs = driver.runner.graphs
+        runs0 = graphs.num_runs if graphs is not None else 0
         sync(device)
         t0 = time.perf_counter()
         driver.decode_overlapped(ns.steps)
         sync(device)
         overlapped_s = time.perf_counter() - t0
+        graph_steps = (graphs.num_runs if graphs is not None else 0) - runs0
         times = []
         for _ in range(ns.steps):
             sync(device)
@@ -216,6 +221,7 @@ def bench_batch(
     return {
         "prefill_s": prefill_s,
         "step_ms": 1e3 * overlapped_s / ns.steps,
+        "graph_steps": graph_steps,  # timed steps that replayed a graph
         "step_ms_sync": 1e3 * sum(times) / len(times),
         "step_ms_sync_median": 1e3 * statistics.median(times),
         "step_ms_sync_min": 1e3 * min(times),
@@ -305,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     if ns.load_format != "dummy" and not has_weights:
         ap.error(f"{model_dir} has no weights; pass --load-format dummy")
     cfg = ModelConfig.from_dir(model_dir)
-    span = ns.context + ns.warmup + 2 * ns.steps  # KV length after the last step
+    timed_runs = 3 if ns.profile_dir else 2  # overlapped, synchronized, profiled
+    span = ns.context + ns.warmup + timed_runs * ns.steps  # KV length after the last step
     if span > cfg.max_position_embeddings:
         ap.error(
             f"context + warmup + steps = {span} exceeds the model's {cfg.max_position_embeddings}"

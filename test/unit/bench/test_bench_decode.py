@@ -158,4 +158,4 @@ def test_main_through_static_graph_replay(bench: ModuleType, tmp_path: Path) -> 
     assert res["graph_mode"] == "static" and max(res["graph_batch_sizes"]) == 4
     assert res["bandwidth_source"] == "given" and res["bandwidth_bytes_per_s"] == 1e10
     assert res["server_args"]["max_model_len"] == 8 + 1 + 2 * 2  # overlapped + synced steps
-    assert res["rows"][0]["step_ms"] > 0
+    assert res["rows"][0]["step_ms"] > 0 and res["rows"][0]["graph_steps"] == 2
