@@ -241,6 +241,19 @@ def profile_host(driver: Driver, ns: argparse.Namespace, batch_size: int) -> Non
         f.write(f"{ns.steps} overlapped decode steps at batch {batch_size}\n")
         pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(40)
         pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(40)
+    if driver.runner.device.type != "cuda":
+        return
+    # the device side: kernels of 8 overlapped steps, by total time
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as kprof:
+        driver.decode_overlapped(8)
+        sync(driver.runner.device)
+    table = kprof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=40, max_name_column_width=70
+    )
+    with open(os.path.join(ns.profile_dir, f"kernels_bs{batch_size}.txt"), "w") as f:
+        f.write(f"8 overlapped decode steps at batch {batch_size}\n{table}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -311,8 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     if ns.load_format != "dummy" and not has_weights:
         ap.error(f"{model_dir} has no weights; pass --load-format dummy")
     cfg = ModelConfig.from_dir(model_dir)
-    timed_runs = 3 if ns.profile_dir else 2  # overlapped, synchronized, profiled
-    span = ns.context + ns.warmup + timed_runs * ns.steps  # KV length after the last step
+    profiled = ns.steps + 8 if ns.profile_dir else 0  # host profile, then kernel profile
+    span = ns.context + ns.warmup + 2 * ns.steps + profiled  # KV length after the last step
     if span > cfg.max_position_embeddings:
         ap.error(
             f"context + warmup + steps = {span} exceeds the model's {cfg.max_position_embeddings}"

@@ -72,5 +72,6 @@ case "${1:-tests}" in
     $B --model benchmarks/models/smollm2-135m --load-format dummy --batch-sizes 1 --steps 256 \
       --output-json "$OUT/decode_smollm2_graphs.json" --profile-dir "$OUT/profile_smollm2" 2>&1 | tail -4
     $B --model benchmarks/models/smollm2-135m --load-format dummy --batch-sizes 1 --steps 64 \
-      --enforce-eager --output-json "$OUT/decode_smollm2_eager.json" 2>&1 | tail -4 ;;
+      --enforce-eager --output-json "$OUT/decode_smollm2_eager.json" 2>&1 | tail -4
+    (cd "$OUT" && tar czf profiles.tgz profile_* && rm -rf profile_*) ;;
 esac

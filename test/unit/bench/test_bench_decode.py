@@ -60,7 +60,7 @@ def test_main_writes_decode_json(bench: ModuleType, tmp_path: Path) -> None:
     assert res["bandwidth_bytes_per_s"] > 0 and res["bandwidth_source"] == "measured"
     # the ServerArgs flag went through; KV pages sized for the largest batch
     assert res["server_args"]["page_size"] == 8
-    assert res["server_args"]["num_kv_pages"] == 1 + 2 * 4  # ceil((20 + 1 + 2 * 2) / 8) each
+    assert res["server_args"]["num_kv_pages"] == 1 + 2 * 5  # ceil((20 + 1 + 2 * 2 + 2 + 8) / 8)
     assert [r["batch_size"] for r in res["rows"]] == [1, 2]
     cfg = ModelConfig.from_dir(str(SMOL))
     for r in res["rows"]:
