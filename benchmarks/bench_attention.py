@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""Decode attention kernel time per layer, by variant, as replayed in a CUDA graph.
+
+Variants: flashinfer decode with and without tensor cores, each with the
+planner's split-KV choice and with split-KV disabled, and our Triton split-KV
+decode. For each (heads, kv heads, head dim) and batch size, every row has
+--context tokens of KV on random pages; each variant is captured in a graph of
+--reps calls and replayed; the figure is the mean time of one call.
+
+    python benchmarks/bench_attention.py --output-json attention.json --device-kind h100
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+try:
+    import gyrfalcon  # noqa: F401
+except ImportError:  # running from a checkout without an installed package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+
+from gyrfalcon.bench.provenance import git_commit
+from gyrfalcon.kernels.attention_decode import alloc_decode_scratch, decode_attention
+
+SHAPES = {"llama-3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
+
+
+def time_graph(fn, reps: int) -> float:
+    """Mean microseconds of one fn() call, from a graph of `reps` calls."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return 1e3 * start.elapsed_time(end) / (5 * reps)
+
+
+def bench_shape(name: str, bs: int, ns: argparse.Namespace) -> dict[str, float]:
+    import flashinfer
+
+    h, kvh, d = SHAPES[name]
+    ps, ctx, dev, dt = ns.page_size, ns.context, torch.device("cuda"), torch.bfloat16
+    pages_per_row = -(-ctx // ps)
+    num_pages = bs * pages_per_row + 1
+    k = torch.randn(num_pages, ps, kvh, d, dtype=dt, device=dev)
+    v = torch.randn_like(k)
+    perm = torch.randperm(num_pages - 1, device=dev)[: bs * pages_per_row] + 1
+    table = perm.view(bs, pages_per_row)
+    q = torch.randn(bs, h, d, dtype=dt, device=dev)
+    indptr = torch.arange(0, bs + 1, dtype=torch.int32) * pages_per_row
+    last = torch.full((bs,), ctx - (pages_per_row - 1) * ps, dtype=torch.int32)
+    indices = table.reshape(-1).to(torch.int32)
+    out: dict[str, float] = {}
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    for tc in (False, True):
+        for split in ("auto", "off"):
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                ws,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=tc,
+                paged_kv_indptr_buffer=torch.empty(bs + 1, dtype=torch.int32, device=dev),
+                paged_kv_indices_buffer=torch.empty(indices.numel(), dtype=torch.int32, device=dev),
+                paged_kv_last_page_len_buffer=torch.empty(bs, dtype=torch.int32, device=dev),
+            )
+            try:
+                w.plan(
+                    indptr, indices, last, h, kvh, d, ps, q_data_type=dt, kv_data_type=dt,
+                    disable_split_kv=split == "off",
+                )  # fmt: skip
+                out[f"flashinfer_{'tc' if tc else 'cc'}_split_{split}"] = time_graph(
+                    lambda w=w: w.run(q, (k, v)), ns.reps
+                )
+            except Exception as exc:  # a variant flashinfer does not offer here
+                out[f"flashinfer_{'tc' if tc else 'cc'}_split_{split}"] = float("nan")
+                print(f"{name} bs {bs} tc={tc} split={split}: {exc}", file=sys.stderr)
+    seq = torch.full((bs,), ctx, dtype=torch.int32, device=dev)
+    o = torch.empty_like(q)
+    for splits in (1, 2, 4, 8, 16):
+        scratch = alloc_decode_scratch(bs, h, d, splits, dev)
+        out[f"triton_splits{splits}"] = time_graph(
+            lambda s=scratch: decode_attention(
+                q, k.view(-1, kvh, d), v.view(-1, kvh, d), table, seq, o, s, ps, d**-0.5
+            ),
+            ns.reps,
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--batch-sizes", default="1,8,32,64,256")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--device-kind", default="unknown")
+    ap.add_argument("--output-json", default=None)
+    ns = ap.parse_args(argv)
+    rows = []
+    for name in SHAPES:
+        for bs in (int(x) for x in ns.batch_sizes.split(",")):
+            t = bench_shape(name, bs, ns)
+            rows.append({"shape": name, "batch_size": bs, "context": ns.context, "us": t})
+            best = min((v, k) for k, v in t.items() if v == v)
+            print(f"{name:>13} bs {bs:>3}: " + "  ".join(f"{k} {v:.1f}" for k, v in t.items()))
+            print(f"{'':>13} best: {best[1]} {best[0]:.1f} us", flush=True)
+    result = {
+        "bench": "decode_attention",
+        "device_kind": ns.device_kind,
+        "model": ",".join(SHAPES),
+        "commit": git_commit(),
+        "device_name": torch.cuda.get_device_name(),
+        "page_size": ns.page_size,
+        "rows": rows,
+    }
+    if ns.output_json:
+        with open(ns.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
