@@ -33,7 +33,7 @@ def gpu_engine():
     from gyrfalcon.engine import LocalEngine
 
     def make(d: str, backend: str, dtype: str, **kw):
-        kw = {"page_size": 16, "num_kv_pages": 512, **kw}
+        kw = {"page_size": 16, "num_kv_pages": 512, "decode_attention_backend": backend, **kw}
         args = ServerArgs(model=d, device="cuda", dtype=dtype, attention_backend=backend, **kw)
         return LocalEngine(args, d)
 

@@ -10,9 +10,19 @@ from gyrfalcon.ipc.messages import SamplingParams
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("backend,dtype", [("triton", "float32"), ("flashinfer", "bfloat16")])
-def test_graph_replay_matches_eager_every_size(tiny_gpu_dir, gpu_engine, backend, dtype):
-    tiny_dir, engine = tiny_gpu_dir, gpu_engine
+@pytest.mark.parametrize(
+    "backend,decode,dtype",
+    [
+        ("triton", "triton", "float32"),
+        ("flashinfer", "flashinfer", "bfloat16"),
+        ("flashinfer", "triton", "bfloat16"),  # the default on CUDA
+    ],
+)
+def test_graph_replay_matches_eager_every_size(tiny_gpu_dir, gpu_engine, backend, decode, dtype):
+    def engine(*args, **kw):
+        return gpu_engine(*args, decode_attention_backend=decode, **kw)
+
+    tiny_dir = tiny_gpu_dir
     gen = torch.Generator().manual_seed(0)
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     for n in (1, 3, 5, 8, 13, 16):  # sizes 1,2,4,8,16: padded 3->4, 5->8, 13->16

@@ -19,16 +19,25 @@ def prompts(n, seed=0):
 
 
 @pytest.mark.parametrize(
-    "backend,dtype,eager",
+    "backend,decode,dtype,eager",
     [
-        ("flashinfer", "bfloat16", False),
-        ("flashinfer", "bfloat16", True),
-        ("triton", "float32", False),
-        ("triton", "bfloat16", True),
+        ("flashinfer", "flashinfer", "bfloat16", False),
+        ("flashinfer", "flashinfer", "bfloat16", True),
+        ("flashinfer", "triton", "bfloat16", False),  # the default on CUDA
+        ("triton", "triton", "float32", False),
+        ("triton", "triton", "bfloat16", True),
     ],
 )
-def test_steps_launch_without_host_sync(tiny_gpu_dir, gpu_engine, backend, dtype, eager):
-    eng = gpu_engine(tiny_gpu_dir, backend, dtype, enforce_eager=eager, cuda_graph_max_bs=16)
+def test_steps_launch_without_host_sync(tiny_gpu_dir, gpu_engine, backend, decode, dtype, eager):
+    eng = gpu_engine(
+        tiny_gpu_dir,
+        backend,
+        dtype,
+        enforce_eager=eager,
+        cuda_graph_max_bs=16,
+        decode_attention_backend=decode,
+    )
+    assert (eng.runner.attn.name, eng.runner.decode_attn.name) == (backend, decode)
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     eng.generate(prompts(3), sp)  # warm-up: lazy inits, autotuning
     torch.cuda.synchronize()

@@ -87,7 +87,7 @@ def hf_float32_outputs(smollm2_gpu_dir, prompts):
 def test_float32_token_identical_to_hf(smollm2_gpu_dir, prompts, hf_float32_outputs, backend):
     args = ServerArgs(
         model=smollm2_gpu_dir, device="cuda", dtype="float32", attention_backend=backend,
-        num_kv_pages=2048,
+        decode_attention_backend=backend, num_kv_pages=2048,
     )  # fmt: skip
     eng = LocalEngine(args, smollm2_gpu_dir)
     got = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=48))
@@ -127,7 +127,7 @@ def test_bf16_flashinfer_teacher_forced_argmax(smollm2_gpu_dir):
     def make(backend, dtype="bfloat16"):
         args = ServerArgs(
             model=smollm2_gpu_dir, device="cuda", dtype=dtype, attention_backend=backend,
-            num_kv_pages=2048,
+            decode_attention_backend=backend, num_kv_pages=2048,
         )  # fmt: skip
         return LocalEngine(args, smollm2_gpu_dir)
 

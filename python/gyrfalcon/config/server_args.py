@@ -53,6 +53,15 @@ class ServerArgs:
             "choices": ["auto", "torch_ref", "triton", "flashinfer"],
         },
     )
+    decode_attention_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "backend of all-decode batches (CUDA-graph replays included); auto = "
+            "triton where --attention-backend is flashinfer (faster decode kernels, "
+            "benchmarks/bench_attention.py), else the same as --attention-backend",
+            "choices": ["auto", "torch_ref", "triton", "flashinfer"],
+        },
+    )
     page_size: int = field(default=16, metadata={"help": "tokens per KV page"})
     num_kv_pages: int | None = field(
         default=None, metadata={"help": "KV pages (overrides memory-based sizing)"}
@@ -130,6 +139,9 @@ class ServerArgs:
         backend = self.attention_backend
         if backend == "auto":
             backend = default_attention_backend(device, dtype, head_dim)
+        decode_backend = self.decode_attention_backend
+        if decode_backend == "auto":
+            decode_backend = "triton" if backend == "flashinfer" else backend
         # NOTE: measured on nvidia-h200 (benchmarks/NOTES.md): 8192/16384 gives +11% output
         # throughput on SGLang's serving check over 2048/8192.
         on_gpu = device.startswith("cuda")
@@ -140,6 +152,7 @@ class ServerArgs:
             device=device,
             dtype=dtype,
             attention_backend=backend,
+            decode_attention_backend=decode_backend,
             max_num_batched_tokens=budget,
             chunked_prefill_size=chunk,
         )

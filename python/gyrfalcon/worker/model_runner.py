@@ -23,6 +23,7 @@ import torch
 from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.ipc.messages import (
+    ForwardMode,
     NewRequest,
     RankBatch,
     RowResult,
@@ -102,12 +103,13 @@ class ModelRunner:
         logger.info("model loaded in %.1f s", time.perf_counter() - t0)
         self.kv_cache: KVCache | None = None
         self.graphs: GraphRunner | None = None
-        self.attn = create_backend(
-            args.attention_backend,
-            model_cfg.num_heads,
-            model_cfg.num_kv_heads,
-            model_cfg.head_dim,
-            model_cfg.head_dim**-0.5,
+        c = model_cfg
+        shape = (c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim**-0.5)
+        self.attn = create_backend(args.attention_backend, *shape)  # prefill / mixed batches
+        self.decode_attn = (
+            self.attn
+            if args.decode_attention_backend == args.attention_backend
+            else create_backend(args.decode_attention_backend, *shape)
         )
         self.requests: dict[str, WorkerRequest] = {}
         self.pending: deque[PendingStep] = deque()
@@ -128,14 +130,15 @@ class ModelRunner:
             self.device,
         )
         mode = self.args.graph_mode()
-        if mode == "cuda" and not self.attn.supports_cuda_graph:
-            logger.warning("%s backend cannot be captured; decode runs eagerly", self.attn.name)
+        if mode == "cuda" and not self.decode_attn.supports_cuda_graph:
+            name = self.decode_attn.name
+            logger.warning("%s backend cannot be captured; decode runs eagerly", name)
             mode = None
         if mode is None:
             return
         self.graphs = GraphRunner(
             self._decode_logits,
-            self.attn,
+            self.decode_attn,
             self.kv_cache,
             self.page_size,
             max_bs=min(self.args.cuda_graph_max_bs, self.args.max_num_seqs),
@@ -251,10 +254,9 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Run the batch without graphs; returns logits of the sampling rows."""
         assert self.kv_cache is not None
-        batch = ForwardBatch.from_tensors(
-            rb.forward_mode, bt, self.page_size, self.kv_cache, self.attn
-        )
-        batch.attn_meta = self.attn.build_metadata(batch)
+        attn = self.decode_attn if rb.forward_mode == ForwardMode.DECODE else self.attn
+        batch = ForwardBatch.from_tensors(rb.forward_mode, bt, self.page_size, self.kv_cache, attn)
+        batch.attn_meta = attn.build_metadata(batch)
         hidden = self.model(batch)  # [T, hidden]
         self._prompt_logprobs(rb, reqs, hidden, bt.q_starts_cpu, results)
         last = [bt.q_starts_cpu[i] + bt.q_lens_cpu[i] - 1 for i in sample_rows]

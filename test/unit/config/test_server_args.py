@@ -36,6 +36,19 @@ def test_resolved_on_cpu():
     assert ServerArgs(cuda_graph_bs="1, 4,8").graph_batch_sizes() == [1, 4, 8]
 
 
+def test_decode_backend_resolution():
+    cpu = ServerArgs(device="cpu").resolved()
+    assert cpu.decode_attention_backend == "torch_ref"
+    tri = ServerArgs(device="cpu", attention_backend="triton").resolved()
+    assert tri.decode_attention_backend == "triton"
+    fi = ServerArgs(device="cuda", dtype="bfloat16", attention_backend="flashinfer").resolved()
+    assert fi.decode_attention_backend == "triton"  # faster decode kernels; see the help
+    both = ServerArgs(
+        device="cuda", attention_backend="flashinfer", decode_attention_backend="flashinfer"
+    ).resolved()
+    assert both.decode_attention_backend == "flashinfer"
+
+
 def test_default_backend_never_picks_flashinfer_where_it_has_no_kernels():
     assert default_attention_backend("cpu", "bfloat16", 128) == "torch_ref"
     assert default_attention_backend("cuda", "float32", 128) == "triton"

@@ -22,7 +22,11 @@ from gyrfalcon.ipc.messages import ForwardMode  # noqa: E402
 from gyrfalcon.kernels import attention_decode  # noqa: E402
 from gyrfalcon.layers.attention.registry import create_backend  # noqa: E402
 from gyrfalcon.layers.attention.torch_ref import TorchRefBackend  # noqa: E402
-from gyrfalcon.layers.attention.triton_backend import TritonBackend  # noqa: E402
+from gyrfalcon.layers.attention.triton_backend import (  # noqa: E402
+    MAX_KV_SPLITS,
+    TritonBackend,
+    decode_kv_splits,
+)
 from gyrfalcon.worker.forward_batch import ForwardBatch  # noqa: E402
 from gyrfalcon.worker.kv_cache import KVCache  # noqa: E402
 from gyrfalcon.worker.metadata import RowInput, build_batch_tensors  # noqa: E402
@@ -109,6 +113,27 @@ def test_decode_matches_ref(heads, kv_heads, head_dim, splits):
     )
     assert tb.attn_meta.is_decode and tb.attn_meta.scratch.num_kv_splits == splits
     assert out.shape == (len(spec), heads * head_dim)
+    torch.testing.assert_close(out, expect, **TOL)
+
+
+def test_decode_kv_splits_fill_the_gpu_a_few_times_over():
+    # 132 SMs (H100/H200), 4 programs per SM: Llama-8B (8 KV heads) and SmolLM2 (3)
+    assert [decode_kv_splits(bs, 8, 132) for bs in (1, 4, 8, 16, 32, 64, 256)] == [
+        16, 16, 8, 4, 2, 1, 1,
+    ]  # fmt: skip
+    assert [decode_kv_splits(bs, 3, 132) for bs in (1, 8, 32, 64, 256)] == [16, 16, 4, 2, 1]
+    for kvh in (1, 2, 3, 8, 16):
+        splits = [decode_kv_splits(bs, kvh, 132) for bs in range(1, 300)]
+        assert all(a >= b for a, b in zip(splits, splits[1:])), "non-increasing in bs"
+        assert all(1 <= s <= MAX_KV_SPLITS and s & (s - 1) == 0 for s in splits)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_decode_auto_splits_match_ref(kv_heads):
+    spec = [(n - 1, 1) for n in DECODE_LENS]
+    out, expect, tb = run_both(spec, 4, kv_heads, 64, ForwardMode.DECODE, decode_block_n=16)
+    # the interpreter's nominal 8 SMs: 7 rows x kv_heads x splits <= 32
+    assert tb.attn_meta.scratch.num_kv_splits == decode_kv_splits(len(spec), kv_heads, 8)
     torch.testing.assert_close(out, expect, **TOL)
 
 

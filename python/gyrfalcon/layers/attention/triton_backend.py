@@ -6,8 +6,12 @@ is an extend row with q_len 1). Everything that needs host values (max_q_len,
 whether the batch is all-decode) is computed once per step in build_metadata,
 so `forward` launches kernels without host syncs.
 
+The decode kernel splits each row's KV into `decode_kv_splits(bs, ...)` parts
+(unless fixed in the constructor): enough (batch x KV head x split) programs to
+fill the GPU a few times over, so a small batch does not leave SMs idle.
+
 CUDA graphs (decode only): `capture_buffers` allocates static int32 page table
-and seq_lens buffers plus the decode scratch for max_bs rows; `prepare_replay`
+and seq_lens buffers plus decode scratch per split count; `prepare_replay`
 copies the graph runner's static batch into them and returns metadata whose
 tensors are views of those buffers, so a captured graph reads fresh values on
 every replay. The decode grid depends only on the padded batch size.
@@ -36,13 +40,40 @@ class TritonMeta:
     scratch: DecodeScratch | None  # decode partials, rows [0, bs) used; None unless is_decode
 
 
+# NOTE: measured on nvidia-h200 (benchmarks/bench_attention.py, context 1024): about
+# four programs per SM is where more splits stop paying, for 3 and 8 KV heads alike.
+PROGRAMS_PER_SM = 4
+MAX_KV_SPLITS = 16
+
+
+def decode_kv_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
+    """Split-KV count of the decode kernel for a batch: the largest power of two
+    <= MAX_KV_SPLITS with batch_size * num_kv_heads * splits <= PROGRAMS_PER_SM *
+    num_sms, and at least 1. Non-increasing in batch_size."""
+    assert batch_size >= 1 and num_kv_heads >= 1 and num_sms >= 1
+    splits = 1
+    while (
+        splits * 2 <= MAX_KV_SPLITS
+        and batch_size * num_kv_heads * splits * 2 <= PROGRAMS_PER_SM * num_sms
+    ):
+        splits *= 2
+    return splits
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; a nominal 8 elsewhere (interpreter)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
+
+
 @dataclass
 class _StaticDecode:
     """CUDA-graph buffers: rows [0, max_bs) of the decode metadata."""
 
     page_table: torch.Tensor  # [max_bs, max_pages] int32
     seq_lens: torch.Tensor  # [max_bs] int32
-    scratch: DecodeScratch
+    scratch: dict[int, DecodeScratch]  # by split count, rows for every bs that uses it
 
 
 class TritonBackend(AttentionBackend):
@@ -55,21 +86,30 @@ class TritonBackend(AttentionBackend):
         num_kv_heads: int,
         head_dim: int,
         scale: float,
-        num_kv_splits: int = 8,
+        num_kv_splits: int | None = None,
         decode_block_n: int | None = None,
         extend_block_m: int | None = None,
         extend_block_n: int | None = None,
     ):
-        """num_kv_splits: fixed split-KV count of the decode kernel (its grid is
-        (bs, KVH, num_kv_splits)); block sizes default to the kernels' choice."""
+        """num_kv_splits: split-KV count of the decode kernel (its grid is
+        (bs, KVH, num_kv_splits)); None picks it per batch size (decode_kv_splits).
+        Block sizes default to the kernels' choice."""
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
-        assert 1 <= num_kv_splits, num_kv_splits
+        assert num_kv_splits is None or num_kv_splits >= 1, num_kv_splits
         self.num_kv_splits = num_kv_splits
         self.decode_block_n = decode_block_n
         self.extend_block_m, self.extend_block_n = extend_block_m, extend_block_n
-        self._scratch: DecodeScratch | None = None  # eager decode scratch, grown on demand
+        self._scratch: dict[int, DecodeScratch] = {}  # eager, by split count, grown on demand
         self._static: _StaticDecode | None = None
+        self._num_sms: int | None = None
+
+    def kv_splits(self, bs: int, device: torch.device) -> int:
+        if self.num_kv_splits is not None:
+            return self.num_kv_splits
+        if self._num_sms is None:
+            self._num_sms = num_sms(device)
+        return decode_kv_splits(bs, self.num_kv_heads, self._num_sms)
 
     # ------------------------------------------------------------ metadata
 
@@ -79,13 +119,12 @@ class TritonBackend(AttentionBackend):
         NOTE: reuse is safe because every layer's stage 2 consumes the partials
         before the next launch on the same stream overwrites them.
         """
-        s = self._scratch
+        splits = self.kv_splits(bs, device)
+        s = self._scratch.get(splits)
         if s is None or s.mid_o.shape[0] < bs or s.mid_o.device != device:
             rows = max(bs, 2 * s.mid_o.shape[0] if s is not None else 1)
-            s = alloc_decode_scratch(
-                rows, self.num_heads, self.head_dim, self.num_kv_splits, device
-            )
-            self._scratch = s
+            s = alloc_decode_scratch(rows, self.num_heads, self.head_dim, splits, device)
+            self._scratch[splits] = s
         return s
 
     def _check(self, batch: ForwardBatch) -> None:
@@ -129,12 +168,16 @@ class TritonBackend(AttentionBackend):
     # ------------------------------------------------------------ CUDA graphs
 
     def capture_buffers(self, max_bs: int, max_pages: int, device: torch.device) -> None:
+        rows: dict[int, int] = {}  # split count -> largest batch size using it
+        for bs in range(1, max_bs + 1):
+            rows[self.kv_splits(bs, device)] = bs
         self._static = _StaticDecode(
             page_table=torch.zeros((max_bs, max_pages), dtype=torch.int32, device=device),
             seq_lens=torch.ones(max_bs, dtype=torch.int32, device=device),
-            scratch=alloc_decode_scratch(
-                max_bs, self.num_heads, self.head_dim, self.num_kv_splits, device
-            ),
+            scratch={
+                s: alloc_decode_scratch(n, self.num_heads, self.head_dim, s, device)
+                for s, n in rows.items()
+            },
         )
 
     def prepare_replay(self, batch: ForwardBatch) -> TritonMeta:
@@ -160,7 +203,7 @@ class TritonBackend(AttentionBackend):
             q_lens=st.seq_lens[:0],
             max_q_len=1,
             is_decode=True,
-            scratch=st.scratch,
+            scratch=st.scratch[self.kv_splits(bs, batch.seq_lens.device)],
         )
 
     # ------------------------------------------------------------ forward
