@@ -17,6 +17,7 @@ padding and index paths without a GPU.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -187,6 +188,17 @@ class GraphRunner:
                 self._metadata(batch)
                 self.forward(batch)
             return
+        # NOTE: a garbage collection during capture can free pinned host memory or
+        # destroy CUDA events of dead objects, which invalidates the capture: collect
+        # first, then keep the collector off until every size is captured.
+        gc.collect()
+        gc.disable()
+        try:
+            self._capture_all()
+        finally:
+            gc.enable()
+
+    def _capture_all(self) -> None:
         t0 = time.perf_counter()
         pool = None
         stream = torch.cuda.Stream(self.device)
