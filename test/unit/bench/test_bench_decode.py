@@ -13,11 +13,13 @@ from types import ModuleType
 import pytest
 import torch
 
+from gyrfalcon.bench.decode_driver import Driver
 from gyrfalcon.bench.roofline import kv_read_bytes, roofline_step_ms, weight_bytes
 from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.engine import LocalEngine
 from gyrfalcon.ipc.messages import SamplingParams
+from gyrfalcon.worker.model_runner import build_runner
 
 ROOT = Path(__file__).resolve().parents[3]
 SMOL = ROOT / "benchmarks" / "models" / "smollm2-135m"
@@ -106,7 +108,7 @@ TINY = {
 }
 
 
-def test_driver_plans_match_local_engine(bench: ModuleType, tmp_path: Path) -> None:
+def test_driver_plans_match_local_engine(tmp_path: Path) -> None:
     """Chunked prefill + decode through hand-built plans gives the engine's greedy tokens."""
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     args = ServerArgs(
@@ -117,8 +119,8 @@ def test_driver_plans_match_local_engine(bench: ModuleType, tmp_path: Path) -> N
     prompts = [torch.randint(0, 90, (n,), generator=gen).tolist() for n in (9, 3, 6)]
     steps = 5
     cfg = ModelConfig.from_dir(str(tmp_path))
-    runner = bench.build_runner(args, str(tmp_path), cfg, rank=0)[0]
-    driver = bench.Driver(runner, args.page_size, args.num_kv_pages)
+    runner = build_runner(args, str(tmp_path), cfg, rank=0)[0]
+    driver = Driver(runner, args.page_size, args.num_kv_pages)
     free_before = sorted(driver.free_pages)
     driver.prefill(prompts, token_cap=4)  # chunks split prompts across plans
     assert driver.step_id == 5  # 18 prompt tokens in plans of at most 4
