@@ -259,8 +259,8 @@ class ModelRunner:
         batch.attn_meta = attn.build_metadata(batch)
         hidden = self.model(batch)  # [T, hidden]
         self._prompt_logprobs(rb, reqs, hidden, bt.q_starts_cpu, results)
-        last = [bt.q_starts_cpu[i] + bt.q_lens_cpu[i] - 1 for i in sample_rows]
-        return self.model.compute_logits(hidden[upload(last, torch.int64, self.device)])
+        rows = upload(sample_rows, torch.int64, self.device)
+        return self.model.compute_logits(hidden[bt.last_token_idx[rows]])
 
     def _prompt_logprobs(
         self,
