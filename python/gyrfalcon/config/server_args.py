@@ -92,6 +92,13 @@ class ServerArgs:
         default=None,
         metadata={"help": "prompt tokens per step (default: 8192 on CUDA, 2048 on CPU)"},
     )
+    schedule_conservativeness: float = field(
+        default=1.0,
+        metadata={
+            "help": "scales the KV kept free at admission for output still to come "
+            "(0: admit whenever the prompt fits; higher: fewer preemptions, smaller batches)"
+        },
+    )
     enforce_eager: bool = field(
         default=False, metadata={"help": "never use CUDA graphs for decode"}
     )

@@ -8,6 +8,12 @@ still in flight (overlap scheduling) only advances as a decode, and not past
 max_tokens or the context length counting that token. When a decode needs a page
 and none is free, the most recently admitted running request is preempted
 (its pages freed, recomputed later from position 0).
+
+Admission keeps room for the output still to come: a new request is admitted only
+if its prompt fits beside a reserve of `reserve_ratio` x (tokens each running
+request, and the new one, may still generate, clipped at RESERVE_CLIP). Without
+it, prompts fill the cache, decodes outgrow it, and preemption recomputes whole
+prompts over and over. The scheduler adapts the ratio (see `ReserveRatio`).
 """
 
 from __future__ import annotations
@@ -26,6 +32,11 @@ class Limits:
     max_num_seqs: int
     page_size: int
     max_model_len: int = 1 << 62
+
+
+# Output tokens counted per request in the admission reserve, at most: a request
+# without max_tokens may run to the context length, which is no estimate.
+RESERVE_CLIP = 4096
 
 
 @dataclass
@@ -82,15 +93,55 @@ def _take(req: Request, n: int, alloc: PageAllocator, ps: int) -> Scheduled:
     return Scheduled(req, n, new_pages, reset, end == req.num_tokens, req.num_computed)
 
 
+def reserved_tokens(req: Request, ratio: float) -> int:
+    """Tokens of KV kept free at admission for req's output still to come."""
+    left = min(req.sampling.max_tokens - req.num_generated, RESERVE_CLIP)
+    return int(ratio * max(0, left))
+
+
+@dataclass
+class ReserveRatio:
+    """The admission reserve's ratio, adapted to how outputs actually grow.
+
+    Starts at `init`; every step without a preemption lowers it by `decay` down to
+    `floor` (requests often stop well before max_tokens); a preemption puts it
+    back to `init`.
+    """
+
+    init: float = 0.7
+    floor: float = 0.1
+    decay: float = 0.001
+    value: float = -1.0
+
+    def __post_init__(self) -> None:
+        assert 0.0 <= self.floor <= self.init, "need 0 <= floor <= init"
+        if self.value < 0:
+            self.value = self.init
+
+    def update(self, decision: Decision) -> None:
+        if decision.preempted:
+            self.value = self.init
+        elif decision.rows:
+            self.value = max(self.floor, self.value - self.decay)
+
+
 def may_decode(req: Request, max_model_len: int) -> bool:
     """Whether one more token may be sampled, counting tokens in flight."""
     return req.num_generated < req.sampling.max_tokens and req.num_tokens < max_model_len
 
 
 def schedule(
-    running: list[Request], waiting: deque[Request], alloc: PageAllocator, limits: Limits
+    running: list[Request],
+    waiting: deque[Request],
+    alloc: PageAllocator,
+    limits: Limits,
+    reserve_ratio: float = 0.0,
 ) -> Decision:
-    """Plan one step. Mutates page ownership, queues and statuses; not num_computed."""
+    """Plan one step. Mutates page ownership, queues and statuses; not num_computed.
+
+    reserve_ratio: the share of each request's remaining output kept free at
+    admission (0 admits whenever the prompt fits).
+    """
     ps = limits.page_size
     out = Decision()
     budget = limits.max_num_batched_tokens
@@ -130,7 +181,8 @@ def schedule(
         budget -= n
         prefill_budget -= n
 
-    # 3) admit waiting requests FCFS while everything fits
+    # 3) admit waiting requests FCFS while everything fits, output reserve included
+    reserve = sum(reserved_tokens(r, reserve_ratio) for r in running)
     while waiting and len(running) < limits.max_num_seqs and budget > 0 and prefill_budget > 0:
         req = waiting[0]
         if req.num_pending:
@@ -139,6 +191,10 @@ def schedule(
         # long prompt cannot grab pages chunk by chunk and starve the running set.
         if pages_needed(0, req.num_tokens, ps) > alloc.num_free:
             break
+        need = reserve + reserved_tokens(req, reserve_ratio)
+        if running and pages_needed(0, req.num_tokens + need, ps) > alloc.num_free:
+            break  # NOTE: with nothing running the prompt alone decides (progress)
+        reserve += reserved_tokens(req, reserve_ratio)
         waiting.popleft()
         req.status = Status.RUNNING
         running.append(req)

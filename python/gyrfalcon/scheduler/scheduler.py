@@ -30,7 +30,7 @@ from gyrfalcon.ipc.messages import (
     StepResult,
 )
 from gyrfalcon.scheduler.page_allocator import PageAllocator
-from gyrfalcon.scheduler.policy import Decision, Limits, pages_needed, schedule
+from gyrfalcon.scheduler.policy import Decision, Limits, ReserveRatio, pages_needed, schedule
 from gyrfalcon.scheduler.request import Request, Status
 
 
@@ -45,6 +45,8 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...]
     check_invariants: bool = False
     max_inflight: int = 1  # plans out at once; 2 overlaps planning with execution
+    reserve_init: float = 0.7  # admission reserve ratio (policy.ReserveRatio)
+    reserve_floor: float = 0.1
 
     @classmethod
     def from_args(
@@ -57,6 +59,8 @@ class SchedulerConfig:
     ) -> SchedulerConfig:
         """The scheduler's limits from resolved server args and what the worker sized."""
         check = args.check_invariants if check_invariants is None else check_invariants
+        if args.schedule_conservativeness < 0:
+            raise ValueError("--schedule-conservativeness must be >= 0")
         return cls(
             num_pages=num_pages,
             page_size=args.page_size,
@@ -67,6 +71,8 @@ class SchedulerConfig:
             eos_token_ids=eos_token_ids,
             check_invariants=check,
             max_inflight=1 if args.disable_overlap_schedule else 2,
+            reserve_init=min(1.0, 0.7 * args.schedule_conservativeness),
+            reserve_floor=min(1.0, 0.1 * args.schedule_conservativeness),
         )
 
 
@@ -88,6 +94,7 @@ class Scheduler:
             cfg.page_size,
             cfg.max_model_len,
         )
+        self.reserve = ReserveRatio(cfg.reserve_init, min(cfg.reserve_floor, cfg.reserve_init))
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
@@ -137,7 +144,8 @@ class Scheduler:
     def build_plan(self) -> StepPlan | None:
         """Plan the next step and apply it to request state; None if nothing to send."""
         assert self.may_plan(), "too many plans in flight"
-        decision = schedule(self.running, self.waiting, self.alloc, self.limits)
+        decision = schedule(self.running, self.waiting, self.alloc, self.limits, self.reserve.value)
+        self.reserve.update(decision)
         if not decision.rows and not self._finished_for_worker:
             return None
         new_requests, rows = [], []

@@ -29,6 +29,7 @@ class SimWorker:
         self.seqs: dict[str, list[int]] = {}  # what the worker knows of each sequence
         self.queue: list[StepResult] = []
         self.sampled_rows: dict[str, int] = {}
+        self.resets = 0  # rows of requests preempted since the worker last saw them
 
     def submit(self, plan):
         for new in plan.new_requests:
@@ -37,6 +38,7 @@ class SimWorker:
             self.seqs.pop(rid)
         rows = []
         for row in plan.batches[0].rows:
+            self.resets += row.reset
             seq = self.seqs[row.rid]
             for j, tok in enumerate(row.input_ids):
                 pos = row.start + j
@@ -58,8 +60,8 @@ class SimWorker:
         return self.queue.pop(0)
 
 
-def run(requests, inflight, num_pages=64, max_model_len=64):
-    cfg = SchedulerConfig(num_pages, 4, max_model_len, 8, 32, 8, (EOS,), True, inflight)
+def run(requests, inflight, num_pages=64, max_model_len=64, reserve=(0.7, 0.1)):
+    cfg = SchedulerConfig(num_pages, 4, max_model_len, 8, 32, 8, (EOS,), True, inflight, *reserve)
     s = Scheduler(cfg)
     for rid, prompt, sp in requests:
         s.add_request(GenerateRequest(rid, prompt, sp))
@@ -133,9 +135,24 @@ def test_preemption_with_tokens_in_flight(inflight):
         (f"p{i}", list(range(1 + i, 9 + i)), SamplingParams(max_tokens=22, ignore_eos=True))
         for i in range(4)
     ]
-    got, reasons, _, _ = run(reqs, inflight, num_pages=10)
-    ref, _, _, _ = run(reqs, 1, num_pages=64)  # no preemption at all
+    # no admission reserve: all four start, and decodes outgrow the cache
+    got, reasons, w, _ = run(reqs, inflight, num_pages=10, reserve=(0.0, 0.0))
+    ref, _, w_ref, _ = run(reqs, 1, num_pages=64)
+    assert w.resets > 0 and w_ref.resets == 0
     assert got == ref and set(reasons.values()) == {"length"}
+
+
+@pytest.mark.parametrize("inflight", [1, 2])
+def test_admission_reserve_avoids_recomputing_preempted_requests(inflight):
+    # 8 requests of 6-prompt + 18-output tokens on 15 usable pages of 4 tokens
+    reqs = [
+        (f"r{i}", [1 + i] * 6, SamplingParams(max_tokens=18, ignore_eos=True)) for i in range(8)
+    ]
+    greedy, _, w_greedy, _ = run(reqs, inflight, num_pages=16, reserve=(0.0, 0.0))
+    reserved, reasons, w_reserved, _ = run(reqs, inflight, num_pages=16)
+    assert reserved == greedy and set(reasons.values()) == {"length"}
+    assert w_greedy.resets > 0  # without the reserve, prompts are computed again
+    assert w_reserved.resets < w_greedy.resets
 
 
 def test_placeholders_only_in_decode_rows():

@@ -2,7 +2,15 @@ from collections import deque
 
 from gyrfalcon.ipc.messages import SamplingParams
 from gyrfalcon.scheduler.page_allocator import PageAllocator
-from gyrfalcon.scheduler.policy import Limits, pages_needed, schedule
+from gyrfalcon.scheduler.policy import (
+    RESERVE_CLIP,
+    Decision,
+    Limits,
+    ReserveRatio,
+    pages_needed,
+    reserved_tokens,
+    schedule,
+)
 from gyrfalcon.scheduler.request import Request, Status
 
 
@@ -88,3 +96,50 @@ def test_preemption_when_decode_needs_a_page():
     assert b.needs_reset and list(waiting) == [b]
     assert [(s.req.rid, s.num_tokens) for s in d.rows] == [("a", 1)]
     alloc.check_integrity([a.pages])
+
+
+def long_req(rid, n_prompt, arrival, max_tokens):
+    return Request(rid, [3] * n_prompt, SamplingParams(max_tokens=max_tokens), arrival)
+
+
+def test_admission_keeps_room_for_running_outputs():
+    limits = Limits(100, 100, 8, page_size=4)
+    for ratio, admitted in [(0.0, ["a", "b"]), (0.5, ["a"])]:
+        alloc = PageAllocator(9)  # 8 usable pages = 32 tokens
+        a, b = long_req("a", 8, 0, max_tokens=24), long_req("b", 8, 1, max_tokens=24)
+        running, waiting = [], deque([a, b])
+        d = schedule(running, waiting, alloc, limits, reserve_ratio=ratio)
+        # b's prompt (2 pages) fits in the 6 free pages, but not beside a reserve of
+        # 0.5 x 24 tokens (3 pages) for a plus 3 pages for b itself
+        assert [s.req.rid for s in d.rows] == admitted
+
+
+def test_admission_reserve_never_blocks_an_idle_engine():
+    alloc = PageAllocator(5)  # 16 tokens
+    limits = Limits(100, 100, 8, page_size=4)
+    a = long_req("a", 8, 0, max_tokens=1000)  # its reserve alone would be 700 tokens
+    running, waiting = [], deque([a])
+    d = schedule(running, waiting, alloc, limits, reserve_ratio=0.7)
+    assert [s.req.rid for s in d.rows] == ["a"]
+
+
+def test_admission_reserve_is_clipped_for_huge_max_tokens():
+    r = long_req("a", 8, 0, max_tokens=10**9)
+    assert reserved_tokens(r, 0.5) == RESERVE_CLIP // 2
+    r.output_ids = [1] * 10
+    assert reserved_tokens(long_req("b", 8, 0, max_tokens=30), 1.0) == 30
+    done = long_req("c", 8, 0, max_tokens=5)
+    done.output_ids = [1] * 5
+    assert reserved_tokens(done, 1.0) == 0
+
+
+def test_reserve_ratio_relaxes_while_nothing_is_preempted_and_resets_on_preemption():
+    ratio = ReserveRatio(init=0.7, floor=0.1, decay=0.25)
+    busy = Decision(rows=[object()])
+    for want in (0.45, 0.2, 0.1, 0.1):
+        ratio.update(busy)
+        assert abs(ratio.value - want) < 1e-9
+    ratio.update(Decision())  # an empty step changes nothing
+    assert abs(ratio.value - 0.1) < 1e-9
+    ratio.update(Decision(rows=[object()], preempted=[object()]))
+    assert ratio.value == 0.7
