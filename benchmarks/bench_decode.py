@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"batch {bs}: {row['error']}", flush=True)
             continue
-        kv = kv_read_bytes(cfg, bs, 1, dtype_bytes) * mean_kv
+        kv = kv_read_bytes(cfg, bs, 1, runner.kv_cache.k.element_size()) * mean_kv
         roof = roofline_step_ms(wbytes, kv, bandwidth)
         row.update(t)
         row.update(
@@ -258,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         "commit": git_commit(),
         "dtype": args.dtype,
         "attention_backend": args.attention_backend,
+        "decode_attention_backend": args.decode_attention_backend,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "load_format": args.load_format,
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -6,6 +6,8 @@
 #           then SGLang's serving check (500 prompts, input U[1,4096], output U[1,2048],
 #           EOS ignored, all at once) and the KV accounting after it;
 #   sweep:  the same server, random 1024 in / 512 out at concurrency 1, 16, 64, 256.
+#   SERVER_FLAGS adds server flags (e.g. "--kv-cache-dtype fp8_e4m3"); TAG suffixes the
+#   sglang/sweep output names (e.g. TAG=_fp8kv).
 set -uo pipefail
 OUT=${OUT:-/tmp/gyr-out}; mkdir -p "$OUT"
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
@@ -45,18 +47,18 @@ serve_bench() {  # name, then bench_serving flags
 }
 case "${1:-tests}" in
   sglang)
-    start_server sglang
-    serve_bench sglang_protocol --num-prompts 500 --random-input-len 4096 --random-output-len 2048 \
+    start_server "sglang${TAG:-}"
+    serve_bench "sglang_protocol${TAG:-}" --num-prompts 500 --random-input-len 4096 --random-output-len 2048 \
       --random-range-ratio 0 --ignore-eos --seed 1
     python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8100/server_info').read().decode())" \
-      | tee "$OUT/server_info_after_sglang.json"
+      | tee "$OUT/server_info_after_sglang${TAG:-}.json"
     kill -TERM $SERVER; wait $SERVER; echo "server exit $?" ;;
   sweep)
-    start_server sweep
+    start_server "sweep${TAG:-}"
     for C in 1 16 64 256; do
       N=$(( C == 1 ? 16 : 500 ))
       echo "concurrency $C"
-      serve_bench "c$C" --num-prompts $N --random-input-len 1024 --random-output-len 512 \
+      serve_bench "c$C${TAG:-}" --num-prompts $N --random-input-len 1024 --random-output-len 512 \
         --ignore-eos --max-concurrency $C --seed 2
     done
     kill -TERM $SERVER; wait $SERVER; echo "server exit $?" ;;

@@ -59,15 +59,16 @@ def triton_backend_cls():
         yield TritonBackend
 
 
-def make_case(spec, kv_heads, head_dim, seed, pad_rows=0):
-    """(prefix, q_len) rows on scrambled pages of a bf16 cache; prefix KV pre-written."""
+def make_case(spec, kv_heads, head_dim, seed, pad_rows=0, kv_dtype=torch.bfloat16):
+    """(prefix, q_len) rows on scrambled pages of a bf16 (or fp8) cache; prefix KV
+    pre-written."""
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(seed)
     need = [-(-(p + n) // PS) for p, n in spec]
     perm = (torch.randperm(sum(need) + 7, generator=gen) + 1).tolist()
-    cache = KVCache(2, sum(need) + 8, PS, kv_heads, head_dim, torch.bfloat16, dev)
-    cache.k.normal_()
-    cache.v.normal_()
+    cache = KVCache(2, sum(need) + 8, PS, kv_heads, head_dim, kv_dtype, dev)
+    cache.k.copy_(torch.randn(cache.k.shape, device=dev).to(kv_dtype))
+    cache.v.copy_(torch.randn(cache.v.shape, device=dev).to(kv_dtype))
     rows = []
     for (prefix, n), count in zip(spec, need):
         pages, perm = perm[:count], perm[count:]
@@ -83,9 +84,11 @@ def make_batch(rows, cache, backend, mode):
     return batch
 
 
-def compare(cls, spec, heads, kv_heads, head_dim, mode, pad_rows=0, seed=0, **kw):
+def compare(
+    cls, spec, heads, kv_heads, head_dim, mode, pad_rows=0, seed=0, kv_dtype=torch.bfloat16, **kw
+):
     torch.manual_seed(seed)
-    cache, rows = make_case(spec, kv_heads, head_dim, seed, pad_rows)
+    cache, rows = make_case(spec, kv_heads, head_dim, seed, pad_rows, kv_dtype)
     scale = head_dim**-0.5
     tri = cls(heads, kv_heads, head_dim, scale, **kw)
     ref = TorchRefBackend(heads, kv_heads, head_dim, scale)
@@ -96,7 +99,7 @@ def compare(cls, spec, heads, kv_heads, head_dim, mode, pad_rows=0, seed=0, **kw
     k = torch.randn(T, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(T, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
     out = tri.forward(q, k, v, LAYER, tb)
-    # the oracle reads the same bf16 cache, upcast: fp32 attention of bf16 values
+    # the oracle reads the same cache, upcast: fp32 attention of the stored values
     expect = ref.forward(q.float(), k, v, LAYER, rb)
     n_real = sum(n for _, n in spec)
     got, want = out[:n_real].float(), expect[:n_real]
@@ -135,6 +138,20 @@ def test_extend_mixed_bf16(triton_backend_cls, heads, kv_heads, head_dim):
     spec += [(int(p), 4) for p in torch.randint(1, 4000, (16,)).tolist()]
     spec += [(int(p), 1) for p in torch.randint(1, 4000, (8,)).tolist()]
     compare(triton_backend_cls, spec, heads, kv_heads, head_dim, ForwardMode.MIXED)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (9, 3, 64)])
+@pytest.mark.parametrize("mode", ["decode", "mixed"])
+def test_fp8_kv_cache(triton_backend_cls, heads, kv_heads, head_dim, mode):
+    """An e4m3 cache: the kernels read the same stored values as the oracle does."""
+    if mode == "decode":
+        spec, kw = [(n - 1, 1) for n in (1, 15, 16, 17, 700, 1024, 33)], dict(num_kv_splits=8)
+    else:
+        spec, kw = [(0, 40), (100, 17), (5, 1), (31, 300)], {}
+    m = ForwardMode.DECODE if mode == "decode" else ForwardMode.MIXED
+    compare(
+        triton_backend_cls, spec, heads, kv_heads, head_dim, m, kv_dtype=torch.float8_e4m3fn, **kw
+    )
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])

@@ -9,7 +9,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    import torch
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -60,6 +63,15 @@ class ServerArgs:
             "triton where --attention-backend is flashinfer (faster decode kernels, "
             "benchmarks/bench_attention.py), else the same as --attention-backend",
             "choices": ["auto", "torch_ref", "triton", "flashinfer"],
+        },
+    )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "KV cache element type: auto = the model dtype; fp8_e4m3 halves KV memory "
+            "and decode KV reads (values saturate at +-448, no scaling; Triton/torch_ref "
+            "attention)",
+            "choices": ["auto", "fp8_e4m3"],
         },
     )
     page_size: int = field(default=16, metadata={"help": "tokens per KV page"})
@@ -144,11 +156,18 @@ class ServerArgs:
         if dtype == "auto":
             dtype = "bfloat16" if device == "cuda" else "float32"
         backend = self.attention_backend
+        fp8_kv = self.kv_cache_dtype == "fp8_e4m3"
         if backend == "auto":
             backend = default_attention_backend(device, dtype, head_dim)
+            if fp8_kv and backend == "flashinfer":
+                backend = "triton"  # NOTE: our flashinfer path reads 16-bit caches only
         decode_backend = self.decode_attention_backend
         if decode_backend == "auto":
             decode_backend = "triton" if backend == "flashinfer" else backend
+        if fp8_kv and "flashinfer" in (backend, decode_backend):
+            raise ValueError(
+                "--kv-cache-dtype fp8_e4m3 runs on the triton or torch_ref attention backends"
+            )
         # NOTE: measured on nvidia-h200 (benchmarks/NOTES.md): 8192/16384 gives +11% output
         # throughput on SGLang's serving check over 2048/8192.
         on_gpu = device.startswith("cuda")
@@ -163,6 +182,12 @@ class ServerArgs:
             max_num_batched_tokens=budget,
             chunked_prefill_size=chunk,
         )
+
+    def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache element type for a model running in model_dtype."""
+        import torch
+
+        return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8_e4m3" else model_dtype
 
     def graph_mode(self) -> str | None:
         """How decode runs: "cuda" graphs, "static" buffer replay, or None (eager)."""

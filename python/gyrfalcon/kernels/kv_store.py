@@ -1,7 +1,8 @@
 """Triton scatter of new K/V rows into the paged KV cache.
 
 `store_kv` is the kernel twin of `KVCache.write` (an `index_copy_` per tensor):
-row t of k/v lands in slot loc[t] of the layer's cache, cast to the cache dtype.
+row t of k/v lands in slot loc[t] of the layer's cache, cast to the cache dtype
+(saturating at +-448 for an fp8 e4m3 cache, as `to_cache_dtype`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def _copy_rows(
         heads = h0 + offs_h
         mask = (heads[:, None] < num_heads) & (offs_d[None, :] < head_dim)
         vals = tl.load(src_ptr + heads[:, None] * s_src_h + offs_d[None, :], mask=mask)
+        if dst_ptr.dtype.element_ty == tl.float8e4nv:  # saturate, as to_cache_dtype does
+            vals = tl.clamp(vals.to(tl.float32), -448.0, 448.0)
         tl.store(
             dst_ptr + heads[:, None] * s_dst_h + offs_d[None, :],
             vals.to(dst_ptr.dtype.element_ty),

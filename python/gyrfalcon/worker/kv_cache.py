@@ -3,6 +3,9 @@
 Layout per layer: [num_pages * page_size, num_kv_heads, head_dim]; the slot of
 token position p of a request is page_table[p // page_size] * page_size + p % page_size.
 Page 0 is the reserved dummy page that padded rows read and write.
+
+An fp8 (e4m3) cache stores K/V cast without scaling, saturated at +-FP8_MAX;
+attention reads convert back to the query dtype.
 """
 
 from __future__ import annotations
@@ -10,6 +13,15 @@ from __future__ import annotations
 import torch
 
 from gyrfalcon.layers.dispatch import use_fused
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x cast to the cache element type (saturating for fp8)."""
+    if dtype == torch.float8_e4m3fn:
+        return x.float().clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return x.to(dtype)
 
 
 class KVCache:
@@ -35,8 +47,11 @@ class KVCache:
 
             store_kv(k, v, self.k[layer], self.v[layer], loc)
             return
-        self.k[layer].index_copy_(0, loc, k.to(self.k.dtype))
-        self.v[layer].index_copy_(0, loc, v.to(self.v.dtype))
+        for cache, new in ((self.k[layer], k), (self.v[layer], v)):
+            new = to_cache_dtype(new, cache.dtype)
+            if cache.element_size() == 1:  # NOTE: no index_copy_ kernel for fp8 on CPU
+                cache, new = cache.view(torch.uint8), new.view(torch.uint8)
+            cache.index_copy_(0, loc, new)
 
     @staticmethod
     def bytes_per_page(

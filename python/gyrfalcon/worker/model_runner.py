@@ -126,7 +126,7 @@ class ModelRunner:
             self.page_size,
             c.num_kv_heads,
             c.head_dim,
-            self.dtype,
+            self.args.kv_dtype(self.dtype),
             self.device,
         )
         mode = self.args.graph_mode()
@@ -292,7 +292,7 @@ def build_runner(
     if args.device == "cuda":
         torch.cuda.set_device(rank)
     runner = ModelRunner(args, cfg, model_dir, rank)
-    pages = num_kv_pages(args, cfg, runner.dtype, runner.device)
+    pages = num_kv_pages(args, cfg, args.kv_dtype(runner.dtype), runner.device)
     context = max_model_len(args, cfg, pages)
     runner.init_kv_cache(pages, context)
     return runner, context

@@ -63,3 +63,23 @@ def test_step_budgets_default_by_device_and_respect_explicit_values():
     mine = ServerArgs(device="cuda", chunked_prefill_size=512, max_num_batched_tokens=1024)
     assert mine.resolved().chunked_prefill_size == 512
     assert parse("--chunked-prefill-size", "64").chunked_prefill_size == 64
+
+
+def test_fp8_kv_cache_resolves_to_backends_that_read_it(monkeypatch):
+    import torch
+
+    from gyrfalcon.config import server_args
+
+    fp8 = ServerArgs(device="cuda", dtype="bfloat16", kv_cache_dtype="fp8_e4m3")
+    monkeypatch.setattr(server_args, "default_attention_backend", lambda *a: "flashinfer")
+    a = fp8.resolved()
+    assert (a.attention_backend, a.decode_attention_backend) == ("triton", "triton")
+    assert a.kv_dtype(torch.bfloat16) == torch.float8_e4m3fn
+    assert ServerArgs().kv_dtype(torch.bfloat16) == torch.bfloat16
+    with pytest.raises(ValueError, match="fp8_e4m3"):
+        ServerArgs(
+            device="cuda", attention_backend="flashinfer", kv_cache_dtype="fp8_e4m3"
+        ).resolved()
+    assert parse("--kv-cache-dtype", "fp8_e4m3").kv_cache_dtype == "fp8_e4m3"
+    with pytest.raises(SystemExit):
+        parse("--kv-cache-dtype", "fp8_e5m2")

@@ -96,6 +96,38 @@ def test_bfloat16_on_cpu_runs_and_mostly_agrees(tiny_model_dirs):
     assert got[0][:2] == ref[0][:2] and got[1][:2] == ref[1][:2]
 
 
+def prompt_logprobs(eng, prompt):
+    """Teacher-forced logprob of every prompt token after the first."""
+    eng.add("p", prompt, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    got = []
+    while eng.has_work():
+        for out in eng.step():
+            got += [p.logprob for p in out.prompt_logprobs or [] if p is not None]
+    assert len(got) == len(prompt) - 1
+    return torch.tensor(got)
+
+
+def test_fp8_kv_cache_on_cpu_stays_close_and_holds_more_pages(tiny_model_dirs):
+    """e4m3 KV is not exact; the engine must run it, stay close to a float32 cache, and
+    size 4x the pages of a float32 cache in the same memory."""
+    d = tiny_model_dirs["llama"]
+    kw = dict(max_cpu_kv_memory="2MiB", chunked_prefill_size=4)  # later chunks read the cache
+    full, fp8 = engine(d, **kw), engine(d, kv_cache_dtype="fp8_e4m3", **kw)
+    assert fp8.runner.kv_cache.k.dtype == torch.float8_e4m3fn
+    assert fp8.scheduler.cfg.num_pages == 4 * full.scheduler.cfg.num_pages
+    prompt = prompts(3, [30])[0]
+    ref, got = prompt_logprobs(full, prompt), prompt_logprobs(fp8, prompt)
+    # this tiny model's logprobs spread over -3.5 .. -9 (std ~1.4); e4m3 keeps 3
+    # mantissa bits, which moves them by ~0.09 nats on average here (0.28 at most):
+    # well under a tenth of their spread, and not zero (the cache really is fp8)
+    diff = (got - ref).abs()
+    assert 0 < diff.mean() < 0.1 * ref.std() and diff.max() < 0.5, diff
+    out = fp8.generate(prompts(4, [9, 14]), GREEDY)
+    assert [len(g) for g in out] == [GREEDY.max_tokens] * 2
+    fp8.check_integrity()
+    assert fp8.scheduler.alloc.num_free == fp8.scheduler.alloc.num_usable
+
+
 def test_overlap_keeps_sampled_and_stopped_outputs(tiny_model_dirs):
     """Seeded sampling, stop tokens, EOS and penalties: the same tokens with overlap as without.
 

@@ -213,3 +213,25 @@ def test_store_kv_casts_to_cache_dtype():
     store_kv(k, v, k_cache, v_cache, loc)
     assert torch.equal(k_cache[loc], k.to(torch.bfloat16))
     assert torch.equal(v_cache[loc], v.to(torch.bfloat16))
+
+
+def test_store_kv_saturates_into_an_fp8_cache():
+    from gyrfalcon.worker.kv_cache import FP8_MAX, KVCache
+
+    fp8 = torch.float8_e4m3fn
+    T, KVH, D, S = 4, 2, 64, 16
+    # values e4m3 holds exactly (the interpreter's fp8 rounding differs from the GPU's),
+    # plus out-of-range ones that must saturate, not become NaN
+    k = torch.randn(T, KVH, D).to(fp8).float()
+    v = torch.randn(T, KVH, D).to(fp8).float()
+    k[0, 0, :4] = torch.tensor([1e4, -1e4, 449.0, -600.0])
+    v[1, 1, :2] = torch.tensor([3e38, -500.0])
+    loc = torch.tensor([9, 2, 15, 4])
+    fused = (torch.zeros(S, KVH, D, dtype=fp8), torch.zeros(S, KVH, D, dtype=fp8))
+    store_kv(k, v, *fused, loc)
+    ref = KVCache(1, S, 1, KVH, D, fp8, torch.device("cpu"))
+    ref.write(0, loc, k, v)  # the torch path (CPU tensors never take the kernel)
+    for got, want, src in ((fused[0], ref.k[0], k), (fused[1], ref.v[0], v)):
+        assert got.dtype == fp8
+        assert torch.equal(got[loc].float(), want[loc].float())
+        assert torch.equal(got[loc].float(), src.clamp(-FP8_MAX, FP8_MAX))

@@ -43,7 +43,7 @@ LAYER = 1  # a non-zero layer, so per-layer cache offsets are exercised
 TOL = dict(atol=1e-4, rtol=1e-4)
 
 
-def make_case(spec, num_kv_heads, head_dim, seed, pad_rows=0):
+def make_case(spec, num_kv_heads, head_dim, seed, pad_rows=0, kv_dtype=torch.float32):
     """spec: (prefix, q_len) per row -> (cache, rows); pages are scrambled, page 0 unused.
 
     Prefix KV is written as an earlier step would have; pad_rows decode rows of
@@ -52,9 +52,10 @@ def make_case(spec, num_kv_heads, head_dim, seed, pad_rows=0):
     gen = torch.Generator().manual_seed(seed)
     need = [-(-(p + n) // PS) for p, n in spec]
     perm = (torch.randperm(sum(need) + 3, generator=gen) + 1).tolist()
-    cache = KVCache(2, sum(need) + 4, PS, num_kv_heads, head_dim, torch.float32, CPU)
-    cache.k.normal_(generator=gen)  # garbage everywhere (the dummy page included)
-    cache.v.normal_(generator=gen)
+    cache = KVCache(2, sum(need) + 4, PS, num_kv_heads, head_dim, kv_dtype, CPU)
+    # garbage everywhere (the dummy page included)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=gen).to(kv_dtype))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=gen).to(kv_dtype))
     rows = []
     for (prefix, n), count in zip(spec, need):
         pages, perm = perm[:count], perm[count:]
@@ -70,9 +71,11 @@ def make_batch(rows, cache, backend, mode):
     return batch
 
 
-def run_both(spec, heads, kv_heads, head_dim, mode, seed=0, pad_rows=0, **kw):
+def run_both(
+    spec, heads, kv_heads, head_dim, mode, seed=0, pad_rows=0, kv_dtype=torch.float32, **kw
+):
     """(triton output, torch_ref output, triton batch) on the same inputs."""
-    cache, rows = make_case(spec, kv_heads, head_dim, seed, pad_rows)
+    cache, rows = make_case(spec, kv_heads, head_dim, seed, pad_rows, kv_dtype)
     scale = head_dim**-0.5
     tri = TritonBackend(heads, kv_heads, head_dim, scale, **kw)
     ref = TorchRefBackend(heads, kv_heads, head_dim, scale)
@@ -201,6 +204,23 @@ def test_verify_batch_matches_ref(k):
     assert tb.attn_meta.max_q_len == k + 1
     n_real = len(spec) * (k + 1)
     torch.testing.assert_close(out[:n_real], expect[:n_real], **TOL)
+
+
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.MIXED])
+def test_fp8_kv_cache_matches_ref_and_stays_near_full_precision(mode):
+    spec = [(n - 1, 1) for n in DECODE_LENS] if mode is ForwardMode.DECODE else EXTEND_SPEC
+    kw = dict(num_kv_splits=4, decode_block_n=16, extend_block_m=16, extend_block_n=16)
+    out, expect, tb = run_both(spec, 8, 2, 64, mode, kv_dtype=FP8, **kw)
+    assert tb.kv_cache.k.dtype == FP8 and out.dtype == torch.float32
+    torch.testing.assert_close(out, expect, **TOL)  # same fp8 values read by both
+    # against a float32 cache holding what the fp8 one rounded: e4m3 keeps 3 mantissa
+    # bits, so attention outputs move by a few percent of their scale, not more
+    full, _, _ = run_both(spec, 8, 2, 64, mode, **kw)
+    err = (out - full).abs().max() / full.abs().max()
+    assert 0 < err < 0.08, err
 
 
 def test_extend_default_blocks_long_prefill():

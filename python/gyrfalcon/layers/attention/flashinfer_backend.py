@@ -109,6 +109,7 @@ class FlashInferBackend(AttentionBackend):
 
     def _plan_decode(self, wrapper, batch: ForwardBatch, csr: PagedCsr, indices) -> None:
         dtype = batch.kv_cache.k.dtype
+        assert dtype.itemsize == 2, "the flashinfer backend reads 16-bit KV caches only"
         self._plan(
             wrapper,
             torch.tensor(csr.indptr, dtype=torch.int32),
@@ -137,6 +138,7 @@ class FlashInferBackend(AttentionBackend):
         for n in batch.q_lens_cpu:
             qo_indptr.append(qo_indptr[-1] + n)
         dtype = batch.kv_cache.k.dtype
+        assert dtype.itemsize == 2, "the flashinfer backend reads 16-bit KV caches only"
         self._plan(
             self._prefill,
             torch.tensor(qo_indptr, dtype=torch.int32),
