@@ -143,7 +143,8 @@ def _decode_split_kernel(
         + split * stride_mos
         + offs_d[None, :]
     )
-    tl.store(mo_ptrs, out, mask=mask_h[:, None] & mask_d[None, :])
+    # NOTE: with one split mid_o is the output itself (see decode_attention)
+    tl.store(mo_ptrs, out.to(mid_o_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
     tl.store(mid_lse_ptr + row * stride_mlb + heads * stride_mlh + split, lse, mask=mask_h)
 
 
@@ -231,13 +232,18 @@ def decode_attention(
     if block_n is None:
         block_n = 64 if block_d <= 128 else 32
     mid_o, mid_lse = scratch.mid_o, scratch.mid_lse
+    # NOTE: one split needs no merge: its normalized output is final and goes straight
+    # to o (the same float ops as the merge with a single weight of 1), saving a launch
+    direct = splits == 1
+    mo = o if direct else mid_o
+    mo_strides = (o.stride(0), o.stride(1), 0) if direct else mid_o.stride()[:3]
     _decode_split_kernel[(bs, num_kv_heads, splits)](
         q,
         k_cache,
         v_cache,
         page_table,
         seq_lens,
-        mid_o,
+        mo,
         mid_lse,
         scale * LOG2E,
         q.stride(0),
@@ -247,9 +253,7 @@ def decode_attention(
         v_cache.stride(0),
         v_cache.stride(1),
         page_table.stride(0),
-        mid_o.stride(0),
-        mid_o.stride(1),
-        mid_o.stride(2),
+        *mo_strides,
         mid_lse.stride(0),
         mid_lse.stride(1),
         GROUP=group,
@@ -263,6 +267,8 @@ def decode_attention(
         num_warps=4,
         num_stages=2,
     )
+    if direct:
+        return
     _decode_reduce_kernel[(bs, num_heads)](
         mid_o,
         mid_lse,

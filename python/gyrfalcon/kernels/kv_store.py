@@ -13,7 +13,15 @@ import triton.language as tl
 
 
 @triton.jit
-def _copy_rows(
+def to_cache(vals, dst_ptr):
+    """vals cast to the element type of dst_ptr, saturating for an fp8 e4m3 cache."""
+    if dst_ptr.dtype.element_ty == tl.float8e4nv:
+        vals = tl.clamp(vals.to(tl.float32), -448.0, 448.0)
+    return vals.to(dst_ptr.dtype.element_ty)
+
+
+@triton.jit
+def copy_rows(
     src_ptr,  # this token's [KVH, D] rows
     dst_ptr,  # the target slot's [KVH, D] rows
     s_src_h,
@@ -29,13 +37,8 @@ def _copy_rows(
         heads = h0 + offs_h
         mask = (heads[:, None] < num_heads) & (offs_d[None, :] < head_dim)
         vals = tl.load(src_ptr + heads[:, None] * s_src_h + offs_d[None, :], mask=mask)
-        if dst_ptr.dtype.element_ty == tl.float8e4nv:  # saturate, as to_cache_dtype does
-            vals = tl.clamp(vals.to(tl.float32), -448.0, 448.0)
-        tl.store(
-            dst_ptr + heads[:, None] * s_dst_h + offs_d[None, :],
-            vals.to(dst_ptr.dtype.element_ty),
-            mask=mask,
-        )
+        dst = dst_ptr + heads[:, None] * s_dst_h + offs_d[None, :]
+        tl.store(dst, to_cache(vals, dst_ptr), mask=mask)
 
 
 @triton.jit
@@ -60,10 +63,10 @@ def _store_kv_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(loc_ptr + t).to(tl.int64)
-    _copy_rows(
+    copy_rows(
         k_ptr + t * sk_t, kc_ptr + slot * skc_s, sk_h, skc_h, num_heads, head_dim, BLOCK_H, BLOCK_D
     )
-    _copy_rows(
+    copy_rows(
         v_ptr + t * sv_t, vc_ptr + slot * svc_s, sv_h, svc_h, num_heads, head_dim, BLOCK_H, BLOCK_D
     )
 

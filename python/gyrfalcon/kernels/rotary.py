@@ -5,6 +5,9 @@ values of `float(position) * inv_freq` (precomputed into a cache with the same
 torch ops), rounded to the q dtype, and `q * cos + rotate_half(q) * sin` is
 evaluated with each product and the sum rounded to the q dtype, as torch does
 elementwise for half-precision tensors.
+
+`rotary_and_store` also writes the rotated k and v into the paged KV cache (what
+`store_kv` does), in the same launch.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from gyrfalcon.kernels.kv_store import copy_rows, to_cache
 
 
 def build_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
@@ -34,9 +39,12 @@ def _rotate_heads(
     num_heads,
     cos,  # [1, BLOCK_D] float32, already rounded through the tensor dtype
     sin,  # [1, BLOCK_D] float32, ditto
+    cache_ptr,  # this token's cache slot (used when STORE)
+    s_cache_h,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    STORE: tl.constexpr,
 ):
     dtype = base_ptr.dtype.element_ty
     offs_h = tl.arange(0, BLOCK_H)
@@ -53,8 +61,13 @@ def _rotate_heads(
         b1 = (-x2 * sin).to(dtype).to(tl.float32)
         a2 = (x2 * cos).to(dtype).to(tl.float32)
         b2 = (x1 * sin).to(dtype).to(tl.float32)
-        tl.store(p1, (a1 + b1).to(dtype), mask=mask)
-        tl.store(p2, (a2 + b2).to(dtype), mask=mask)
+        o1, o2 = (a1 + b1).to(dtype), (a2 + b2).to(dtype)
+        tl.store(p1, o1, mask=mask)
+        tl.store(p2, o2, mask=mask)
+        if STORE:
+            c1 = cache_ptr + heads[:, None] * s_cache_h + offs_d[None, :]
+            tl.store(c1, to_cache(o1, cache_ptr), mask=mask)
+            tl.store(c1 + HALF, to_cache(o2, cache_ptr), mask=mask)
 
 
 @triton.jit
@@ -63,16 +76,29 @@ def _rotary_kernel(
     k_ptr,  # [T, Hk, D], last dim contiguous
     pos_ptr,  # [T] int32/int64
     cache_ptr,  # [max_pos, D] float32
+    v_ptr,  # [T, Hk, D] (used when STORE)
+    kc_ptr,  # [S, Hk, D] layer's K cache (used when STORE)
+    vc_ptr,  # [S, Hk, D] layer's V cache (used when STORE)
+    loc_ptr,  # [T] slots (used when STORE)
     sq_t,
     sq_h,
     sk_t,
     sk_h,
     s_cache,
+    sv_t,
+    sv_h,
+    skc_s,
+    skc_h,
+    svc_s,
+    svc_h,
     num_q_heads,
     num_k_heads,
+    head_dim,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    STORE: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -86,8 +112,18 @@ def _rotary_kernel(
     dtype = q_ptr.dtype.element_ty
     cos = cos.to(dtype).to(tl.float32)
     sin = sin.to(dtype).to(tl.float32)
-    _rotate_heads(q_ptr + t * sq_t, sq_h, num_q_heads, cos, sin, HALF, BLOCK_H, BLOCK_D)
-    _rotate_heads(k_ptr + t * sk_t, sk_h, num_k_heads, cos, sin, HALF, BLOCK_H, BLOCK_D)
+    q_row = q_ptr + t * sq_t
+    _rotate_heads(q_row, sq_h, num_q_heads, cos, sin, q_row, 0, HALF, BLOCK_H, BLOCK_D, False)
+    slot = tl.load(loc_ptr + t).to(tl.int64) if STORE else 0
+    kc_row = kc_ptr + slot * skc_s
+    _rotate_heads(
+        k_ptr + t * sk_t, sk_h, num_k_heads, cos, sin, kc_row, skc_h, HALF, BLOCK_H, BLOCK_D, STORE
+    )
+    if STORE:
+        copy_rows(
+            v_ptr + t * sv_t, vc_ptr + slot * svc_s, sv_h, svc_h, num_k_heads, head_dim,
+            BLOCK_H, BLOCK_DV,
+        )  # fmt: skip
 
 
 def rotary_inplace(
@@ -104,6 +140,31 @@ def rotary_inplace(
     from `build_cos_sin_cache`. Positions are not range-checked (no host sync):
     every position must be < max_pos.
     """
+    _launch(q, k, positions, cos_sin_cache, None)
+    return q, k
+
+
+def rotary_and_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    loc: torch.Tensor,
+) -> None:
+    """`rotary_inplace(q, k, ...)`, then `store_kv(k, v, k_cache, v_cache, loc)`, in one
+    launch. v: [T, Hk, D] (strided allowed); k_cache, v_cache: [S, Hk, D]; loc: [T] slots,
+    not range-checked (see `store_kv` on slots shared by padded rows)."""
+    assert v.shape == k.shape and v.stride(-1) == 1 and loc.shape == (k.shape[0],)
+    assert k_cache.dim() == 3 and k_cache.shape[1:] == k.shape[1:]
+    assert v_cache.shape == k_cache.shape
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    _launch(q, k, positions, cos_sin_cache, (v, k_cache, v_cache, loc))
+
+
+def _launch(q, k, positions, cos_sin_cache, store) -> None:
     assert q.dim() == 3 and k.dim() == 3 and q.shape[0] == k.shape[0] == positions.shape[0]
     assert q.shape[-1] == k.shape[-1] == cos_sin_cache.shape[-1]
     assert q.dtype == k.dtype and cos_sin_cache.dtype == torch.float32
@@ -112,15 +173,20 @@ def rotary_inplace(
     assert head_dim % 2 == 0
     num_tokens = q.shape[0]
     if num_tokens == 0:
-        return q, k
+        return
     half = head_dim // 2
     block_d = triton.next_power_of_2(half)
     # ~2K elements per tile keeps registers modest for D=128 (16 heads a step).
     block_h = max(1, min(triton.next_power_of_2(max(q.shape[1], k.shape[1])), 2048 // block_d))
+    if store is None:
+        v, kc, vc, loc = k, k, k, positions  # unused (STORE=False)
+    else:
+        v, kc, vc, loc = store
     _rotary_kernel[(num_tokens,)](
-        q, k, positions, cos_sin_cache,
+        q, k, positions, cos_sin_cache, v, kc, vc, loc,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
-        q.shape[1], k.shape[1],
-        HALF=half, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
+        v.stride(0), v.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
+        q.shape[1], k.shape[1], head_dim,
+        HALF=half, BLOCK_H=block_h, BLOCK_D=block_d, STORE=store is not None,
+        BLOCK_DV=triton.next_power_of_2(head_dim), num_warps=4,
     )  # fmt: skip
-    return q, k

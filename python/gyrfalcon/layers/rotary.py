@@ -54,12 +54,9 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T]; q: [T, H, D]; k: [T, KVH, D]
         if use_fused(q):
-            from gyrfalcon.kernels.rotary import build_cos_sin_cache, rotary_inplace
+            from gyrfalcon.kernels.rotary import rotary_inplace
 
-            if self.cos_sin_cache is None:
-                # NOTE: built by the first (eager) forward, before any graph capture
-                self.cos_sin_cache = build_cos_sin_cache(self.inv_freq, self.max_positions)
-            return rotary_inplace(q, k, positions, self.cos_sin_cache)
+            return rotary_inplace(q, k, positions, self._cos_sin())
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos().to(q.dtype)[:, None, :]
@@ -67,3 +64,27 @@ class RotaryEmbedding(nn.Module):
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         return q, k
+
+    def forward_and_store(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        loc: torch.Tensor,
+    ) -> None:
+        """CUDA only: `forward` in place on q, k, and k, v written to the layer's cache
+        slots loc (`KVCache.write`), in one kernel."""
+        from gyrfalcon.kernels.rotary import rotary_and_store
+
+        rotary_and_store(q, k, v, positions, self._cos_sin(), k_cache, v_cache, loc)
+
+    def _cos_sin(self) -> torch.Tensor:
+        if self.cos_sin_cache is None:
+            from gyrfalcon.kernels.rotary import build_cos_sin_cache
+
+            # NOTE: built by the first (eager) forward, before any graph capture
+            self.cos_sin_cache = build_cos_sin_cache(self.inv_freq, self.max_positions)
+        return self.cos_sin_cache

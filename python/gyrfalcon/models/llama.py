@@ -13,6 +13,7 @@ from torch import nn
 
 from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.layers.activation import silu_and_mul
+from gyrfalcon.layers.dispatch import use_fused
 from gyrfalcon.layers.embedding import LMHead, VocabEmbedding
 from gyrfalcon.layers.linear import ColumnParallelLinear, RowParallelLinear
 from gyrfalcon.layers.norm import RMSNorm
@@ -52,8 +53,14 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = batch.attn_backend.forward(q, k, v, self.layer_id, batch)
+        if use_fused(q):  # NOTE: rotary and the KV-cache write in one kernel
+            cache, layer = batch.kv_cache, self.layer_id
+            loc = batch.out_cache_loc
+            self.rotary.forward_and_store(positions, q, k, v, cache.k[layer], cache.v[layer], loc)
+            out = batch.attn_backend.forward(q, k, v, layer, batch, kv_written=True)
+        else:
+            q, k = self.rotary(positions, q, k)
+            out = batch.attn_backend.forward(q, k, v, self.layer_id, batch)
         return self.o_proj(out)
 
 

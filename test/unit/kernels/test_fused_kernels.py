@@ -13,7 +13,11 @@ import torch  # noqa: E402
 from gyrfalcon.kernels.activation import silu_and_mul  # noqa: E402
 from gyrfalcon.kernels.kv_store import store_kv  # noqa: E402
 from gyrfalcon.kernels.norm import fused_add_rmsnorm, rmsnorm  # noqa: E402
-from gyrfalcon.kernels.rotary import build_cos_sin_cache, rotary_inplace  # noqa: E402
+from gyrfalcon.kernels.rotary import (  # noqa: E402
+    build_cos_sin_cache,
+    rotary_and_store,
+    rotary_inplace,
+)
 from gyrfalcon.layers import activation as ref_act  # noqa: E402
 from gyrfalcon.layers.norm import RMSNorm  # noqa: E402
 from gyrfalcon.layers.rotary import RotaryEmbedding  # noqa: E402
@@ -144,6 +148,39 @@ def test_rotary_inplace_on_split_qkv(T, D, scaling):
     torch.testing.assert_close(qkv[:, : Hq * D].view(T, Hq, D), want_q, **TOL)
     torch.testing.assert_close(qkv[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D), want_k, **TOL)
     assert torch.equal(v, v0)  # the kernel must not run past k into v
+
+
+@pytest.mark.parametrize("T,D", [(1, 64), (13, 128)])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
+def test_rotary_and_store_equals_rotary_then_store(T, D, cache_dtype):
+    """One launch does what rotary_inplace then store_kv do, on views of a fused qkv."""
+    torch.manual_seed(T * D)
+    Hq, Hk, S = 6, 2, 64
+    rope = RotaryEmbedding(D, 10000.0, None, 4096)
+    cos_sin = build_cos_sin_cache(rope.inv_freq, 4096)
+    qkv = torch.randn(T, (Hq + 2 * Hk) * D)
+    positions = torch.randint(0, 4096, (T,))
+    loc = torch.randperm(S - 1)[:T] + 1
+
+    def run(fused):
+        buf = qkv.clone()
+        q, k, v = (t.view(T, -1, D) for t in buf.split([Hq * D, Hk * D, Hk * D], dim=-1))
+        caches = (
+            torch.zeros(S, Hk, D, dtype=cache_dtype),
+            torch.zeros(S, Hk, D, dtype=cache_dtype),
+        )
+        if fused:
+            rotary_and_store(q, k, v, positions, cos_sin, *caches, loc)
+        else:
+            rotary_inplace(q, k, positions, cos_sin)
+            store_kv(k, v, *caches, loc)
+        return buf, caches
+
+    buf_f, (kc_f, vc_f) = run(True)
+    buf_u, (kc_u, vc_u) = run(False)
+    assert torch.equal(buf_f, buf_u)  # q and k rotated in place, v untouched
+    assert torch.equal(kc_f.float(), kc_u.float()) and torch.equal(vc_f.float(), vc_u.float())
+    assert kc_f[loc].float().abs().sum() > 0 and (kc_f[0] == 0).all()  # only slots in loc
 
 
 def test_rotary_bf16():

@@ -272,3 +272,22 @@ def test_registry_creates_triton():
     backend = create_backend("triton", 8, 2, 64, 0.125)
     assert isinstance(backend, TritonBackend) and backend.name == "triton"
     assert backend.supports_cuda_graph
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.MIXED])
+def test_q_as_a_strided_view_of_qkv(mode):
+    """The model hands q over as a view of its fused qkv projection: no copy is made,
+    and the result equals the contiguous q's, for 1 split (direct store) and several."""
+    heads, kv_heads, d = 4, 2, 64
+    spec = [(n - 1, 1) for n in [3, 18, 40]] if mode is ForwardMode.DECODE else EXTEND_SPEC
+    for splits in (1, 4):
+        cache, rows = make_case(spec, kv_heads, d, seed=5)
+        tri = TritonBackend(heads, kv_heads, d, d**-0.5, num_kv_splits=splits, extend_block_m=16)
+        batch = make_batch(rows, cache, tri, mode)
+        T = batch.num_tokens
+        qkv = torch.randn(T, (heads + 2 * kv_heads) * d, generator=torch.Generator().manual_seed(6))
+        q, k, v = (t.view(T, -1, d) for t in qkv.split([heads * d, kv_heads * d, kv_heads * d], -1))
+        assert not q.is_contiguous()
+        got = tri.forward(q, k, v, LAYER, batch)
+        want = tri.forward(q.contiguous(), k, v, LAYER, batch)
+        torch.testing.assert_close(got, want, atol=0, rtol=0)

@@ -31,9 +31,16 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        batch: ForwardBatch,
+        kv_written: bool = False,
     ) -> torch.Tensor:
-        """Write k, v of the new tokens into the cache and attend.
+        """Write k, v of the new tokens into the cache (unless the caller already did,
+        kv_written) and attend.
 
         q: [T, H, D]; k, v: [T, KVH, D] -> [T, H * D]
         """

@@ -185,11 +185,18 @@ class FlashInferBackend(AttentionBackend):
     # ------------------------------------------------------------ forward
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        batch: ForwardBatch,
+        kv_written: bool = False,
     ) -> torch.Tensor:
         meta: FlashInferMeta = batch.attn_meta
         cache = batch.kv_cache
-        cache.write(layer, batch.out_cache_loc, k, v)
+        if not kv_written:
+            cache.write(layer, batch.out_cache_loc, k, v)
         ps = batch.page_size
         shape = (-1, ps, self.num_kv_heads, self.head_dim)
         kv = (cache.k[layer].view(shape), cache.v[layer].view(shape))

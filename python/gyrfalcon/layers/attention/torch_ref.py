@@ -88,11 +88,18 @@ class TorchRefBackend(AttentionBackend):
         )
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        batch: ForwardBatch,
+        kv_written: bool = False,
     ) -> torch.Tensor:
         meta: TorchRefMeta = batch.attn_meta
         cache = batch.kv_cache
-        cache.write(layer, batch.out_cache_loc, k, v)
+        if not kv_written:
+            cache.write(layer, batch.out_cache_loc, k, v)
         k_all, v_all = cache.k[layer], cache.v[layer]  # [slots, KVH, D]
         out = torch.empty_like(q)  # [T, H, D]
         gqa = self.num_heads != self.num_kv_heads
