@@ -37,3 +37,13 @@ def torch_reference_ops() -> Iterator[None]:
 
 def use_fused(x: torch.Tensor) -> bool:
     return x.is_cuda and not _reference_only and _has_triton()
+
+
+def use_skinny_gemm(x: torch.Tensor) -> bool:
+    """Whether a linear layer on x [M, K] runs our one-launch skinny GEMM (decode-sized
+    M, 16-bit CUDA tensors; float32 stays on cuBLAS, which the HF-exactness tests use)."""
+    if not (use_fused(x) and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    from gyrfalcon.kernels.gemv import MAX_SKINNY_M
+
+    return 1 <= x.shape[0] <= MAX_SKINNY_M

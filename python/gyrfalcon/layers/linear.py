@@ -12,6 +12,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gyrfalcon.layers.activation import silu_and_mul
+from gyrfalcon.layers.dispatch import use_skinny_gemm
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T (+ b): our skinny GEMM for decode-sized batches on CUDA (one launch, no
+    split-K reduce), cuBLAS otherwise."""
+    if bias is None and use_skinny_gemm(x):
+        from gyrfalcon.kernels.gemv import skinny_linear
+
+        return skinny_linear(x, weight)
+    return F.linear(x, weight, bias)
+
 
 class ColumnParallelLinear(nn.Module):
     """y = x W^T (+ b) with W split by output rows over TP ranks.
@@ -54,7 +67,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.narrow(0, start, size).copy_(part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -72,4 +85,13 @@ class RowParallelLinear(nn.Module):
         self.weight.data.copy_(loaded.narrow(1, self.tp_rank * self.local_in, self.local_in))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight, None)
+
+    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """forward(silu_and_mul(gate_up)); one kernel for a single row on CUDA."""
+        if use_skinny_gemm(gate_up):
+            from gyrfalcon.kernels.gemv import FUSED_SILU_MUL_MAX_M, skinny_linear
+
+            if gate_up.shape[0] <= FUSED_SILU_MUL_MAX_M:
+                return skinny_linear(gate_up, self.weight, act_silu_mul=True)
+        return self(silu_and_mul(gate_up))

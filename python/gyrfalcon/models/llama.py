@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from gyrfalcon.config.model_config import ModelConfig
-from gyrfalcon.layers.activation import silu_and_mul
 from gyrfalcon.layers.dispatch import use_fused
 from gyrfalcon.layers.embedding import LMHead, VocabEmbedding
 from gyrfalcon.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -74,7 +73,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj.forward_silu_mul(self.gate_up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):

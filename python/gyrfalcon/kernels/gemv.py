@@ -1,0 +1,244 @@
+"""Triton skinny GEMM (GEMV-like) for decode: y = x @ w.T with a few rows in x.
+
+In a decode step every linear layer sees x: [M, K] with M = the number of running
+sequences (1..16 here) and a weight w: [N, K] that is read once per step, so the
+layer costs the time to stream w from memory. cuBLAS picks split-K plus a
+separate reduce kernel for these shapes; `skinny_linear` does the whole product
+in ONE launch: each program owns BLOCK_N output columns for all M rows and walks
+K in BLOCK_K steps (weight tile loads coalesced along K, the x chunk loaded once
+per step and reused by all BLOCK_N rows), accumulating in float32.
+
+Two inner products, chosen by `GemvConfig.use_dot`:
+- CUDA-core FMAs (M == 1): a [BLOCK_N, BLOCK_K] float32 partial-sum tile, reduced
+  across threads once, after the K loop. For 1 < M <= 16 the FMA path reduces a
+  [M, BLOCK_N, BLOCK_K] product every step instead (slower than tensor cores
+  except at M=2 on SmolLM2-sized weights; kept for sweeps).
+- tensor cores: tl.dot(w_tile, x_chunk.T) with M padded to 16 rows (the "swap AB"
+  form: the weight rows are the MMA's M dimension), so the FMA count does not
+  grow with M.
+
+Measured on an H100 (bf16, in CUDA graphs, weights not in L2; read bandwidth of a
+streaming kernel 3.13 TB/s): Llama-3.1-8B gate_up (235 MB) at 97% of it at M=1
+and 92-94% at M=2..16, down (117 MB) 88-89%, qkv/o (50/34 MB) 75-83% (a few us
+of ramp-up and tail per launch weigh more there); faster than cuBLAS on every
+Llama-3.1-8B and SmolLM2-135M projection for M=1..16 (SmolLM2 o at M=1: 2.4 vs
+3.6 us).
+
+`act_silu_mul=True` fuses the gated-MLP activation into the down projection: x is
+the gate_up output [M, 2K] laid out [gate | up], and the kernel multiplies w by
+silu(gate) * up computed on the fly with the numerics of
+`gyrfalcon.kernels.activation.silu_and_mul` (silu in float32 rounded to x.dtype,
+then the product in float32 rounded to x.dtype), so the result equals the
+unfused silu_and_mul + linear up to the summation order. Every program recomputes
+the activation of the whole [M, 2K] input, which only pays at M <= FUSED_SILU_MUL_MAX_M.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# Largest row count `skinny_linear` accepts; larger decode batches go to cuBLAS.
+MAX_SKINNY_M = 16
+# Largest M at which act_silu_mul (fused down projection) beat silu_and_mul followed
+# by skinny_linear on an H100 (Llama-3.1-8B down at M=1: 42.9 vs 44.4 us, vs 46.8 us
+# for silu_and_mul + cuBLAS; at M=8: 62.5 vs 45.8 us). Larger M: don't fuse.
+FUSED_SILU_MUL_MAX_M = 1
+# tl.dot needs every operand dimension >= 16: the tensor-core path pads M to this.
+_DOT_MIN = 16
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int  # output columns (weight rows) per program
+    block_k: int  # reduction elements per K step
+    num_warps: int
+    num_stages: int  # software-pipelining depth of the K loop
+    use_dot: bool = True  # tensor cores (M padded to 16) vs CUDA-core FMAs
+
+    def __post_init__(self) -> None:
+        for v in (self.block_n, self.block_k, self.num_warps):
+            assert v >= 1 and v & (v - 1) == 0, self
+        assert self.num_stages >= 1, self
+        if self.use_dot:
+            assert self.block_n >= _DOT_MIN and self.block_k >= _DOT_MIN, self
+
+
+@functools.lru_cache(maxsize=1024)
+def gemv_config(m: int, n: int, k: int, num_sms: int, *, act_silu_mul: bool = False) -> GemvConfig:
+    """Default config for x: [m, k] times w: [n, k].T on a GPU with num_sms SMs.
+
+    The rule comes from sweeps of the bf16 Llama-3.1-8B and SmolLM2-135M
+    projections on an H100 (benchmarks/bench_gemv.py; each pick was within 3.5%
+    of the best swept config at every shape):
+    - m == 1: CUDA-core FMAs, block_n 4 (many small programs: each SM holds
+      several, which keeps its load queue full and makes the last wave short),
+      block_k = min(next_pow2(k), 1024) (for small k one step covers all of K: the
+      lowest latency), 8 warps (16 weight elements = two 16-byte vectors per
+      thread at block_k 1024; fewer warps for narrower steps). Exception: when one
+      step covers K and there are more than 4 programs per SM, 4 warps, so the
+      whole grid stays resident in one wave (SmolLM2 gate_up: 3.6 vs 4.4 us).
+    - m > 1: tensor cores (FMA count would grow with m): block_n 64, block_k 128,
+      4 warps, 6 pipeline stages (123 KB of shared memory; the deepest swept):
+      within 2.1% of the best at every swept shape, although N=4096 then gives
+      only 64 programs (depth in flight matters more than filling every SM).
+    - m > 1 with act_silu_mul: block_n 32, block_k 256, 8 warps, 4 stages: the
+      padded [16, block_k] activation tile is recomputed by every program, and
+      wider programs with more warps amortize it best. Even so the fused kernel
+      loses to silu_and_mul + skinny_linear there (see FUSED_SILU_MUL_MAX_M).
+    """
+    assert m >= 1 and n >= 1 and k >= 1 and num_sms >= 1
+    if m == 1:
+        block_n, block_k = 4, min(triton.next_power_of_2(k), 1024)
+        num_warps = max(1, min(8, block_n * block_k // 512))
+        if k <= block_k and triton.cdiv(n, block_n) > 4 * num_sms:
+            num_warps = max(1, num_warps // 2)
+        return GemvConfig(block_n, block_k, num_warps, num_stages=3, use_dot=False)
+    if act_silu_mul:
+        block_k = max(_DOT_MIN, min(triton.next_power_of_2(k), 256))
+        return GemvConfig(32, block_k, num_warps=8, num_stages=4, use_dot=True)
+    block_k = max(_DOT_MIN, min(triton.next_power_of_2(k), 128))
+    return GemvConfig(64, block_k, num_warps=4, num_stages=6, use_dot=True)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8  # the interpreter: a few large programs run fastest
+
+
+@triton.jit
+def _silu_mul(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up in dtype, rounded as `silu_and_mul` rounds (float32 math)."""
+    gate = gate.to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (act * up.to(tl.float32)).to(dtype)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _skinny_gemm_kernel(
+    x_ptr,  # [M, K] ([M, 2K] = [gate | up] when ACT_SILU_MUL), last dim contiguous
+    w_ptr,  # [N, K] contiguous
+    y_ptr,  # [M, N], last dim contiguous
+    M,
+    N,
+    K,
+    s_xm,
+    s_ym,
+    ACT_SILU_MUL: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Columns past N re-read weight row N-1 (in bounds, never stored): the weight
+    # loads need a mask along K only.
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    w_ptrs = w_ptr + rows[:, None] * K + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    x_ptrs = x_ptr + offs_m[:, None] * s_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    m_mask = offs_m[:, None] < M
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    elif BLOCK_M == 1:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if ACT_SILU_MUL:
+        # NOTE: gate/up feed elementwise math, not the dot, so triton's pipeliner
+        # leaves their loads synchronous; they are prefetched one K step ahead by
+        # hand instead (without it the fused tensor-core path ran 2.5x slower on H100).
+        x_mask = m_mask & (offs_k[None, :] < K)
+        gate_next = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        up_next = tl.load(x_ptrs + K, mask=x_mask, other=0.0)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k[None, :] < K - k0
+        w = tl.load(w_ptrs, mask=k_mask, other=0.0)
+        if ACT_SILU_MUL:
+            gate, up = gate_next, up_next
+            x_mask = m_mask & (offs_k[None, :] < K - k0 - BLOCK_K)  # empty at the last step
+            gate_next = tl.load(x_ptrs + BLOCK_K, mask=x_mask, other=0.0)
+            up_next = tl.load(x_ptrs + BLOCK_K + K, mask=x_mask, other=0.0)
+            a = _silu_mul(gate, up, x_ptr.dtype.element_ty)
+        else:
+            a = tl.load(x_ptrs, mask=m_mask & k_mask, other=0.0)
+        if USE_DOT and DOT_F32:
+            # exact float32 products: for float32 inputs, and for every dtype under
+            # the interpreter (see skinny_linear)
+            acc = tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), acc, input_precision="ieee")
+        elif USE_DOT:
+            acc = tl.dot(w, tl.trans(a), acc)  # half-precision MMA, float32 accumulator
+        elif BLOCK_M == 1:
+            # partial sums stay per (row, k lane): no cross-thread traffic in the loop
+            acc += w.to(tl.float32) * a.to(tl.float32)
+        else:
+            prod = w.to(tl.float32)[None, :, :] * a.to(tl.float32)[:, None, :]
+            acc += tl.sum(prod, axis=2)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if USE_DOT:
+        out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    elif BLOCK_M == 1:
+        out = tl.sum(acc, axis=1)[None, :]
+    else:
+        out = acc
+    y_ptrs = y_ptr + offs_m[:, None] * s_ym + offs_n[None, :]
+    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=m_mask & (offs_n[None, :] < N))
+
+
+def skinny_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    config: GemvConfig | None = None,
+    act_silu_mul: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x @ w.T for a few rows of x, in one kernel launch; returns [M, N] in x.dtype.
+
+    x: [M, K] with 1 <= M <= MAX_SKINNY_M (any row stride, last dim contiguous);
+    w: [N, K] contiguous, same dtype as x. Accumulates in float32. With
+    act_silu_mul, x is [M, 2K] laid out [gate | up] and the product is
+    (silu(gate) * up) @ w.T, the activation rounded to x.dtype as
+    `silu_and_mul` does (only faster than silu_and_mul + skinny_linear for
+    M <= FUSED_SILU_MUL_MAX_M). config: None picks `gemv_config(M, N, K, #SMs,
+    act_silu_mul=act_silu_mul)`.
+    out ([M, N], last dim contiguous, x.dtype) is written instead of allocating.
+    """
+    assert x.dim() == 2 and w.dim() == 2, (x.shape, w.shape)
+    assert x.stride(-1) == 1, "x: last dim must be contiguous"
+    assert w.is_contiguous(), "w must be contiguous"
+    assert x.dtype == w.dtype and x.device == w.device, (x.dtype, w.dtype, x.device, w.device)
+    m, n, k = x.shape[0], w.shape[0], w.shape[1]
+    assert x.shape[1] == (2 * k if act_silu_mul else k), (x.shape, w.shape, act_silu_mul)
+    assert m <= MAX_SKINNY_M, f"skinny_linear handles at most {MAX_SKINNY_M} rows, got {m}"
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    assert out.shape == (m, n) and out.stride(-1) == 1 and out.dtype == x.dtype
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    cfg = config
+    if cfg is None:
+        cfg = gemv_config(m, n, k, _num_sms(x.device), act_silu_mul=act_silu_mul)
+    # NOTE: triton's interpreter (CPU tensors) multiplies bfloat16 dot operands as
+    # their raw uint16 bits, so off the GPU the tensor-core path upcasts them to
+    # float32 first (bf16 x bf16 products are exact in float32 either way).
+    block_m = _DOT_MIN if cfg.use_dot else triton.next_power_of_2(m)
+    _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, w, out, m, n, k, x.stride(0), out.stride(0),
+        ACT_SILU_MUL=act_silu_mul, USE_DOT=cfg.use_dot,
+        DOT_F32=x.dtype == torch.float32 or not x.is_cuda,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
