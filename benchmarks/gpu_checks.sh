@@ -67,13 +67,19 @@ case "${1:-tests}" in
     python3 -m pytest -m gpu test/gpu -q -p no:cacheprovider -rA --durations=10 \
       > "$OUT/gpu_tests.log" 2>&1
     echo "pytest exit $?"; tail -40 "$OUT/gpu_tests.log" ;;
-  bench)
+  bench)  # PROFILE=0 skips the kernel profiles, EAGER=0 the eager SmolLM2 run
     B="python3 benchmarks/bench_decode.py --device-kind $KIND"
+    P8="" PS=""
+    if [ "${PROFILE:-1}" = 1 ]; then
+      P8="--profile-dir $OUT/profile_llama8b" PS="--profile-dir $OUT/profile_smollm2"
+    fi
     $B --model benchmarks/models/llama-3.1-8b --load-format dummy --batch-sizes "${BS:-1,8,32,64,128,256}" \
-      --output-json "$OUT/decode_llama8b.json" --profile-dir "$OUT/profile_llama8b" 2>&1 | tail -12
+      --output-json "$OUT/decode_llama8b.json" $P8 2>&1 | tail -12
     $B --model benchmarks/models/smollm2-135m --load-format dummy --batch-sizes 1 --steps 256 \
-      --output-json "$OUT/decode_smollm2_graphs.json" --profile-dir "$OUT/profile_smollm2" 2>&1 | tail -4
-    $B --model benchmarks/models/smollm2-135m --load-format dummy --batch-sizes 1 --steps 64 \
-      --enforce-eager --output-json "$OUT/decode_smollm2_eager.json" 2>&1 | tail -4
-    (cd "$OUT" && tar czf profiles.tgz profile_* && rm -rf profile_*) ;;
+      --output-json "$OUT/decode_smollm2_graphs.json" $PS 2>&1 | tail -4
+    if [ "${EAGER:-1}" = 1 ]; then
+      $B --model benchmarks/models/smollm2-135m --load-format dummy --batch-sizes 1 --steps 64 \
+        --enforce-eager --output-json "$OUT/decode_smollm2_eager.json" 2>&1 | tail -4
+    fi
+    if [ -n "$P8" ]; then (cd "$OUT" && tar czf profiles.tgz profile_* && rm -rf profile_*); fi ;;
 esac
