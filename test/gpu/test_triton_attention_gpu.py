@@ -154,6 +154,13 @@ def test_fp8_kv_cache(triton_backend_cls, heads, kv_heads, head_dim, mode):
     )
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_mixed_batch_with_leading_decode_rows(triton_backend_cls, kv_dtype):
+    """Decodes first (the decode kernel), then prefill chunks (the extend kernel)."""
+    spec = [(n - 1, 1) for n in (1, 17, 1000, 3000)] + [(0, 300), (2000, 512), (7, 1)]
+    compare(triton_backend_cls, spec, 32, 8, 128, ForwardMode.MIXED, kv_dtype=kv_dtype)
+
+
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_verify_bf16(triton_backend_cls, k):
     spec = [(int(p), k + 1) for p in torch.randint(1, 4000, (64,)).tolist()]

@@ -291,3 +291,26 @@ def test_q_as_a_strided_view_of_qkv(mode):
         got = tri.forward(q, k, v, LAYER, batch)
         want = tri.forward(q.contiguous(), k, v, LAYER, batch)
         torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, FP8])
+def test_mixed_batch_runs_leading_decode_rows_on_the_decode_kernel(kv_dtype):
+    # decodes first (as the scheduler orders them), then prefill chunks, then a
+    # one-token row after an extend row (it stays with the extend kernel)
+    decodes = [(n - 1, 1) for n in (1, PS, 2 * PS + 3, 45)]
+    spec = decodes + [(0, 9), (6, 20), (3, 1)]
+    kw = dict(num_kv_splits=4, decode_block_n=16, extend_block_m=16, extend_block_n=16)
+    out, expect, tb = run_both(spec, 8, 2, 64, ForwardMode.MIXED, kv_dtype=kv_dtype, **kw)
+    meta = tb.attn_meta
+    assert meta.num_decode == 4 and not meta.is_decode and meta.max_q_len == 20
+    torch.testing.assert_close(out, expect, **TOL)
+    assert meta.scratch is not None and meta.scratch.num_kv_splits == 4
+
+
+def test_leading_single_token_rows():
+    from gyrfalcon.layers.attention.triton_backend import leading_single_token_rows
+
+    assert leading_single_token_rows([1, 1, 5, 1]) == 2
+    assert leading_single_token_rows([3, 1]) == 0
+    assert leading_single_token_rows([1, 1]) == 2
+    assert leading_single_token_rows([]) == 0

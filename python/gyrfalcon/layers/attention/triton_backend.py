@@ -1,10 +1,12 @@
 """Triton attention backend: paged split-KV decode and paged causal extend kernels.
 
-An all-decode batch (every row has one new token) runs the split-KV decode
-kernel; any other batch runs the extend kernel for all its rows (a decode row
-is an extend row with q_len 1). Everything that needs host values (max_q_len,
-whether the batch is all-decode) is computed once per step in build_metadata,
-so `forward` launches kernels without host syncs.
+The leading rows with one new token (the scheduler puts decodes first) run the
+split-KV decode kernel; the rows after them run the extend kernel. A mixed
+batch of decodes and prefill chunks thus reads each decode row's KV once per KV
+head (the extend kernel would read it once per query head, without splits).
+Everything that needs host values (max_q_len, how many rows lead with one token)
+is computed once per step in build_metadata, so `forward` launches kernels
+without host syncs.
 
 The decode kernel splits each row's KV into `decode_kv_splits(bs, ...)` parts
 (unless fixed in the constructor): enough (batch x KV head x split) programs to
@@ -35,9 +37,13 @@ class TritonMeta:
     seq_lens: torch.Tensor  # [bs] int32, KV length of each row after this step (>= 1)
     q_starts: torch.Tensor  # [bs] int32, offset of each row's first new token in [T]
     q_lens: torch.Tensor  # [bs] int32, new tokens of each row (>= 1)
-    max_q_len: int  # host value: sets the extend grid
-    is_decode: bool  # every row has exactly one new token (T == bs)
-    scratch: DecodeScratch | None  # decode partials, rows [0, bs) used; None unless is_decode
+    max_q_len: int  # host value: the longest extend row (rows >= num_decode); sets its grid
+    num_decode: int  # host value: leading rows with one new token (tokens [0, num_decode))
+    scratch: DecodeScratch | None  # decode partials, rows [0, num_decode) used
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_decode == self.page_table.shape[0]
 
 
 # NOTE: measured on nvidia-h200 (benchmarks/bench_attention.py, context 1024): about
@@ -58,6 +64,14 @@ def decode_kv_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
     ):
         splits *= 2
     return splits
+
+
+def leading_single_token_rows(q_lens: list[int]) -> int:
+    """How many rows at the start of the batch have exactly one new token."""
+    n = 0
+    while n < len(q_lens) and q_lens[n] == 1:
+        n += 1
+    return n
 
 
 def num_sms(device: torch.device) -> int:
@@ -152,17 +166,16 @@ class TritonBackend(AttentionBackend):
 
     def build_metadata(self, batch: ForwardBatch) -> TritonMeta:
         self._check(batch)
-        bs = batch.batch_size
-        is_decode = batch.num_tokens == bs  # with every q_len >= 1: all rows have one token
+        nd = leading_single_token_rows(batch.q_lens_cpu)
         device = batch.seq_lens.device
         return TritonMeta(
             page_table=batch.page_table.to(torch.int32),
             seq_lens=batch.seq_lens.to(torch.int32),
             q_starts=batch.q_starts.to(torch.int32),
             q_lens=batch.q_lens.to(torch.int32),
-            max_q_len=max(batch.q_lens_cpu),
-            is_decode=is_decode,
-            scratch=self._decode_scratch(bs, device) if is_decode else None,
+            max_q_len=max(batch.q_lens_cpu[nd:], default=1),
+            num_decode=nd,
+            scratch=self._decode_scratch(nd, device) if nd else None,
         )
 
     # ------------------------------------------------------------ CUDA graphs
@@ -202,7 +215,7 @@ class TritonBackend(AttentionBackend):
             q_starts=st.seq_lens[:0],  # unused by the decode kernel
             q_lens=st.seq_lens[:0],
             max_q_len=1,
-            is_decode=True,
+            num_decode=bs,
             scratch=st.scratch[self.kv_splits(bs, batch.seq_lens.device)],
         )
 
@@ -228,29 +241,30 @@ class TritonBackend(AttentionBackend):
         # NOTE: q may be a strided view of the qkv projection: the kernels take its
         # strides, so no copy
         out = q.new_empty(q.shape)  # [T, H, D], contiguous
-        if meta.is_decode:
-            assert meta.scratch is not None and meta.seq_lens.shape[0] == num_tokens
+        nd = meta.num_decode
+        if nd:
+            assert meta.scratch is not None
             decode_attention(
-                q,
+                q[:nd],
                 k_all,
                 v_all,
-                meta.page_table,
-                meta.seq_lens,
-                out,
+                meta.page_table[:nd],
+                meta.seq_lens[:nd],
+                out[:nd],
                 meta.scratch,
                 batch.page_size,
                 self.scale,
                 block_n=self.decode_block_n,
             )
-        else:
+        if nd < meta.page_table.shape[0]:  # NOTE: q_starts index the whole [T]
             extend_attention(
                 q,
                 k_all,
                 v_all,
-                meta.page_table,
-                meta.q_starts,
-                meta.q_lens,
-                meta.seq_lens,
+                meta.page_table[nd:],
+                meta.q_starts[nd:],
+                meta.q_lens[nd:],
+                meta.seq_lens[nd:],
                 out,
                 meta.max_q_len,
                 batch.page_size,
