@@ -6,6 +6,9 @@
 #           then SGLang's serving check (500 prompts, input U[1,4096], output U[1,2048],
 #           EOS ignored, all at once) and the KV accounting after it;
 #   sweep:  the same server, random 1024 in / 512 out at concurrency 1, 16, 64, 256.
+#   fi-cache: pack flashinfer's compiled kernels into $OUT/fi-cache.tgz.part* (15 MiB
+#           parts); put them back in .fi-cache/ here and send that folder along (carry)
+#           to skip flashinfer's JIT compile (minutes) on a fresh machine.
 #   SERVER_FLAGS adds server flags (e.g. "--kv-cache-dtype fp8_e4m3"); TAG suffixes the
 #   sglang/sweep output names (e.g. TAG=_fp8kv).
 set -uo pipefail
@@ -24,6 +27,9 @@ if [ ! -f /tmp/site/.installed ]; then
   touch /tmp/site/.installed
 fi
 export PYTHONPATH=$PWD/python:/tmp/site
+if [ -d .fi-cache ] && [ ! -d ~/.cache/flashinfer ]; then  # compiled kernels from an earlier machine
+  mkdir -p ~/.cache && cat .fi-cache/fi-cache.tgz.part* | tar xzf - -C ~/.cache && echo "flashinfer cache restored"
+fi
 export GYRFALCON_SMOLLM2_GGUF=${GYRFALCON_SMOLLM2_GGUF:-/tmp/SmolLM2-135M-Instruct.Q4_1.gguf}
 export GYRFALCON_CACHE=/tmp/gyr-cache
 start_server() {  # dummy 8B with a synthetic tokenizer; records the start-up time
@@ -62,6 +68,9 @@ case "${1:-tests}" in
         --ignore-eos --max-concurrency $C --seed 2
     done
     kill -TERM $SERVER; wait $SERVER; echo "server exit $?" ;;
+  fi-cache)
+    tar czf - -C ~/.cache flashinfer | split -b 15M - "$OUT/fi-cache.tgz.part"
+    ls -la "$OUT" ;;
   tests)
     nvidia-smi -L
     python3 -m pytest -m gpu test/gpu -q -p no:cacheprovider -rA --durations=10 \
