@@ -39,6 +39,14 @@ class TorchRefMeta:
     extends: list[ExtendRow]
 
 
+def gather(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cache[slots] converted to dtype; fp8 caches are indexed as bytes (index kernels
+    do not cover fp8 on every device)."""
+    if cache.element_size() == 1:
+        return cache.view(torch.uint8)[slots].view(cache.dtype).to(dtype)
+    return cache[slots].to(dtype)
+
+
 class TorchRefBackend(AttentionBackend):
     name = "torch_ref"
 
@@ -105,8 +113,8 @@ class TorchRefBackend(AttentionBackend):
         gqa = self.num_heads != self.num_kv_heads
         if meta.decode_tokens.numel() > 0:
             qd = q[meta.decode_tokens][:, :, None, :]  # [nd, H, 1, D]
-            kd = k_all[meta.decode_slots].transpose(1, 2).to(q.dtype)  # [nd, KVH, max_kv, D]
-            vd = v_all[meta.decode_slots].transpose(1, 2).to(q.dtype)
+            kd = gather(k_all, meta.decode_slots, q.dtype).transpose(1, 2)  # [nd, KVH, max_kv, D]
+            vd = gather(v_all, meta.decode_slots, q.dtype).transpose(1, 2)
             od = F.scaled_dot_product_attention(
                 qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=gqa
             )
@@ -114,8 +122,8 @@ class TorchRefBackend(AttentionBackend):
         for ext in meta.extends:
             sl = slice(ext.token_start, ext.token_start + ext.num_new)
             qe = q[sl].transpose(0, 1)[None]  # [1, H, n, D]
-            ke = k_all[ext.slots].transpose(0, 1)[None].to(q.dtype)  # [1, KVH, L, D]
-            ve = v_all[ext.slots].transpose(0, 1)[None].to(q.dtype)
+            ke = gather(k_all, ext.slots, q.dtype).transpose(0, 1)[None]  # [1, KVH, L, D]
+            ve = gather(v_all, ext.slots, q.dtype).transpose(0, 1)[None]
             oe = F.scaled_dot_product_attention(
                 qe,
                 ke,
