@@ -83,3 +83,35 @@ def test_linear_layers_route_decode_batches_and_replay_in_a_graph(gemv):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out[0], col(x[8:12])) and torch.equal(out[1], eager[1])
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("n", [960, 3072])
+def test_norm_folded_into_the_gemv(gemv, with_residual, n):
+    """SmolLM2's qkv / gate_up at batch 1: add+RMSNorm and the projection in one launch
+    equal the norm kernel then the skinny GEMM (up to the norm's reduction order)."""
+    from gyrfalcon.kernels.norm import fused_add_rmsnorm, rmsnorm
+
+    torch.manual_seed(n)
+    k, bf = 576, torch.bfloat16
+    h = (3 * torch.randn(1, k, device="cuda")).to(bf)
+    res = torch.randn(1, k, device="cuda").to(bf) if with_residual else None
+    gamma = (torch.rand(k, device="cuda") + 0.5).to(bf)
+    w = (torch.randn(n, k, device="cuda") / k**0.5).to(bf)
+    y, res_out = gemv.norm_skinny_linear(h, res, gamma, 1e-5, w)
+    if with_residual:
+        x, want_res = fused_add_rmsnorm(h.clone(), res.clone(), gamma, 1e-5)
+    else:
+        x, want_res = rmsnorm(h, gamma, 1e-5), h
+    assert torch.equal(res_out, want_res)
+    want = gemv.skinny_linear(x, w)
+    torch.testing.assert_close(y.float(), want.float(), atol=2e-2, rtol=2**-7)
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_y, g_res = gemv.norm_skinny_linear(h, res, gamma, 1e-5, w)
+    h.copy_((3 * torch.randn(1, k, device="cuda")).to(bf))
+    graph.replay()
+    torch.cuda.synchronize()
+    e_y, e_res = gemv.norm_skinny_linear(h, res, gamma, 1e-5, w)
+    assert torch.equal(g_y, e_y) and torch.equal(g_res, e_res)

@@ -242,3 +242,83 @@ def skinny_linear(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
+
+
+# Widest input row `norm_skinny_linear` takes: the whole row is one K step in registers.
+NORM_FUSED_MAX_K = 1024
+
+
+@triton.jit
+def _norm_gemv_kernel(
+    h_ptr,  # [K] the layer input (the residual stream's next delta)
+    res_ptr,  # [K] the residual (read when HAS_RES)
+    gamma_ptr,  # [K] the RMSNorm weight
+    w_ptr,  # [N, K] contiguous
+    y_ptr,  # [N]
+    res_out_ptr,  # [K] h + residual (written by program 0 when HAS_RES)
+    N,
+    K,
+    eps,
+    HAS_RES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_mask = offs_k < K
+    dtype = h_ptr.dtype.element_ty
+    # every program normalizes the (short) row itself, with the norm kernel's roundings
+    x = tl.load(h_ptr + offs_k, mask=k_mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(res_ptr + offs_k, mask=k_mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        if pid == 0:  # NOTE: out of place: other programs still read h and residual
+            tl.store(res_out_ptr + offs_k, x, mask=k_mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
+    normed = (xf * rstd).to(dtype).to(tl.float32)
+    g = tl.load(gamma_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    a = (g * normed).to(dtype).to(tl.float32)  # the norm's output, as rmsnorm rounds it
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    w = tl.load(w_ptr + rows[:, None] * K + offs_k[None, :], mask=k_mask[None, :], other=0.0)
+    y = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+def norm_skinny_linear(
+    h: torch.Tensor,
+    residual: torch.Tensor | None,
+    gamma: torch.Tensor,
+    eps: float,
+    w: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(h + residual) @ w.T, h + residual) for ONE row, in one launch.
+
+    The launch that `fused_add_rmsnorm` (or `rmsnorm` when residual is None: the
+    residual is then h itself) would cost is saved: each program normalizes the row
+    (K <= NORM_FUSED_MAX_K) from registers with the norm kernel's roundings, then
+    multiplies its BLOCK_N weight rows. h, residual: [1, K]; gamma: [K]; w: [N, K]
+    contiguous, all one dtype. The new residual is a fresh tensor (program 0 writes it
+    while the others still read the inputs).
+    """
+    assert h.dim() == 2 and h.shape[0] == 1 and h.stride(-1) == 1, h.shape
+    k, n = h.shape[1], w.shape[0]
+    assert 1 <= k <= NORM_FUSED_MAX_K and w.shape == (n, k) and w.is_contiguous(), (
+        h.shape,
+        w.shape,
+    )
+    assert gamma.shape == (k,) and gamma.is_contiguous() and gamma.dtype == h.dtype == w.dtype
+    if residual is not None:
+        assert residual.shape == h.shape and residual.stride(-1) == 1
+        assert residual.dtype == h.dtype
+    res_out = h if residual is None else torch.empty_like(h)
+    y = torch.empty((1, n), dtype=h.dtype, device=h.device)
+    cfg = gemv_config(1, n, k, _num_sms(h.device))
+    assert cfg.block_k >= k  # one K step (gemv_config: block_k = next_pow2(k) <= 1024)
+    _norm_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        h, h if residual is None else residual, gamma, w, y, res_out, n, k, eps,
+        HAS_RES=residual is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+    )  # fmt: skip
+    return y, res_out

@@ -47,3 +47,13 @@ def use_skinny_gemm(x: torch.Tensor) -> bool:
     from gyrfalcon.kernels.gemv import MAX_SKINNY_M
 
     return 1 <= x.shape[0] <= MAX_SKINNY_M
+
+
+def use_norm_skinny_gemm(x: torch.Tensor) -> bool:
+    """Whether add+RMSNorm folds into the next skinny GEMM: one row (batch-1 decode)
+    of at most NORM_FUSED_MAX_K elements (small models, where launches dominate)."""
+    if not use_skinny_gemm(x) or x.shape[0] != 1:
+        return False
+    from gyrfalcon.kernels.gemv import NORM_FUSED_MAX_K
+
+    return x.shape[1] <= NORM_FUSED_MAX_K

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from gyrfalcon.layers.activation import silu_and_mul
-from gyrfalcon.layers.dispatch import use_skinny_gemm
+from gyrfalcon.layers.dispatch import use_norm_skinny_gemm, use_skinny_gemm
+from gyrfalcon.layers.norm import RMSNorm
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -68,6 +69,21 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+    def forward_normed(
+        self, h: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward(norm(h + residual)), h + residual); residual None means h alone is
+        normalized and is the residual. One launch for a batch-1 decode row of a small
+        model on CUDA (`norm_skinny_linear`); the norm, then forward, otherwise."""
+        if self.bias is None and use_norm_skinny_gemm(h):
+            from gyrfalcon.kernels.gemv import norm_skinny_linear
+
+            return norm_skinny_linear(h, residual, norm.weight, norm.eps, self.weight)
+        if residual is None:
+            return self(norm(h)), h
+        x, residual = norm.add_and_norm(h, residual)
+        return self(x), residual
 
 
 class RowParallelLinear(nn.Module):

@@ -42,10 +42,10 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch
+        self, positions: torch.Tensor, qkv: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
-        # x: [T, hidden]
-        qkv = self.qkv_proj(x)
+        """Attention from the qkv projection (the decoder layer runs qkv_proj, with the
+        input norm folded in where it pays): [T, q + 2 kv] -> [T, hidden]."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -64,6 +64,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    """The gated MLP's projections; the decoder layer runs them (gate_up with the
+    post-attention norm folded in where it pays, down with SiLU-and-mul)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         size = cfg.intermediate_size
@@ -71,9 +74,6 @@ class LlamaMLP(nn.Module):
             cfg.hidden_size, [size, size], shard_ids=["gate", "up"]
         )
         self.down_proj = RowParallelLinear(size, cfg.hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward_silu_mul(self.gate_up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -94,15 +94,16 @@ class LlamaDecoderLayer(nn.Module):
         """(this layer's output delta, residual stream); the next layer adds them.
 
         NOTE: x + residual is the same float sum as HF's residual + x, so float32
-        output still matches HF exactly on CPU; on CUDA add+norm is one kernel.
+        output still matches HF exactly on CPU; on CUDA add+norm is one kernel, folded
+        into the next projection for a batch-1 row of a small model (forward_normed).
         """
-        if residual is None:
-            residual, x = h, self.input_layernorm(h)
-        else:
-            x, residual = self.input_layernorm.add_and_norm(h, residual)
-        x = self.self_attn(positions, x, batch)
-        x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
-        return self.mlp(x), residual
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = attn.qkv_proj.forward_normed(h, residual, self.input_layernorm)
+        x = attn(positions, qkv, batch)
+        gate_up, residual = mlp.gate_up_proj.forward_normed(
+            x, residual, self.post_attention_layernorm
+        )
+        return mlp.down_proj.forward_silu_mul(gate_up), residual
 
 
 class LlamaForCausalLM(nn.Module):

@@ -13,10 +13,13 @@ import torch.nn.functional as F  # noqa: E402
 
 from gyrfalcon.kernels.gemv import (  # noqa: E402
     MAX_SKINNY_M,
+    NORM_FUSED_MAX_K,
     GemvConfig,
     gemv_config,
+    norm_skinny_linear,
     skinny_linear,
 )
+from gyrfalcon.kernels.norm import fused_add_rmsnorm, rmsnorm  # noqa: E402
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 # NOTE: triton's interpreter truncates float32 -> bfloat16 where the GPU rounds to
@@ -178,3 +181,43 @@ def test_default_config_fused(M):
     x, w = torch.randn(M, 2 * 300), torch.randn(70, 300)
     out = skinny_linear(x, w, act_silu_mul=True)
     torch.testing.assert_close(out, ref_silu_mul(x) @ w.T, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("n,k", [(40, 72), (97, 576), (3, NORM_FUSED_MAX_K)])
+def test_norm_folded_into_the_gemv_equals_norm_then_gemv(dtype, with_residual, n, k):
+    """One launch gives what the norm kernel followed by skinny_linear gives."""
+    torch.manual_seed(n + k)
+    h = (3 * torch.randn(1, k)).to(dtype)
+    res = torch.randn(1, k).to(dtype) if with_residual else None
+    gamma = (torch.rand(k) + 0.5).to(dtype)
+    w = (torch.randn(n, k) / k**0.5).to(dtype)
+    h0, res0 = h.clone(), None if res is None else res.clone()
+    y, res_out = norm_skinny_linear(h, res, gamma, 1e-5, w)
+    assert torch.equal(h, h0) and (res is None or torch.equal(res, res0))  # inputs intact
+    if with_residual:
+        x, want_res = fused_add_rmsnorm(h.clone(), res.clone(), gamma, 1e-5)
+        assert res_out.data_ptr() != res.data_ptr()
+    else:
+        x, want_res = rmsnorm(h, gamma, 1e-5), h
+        assert res_out is h  # the residual stream starts at h itself
+    assert torch.equal(res_out, want_res)
+    want = skinny_linear(x, w, config=FMA)
+    assert y.shape == (1, n) and y.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, want, **TOL)
+    else:
+        assert_bf16_close(y, want)
+    # and the norm really happened: not the product of the raw row
+    raw = skinny_linear(h if res is None else (h + res), w, config=FMA)
+    assert (y.float() - raw.float()).abs().max() > 10 * BF16_REL
+
+
+def test_norm_skinny_linear_rejects_rows_it_cannot_fold():
+    w = torch.randn(8, 16)
+    with pytest.raises(AssertionError):
+        norm_skinny_linear(torch.randn(2, 16), None, torch.ones(16), 1e-5, w)  # two rows
+    with pytest.raises(AssertionError):
+        big = NORM_FUSED_MAX_K + 1
+        norm_skinny_linear(torch.randn(1, big), None, torch.ones(big), 1e-5, torch.randn(8, big))
