@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gyrfalcon.kernels.device import num_sms
+
 # Largest row count `skinny_linear` accepts; larger decode batches go to cuBLAS.
 MAX_SKINNY_M = 16
 # Largest M at which act_silu_mul (fused down projection) beat silu_and_mul followed
@@ -103,13 +105,6 @@ def gemv_config(m: int, n: int, k: int, num_sms: int, *, act_silu_mul: bool = Fa
         return GemvConfig(32, block_k, num_warps=8, num_stages=4, use_dot=True)
     block_k = max(_DOT_MIN, min(triton.next_power_of_2(k), 128))
     return GemvConfig(64, block_k, num_warps=4, num_stages=6, use_dot=True)
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8  # the interpreter: a few large programs run fastest
 
 
 @triton.jit
@@ -229,7 +224,7 @@ def skinny_linear(
         return out.zero_()
     cfg = config
     if cfg is None:
-        cfg = gemv_config(m, n, k, _num_sms(x.device), act_silu_mul=act_silu_mul)
+        cfg = gemv_config(m, n, k, num_sms(x.device), act_silu_mul=act_silu_mul)
     # NOTE: triton's interpreter (CPU tensors) multiplies bfloat16 dot operands as
     # their raw uint16 bits, so off the GPU the tensor-core path upcasts them to
     # float32 first (bf16 x bf16 products are exact in float32 either way).
@@ -314,7 +309,7 @@ def norm_skinny_linear(
         assert residual.dtype == h.dtype
     res_out = h if residual is None else torch.empty_like(h)
     y = torch.empty((1, n), dtype=h.dtype, device=h.device)
-    cfg = gemv_config(1, n, k, _num_sms(h.device))
+    cfg = gemv_config(1, n, k, num_sms(h.device))
     assert cfg.block_k >= k  # one K step (gemv_config: block_k = next_pow2(k) <= 1024)
     _norm_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         h, h if residual is None else residual, gamma, w, y, res_out, n, k, eps,

@@ -27,6 +27,7 @@ import torch
 
 from gyrfalcon.kernels.attention_decode import DecodeScratch, alloc_decode_scratch, decode_attention
 from gyrfalcon.kernels.attention_extend import extend_attention
+from gyrfalcon.kernels.device import num_sms
 from gyrfalcon.layers.attention.base import AttentionBackend
 from gyrfalcon.worker.forward_batch import ForwardBatch
 
@@ -74,13 +75,6 @@ def leading_single_token_rows(q_lens: list[int]) -> int:
     return n
 
 
-def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; a nominal 8 elsewhere (interpreter)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8
-
-
 @dataclass
 class _StaticDecode:
     """CUDA-graph buffers: rows [0, max_bs) of the decode metadata."""
@@ -116,14 +110,11 @@ class TritonBackend(AttentionBackend):
         self.extend_block_m, self.extend_block_n = extend_block_m, extend_block_n
         self._scratch: dict[int, DecodeScratch] = {}  # eager, by split count, grown on demand
         self._static: _StaticDecode | None = None
-        self._num_sms: int | None = None
 
     def kv_splits(self, bs: int, device: torch.device) -> int:
         if self.num_kv_splits is not None:
             return self.num_kv_splits
-        if self._num_sms is None:
-            self._num_sms = num_sms(device)
-        return decode_kv_splits(bs, self.num_kv_heads, self._num_sms)
+        return decode_kv_splits(bs, self.num_kv_heads, num_sms(device))
 
     # ------------------------------------------------------------ metadata
 
