@@ -56,7 +56,7 @@ class LlamaAttention(nn.Module):
             cache, layer = batch.kv_cache, self.layer_id
             loc = batch.out_cache_loc
             self.rotary.forward_and_store(positions, q, k, v, cache.k[layer], cache.v[layer], loc)
-            out = batch.attn_backend.forward(q, k, v, layer, batch, kv_written=True)
+            out = batch.attn_backend.attend(q, layer, batch)
         else:
             q, k = self.rotary(positions, q, k)
             out = batch.attn_backend.forward(q, k, v, self.layer_id, batch)

@@ -29,7 +29,6 @@ class AttentionBackend(ABC):
     def build_metadata(self, batch: ForwardBatch) -> Any:
         """Compute this step's attention metadata from the batch (once per step)."""
 
-    @abstractmethod
     def forward(
         self,
         q: torch.Tensor,
@@ -37,13 +36,20 @@ class AttentionBackend(ABC):
         v: torch.Tensor,
         layer: int,
         batch: ForwardBatch,
-        kv_written: bool = False,
     ) -> torch.Tensor:
-        """Write k, v of the new tokens into the cache (unless the caller already did,
-        kv_written) and attend.
+        """Write k, v of the new tokens into the cache and attend (a caller that wrote
+        them itself, e.g. fused with rotary, calls `attend`).
 
         q: [T, H, D]; k, v: [T, KVH, D] -> [T, H * D]
         """
+        assert k.shape == v.shape == (q.shape[0], self.num_kv_heads, self.head_dim), k.shape
+        batch.kv_cache.write(layer, batch.out_cache_loc, k, v)
+        return self.attend(q, layer, batch)
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
+        """Attention of q [T, H, D] over the layer's cache, the new tokens' K/V already
+        in it -> [T, H * D]."""
 
     def capture_buffers(self, max_bs: int, max_pages: int, device: torch.device) -> None:
         """Allocate static decode metadata for batches up to max_bs rows."""

@@ -184,19 +184,9 @@ class FlashInferBackend(AttentionBackend):
 
     # ------------------------------------------------------------ forward
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: int,
-        batch: ForwardBatch,
-        kv_written: bool = False,
-    ) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
         meta: FlashInferMeta = batch.attn_meta
         cache = batch.kv_cache
-        if not kv_written:
-            cache.write(layer, batch.out_cache_loc, k, v)
         ps = batch.page_size
         shape = (-1, ps, self.num_kv_heads, self.head_dim)
         kv = (cache.k[layer].view(shape), cache.v[layer].view(shape))

@@ -95,19 +95,9 @@ class TorchRefBackend(AttentionBackend):
             extends=extends,
         )
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: int,
-        batch: ForwardBatch,
-        kv_written: bool = False,
-    ) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
         meta: TorchRefMeta = batch.attn_meta
         cache = batch.kv_cache
-        if not kv_written:
-            cache.write(layer, batch.out_cache_loc, k, v)
         k_all, v_all = cache.k[layer], cache.v[layer]  # [slots, KVH, D]
         out = torch.empty_like(q)  # [T, H, D]
         gqa = self.num_heads != self.num_kv_heads

@@ -212,22 +212,11 @@ class TritonBackend(AttentionBackend):
 
     # ------------------------------------------------------------ forward
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: int,
-        batch: ForwardBatch,
-        kv_written: bool = False,
-    ) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
         meta: TritonMeta = batch.attn_meta
         num_tokens = q.shape[0]
         assert q.shape == (num_tokens, self.num_heads, self.head_dim), q.shape
-        assert k.shape == v.shape == (num_tokens, self.num_kv_heads, self.head_dim), k.shape
         cache = batch.kv_cache
-        if not kv_written:
-            cache.write(layer, batch.out_cache_loc, k, v)
         k_all, v_all = cache.k[layer], cache.v[layer]  # [slots, KVH, D]
         # NOTE: q may be a strided view of the qkv projection: the kernels take its
         # strides, so no copy
