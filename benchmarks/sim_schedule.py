@@ -53,8 +53,7 @@ def main() -> None:
         chunked_prefill_size=8192,
         eos_token_ids=(),
         max_inflight=1,
-        reserve_init=min(1.0, 0.7 * a.conservativeness),
-        reserve_floor=min(1.0, 0.1 * a.conservativeness),
+        conservativeness=a.conservativeness,
     )
     s = Scheduler(cfg)
     for i, (n_in, n_out) in enumerate(zip(ins, outs, strict=True)):

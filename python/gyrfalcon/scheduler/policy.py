@@ -111,12 +111,17 @@ class ReserveRatio:
     init: float = 0.7
     floor: float = 0.1
     decay: float = 0.001
-    value: float = -1.0
+    value: float = field(init=False)
 
     def __post_init__(self) -> None:
         assert 0.0 <= self.floor <= self.init, "need 0 <= floor <= init"
-        if self.value < 0:
-            self.value = self.init
+        self.value = self.init
+
+    @classmethod
+    def scaled(cls, conservativeness: float) -> ReserveRatio:
+        """The default ratios times `--schedule-conservativeness` (0: no reserve)."""
+        assert conservativeness >= 0, conservativeness
+        return cls(min(1.0, cls.init * conservativeness), min(1.0, cls.floor * conservativeness))
 
     def update(self, decision: Decision) -> None:
         if decision.preempted:
@@ -191,10 +196,10 @@ def schedule(
         # long prompt cannot grab pages chunk by chunk and starve the running set.
         if pages_needed(0, req.num_tokens, ps) > alloc.num_free:
             break
-        need = reserve + reserved_tokens(req, reserve_ratio)
-        if running and pages_needed(0, req.num_tokens + need, ps) > alloc.num_free:
+        own = reserved_tokens(req, reserve_ratio)
+        if running and pages_needed(0, req.num_tokens + reserve + own, ps) > alloc.num_free:
             break  # NOTE: with nothing running the prompt alone decides (progress)
-        reserve += reserved_tokens(req, reserve_ratio)
+        reserve += own
         waiting.popleft()
         req.status = Status.RUNNING
         running.append(req)

@@ -45,8 +45,7 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...]
     check_invariants: bool = False
     max_inflight: int = 1  # plans out at once; 2 overlaps planning with execution
-    reserve_init: float = 0.7  # admission reserve ratio (policy.ReserveRatio)
-    reserve_floor: float = 0.1
+    conservativeness: float = 1.0  # scales the admission reserve (ReserveRatio.scaled)
 
     @classmethod
     def from_args(
@@ -71,8 +70,7 @@ class SchedulerConfig:
             eos_token_ids=eos_token_ids,
             check_invariants=check,
             max_inflight=1 if args.disable_overlap_schedule else 2,
-            reserve_init=min(1.0, 0.7 * args.schedule_conservativeness),
-            reserve_floor=min(1.0, 0.1 * args.schedule_conservativeness),
+            conservativeness=args.schedule_conservativeness,
         )
 
 
@@ -94,7 +92,7 @@ class Scheduler:
             cfg.page_size,
             cfg.max_model_len,
         )
-        self.reserve = ReserveRatio(cfg.reserve_init, min(cfg.reserve_floor, cfg.reserve_init))
+        self.reserve = ReserveRatio.scaled(cfg.conservativeness)
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()

@@ -60,8 +60,10 @@ class SimWorker:
         return self.queue.pop(0)
 
 
-def run(requests, inflight, num_pages=64, max_model_len=64, reserve=(0.7, 0.1)):
-    cfg = SchedulerConfig(num_pages, 4, max_model_len, 8, 32, 8, (EOS,), True, inflight, *reserve)
+def run(requests, inflight, num_pages=64, max_model_len=64, conservativeness=1.0):
+    cfg = SchedulerConfig(
+        num_pages, 4, max_model_len, 8, 32, 8, (EOS,), True, inflight, conservativeness
+    )
     s = Scheduler(cfg)
     for rid, prompt, sp in requests:
         s.add_request(GenerateRequest(rid, prompt, sp))
@@ -136,7 +138,7 @@ def test_preemption_with_tokens_in_flight(inflight):
         for i in range(4)
     ]
     # no admission reserve: all four start, and decodes outgrow the cache
-    got, reasons, w, _ = run(reqs, inflight, num_pages=10, reserve=(0.0, 0.0))
+    got, reasons, w, _ = run(reqs, inflight, num_pages=10, conservativeness=0.0)
     ref, _, w_ref, _ = run(reqs, 1, num_pages=64)
     assert w.resets > 0 and w_ref.resets == 0
     assert got == ref and set(reasons.values()) == {"length"}
@@ -148,7 +150,7 @@ def test_admission_reserve_avoids_recomputing_preempted_requests(inflight):
     reqs = [
         (f"r{i}", [1 + i] * 6, SamplingParams(max_tokens=18, ignore_eos=True)) for i in range(8)
     ]
-    greedy, _, w_greedy, _ = run(reqs, inflight, num_pages=16, reserve=(0.0, 0.0))
+    greedy, _, w_greedy, _ = run(reqs, inflight, num_pages=16, conservativeness=0.0)
     reserved, reasons, w_reserved, _ = run(reqs, inflight, num_pages=16)
     assert reserved == greedy and set(reasons.values()) == {"length"}
     assert w_greedy.resets > 0  # without the reserve, prompts are computed again
