@@ -131,6 +131,23 @@ def test_decode_bf16(triton_backend_cls, heads, kv_heads, head_dim, bs, splits):
     )
 
 
+def test_split_merge_is_deterministic_across_launches(triton_backend_cls):
+    """The last program of each (row, KV head) merges the splits that other SMs
+    wrote: if it ever read a partial before its writer had stored it, some launch
+    would differ. 200 launches (a full grid of 64 x 8 x 16 programs) must give the
+    same bits, and every count is back to 0 after them."""
+    tri = triton_backend_cls(32, 8, 128, 128**-0.5, num_kv_splits=16)
+    gen = torch.Generator().manual_seed(3)
+    spec = [(n - 1, 1) for n in torch.randint(64, 4097, (64,), generator=gen).tolist()]
+    cache, rows = make_case(spec, 8, 128, seed=3)
+    tb = make_batch(rows, cache, tri, ForwardMode.DECODE)
+    q = torch.randn(64, 32, 128, device="cuda", dtype=torch.bfloat16)
+    first = tri.attend(q, LAYER, tb).clone()
+    for _ in range(200):
+        assert torch.equal(tri.attend(q, LAYER, tb), first)
+    assert not tb.attn_meta.scratch.counts.any()
+
+
 @pytest.mark.parametrize("heads,kv_heads,head_dim", GEOMETRIES)
 def test_extend_mixed_bf16(triton_backend_cls, heads, kv_heads, head_dim):
     # fresh prefills, chunks after long cached prefixes, verify rows, decodes

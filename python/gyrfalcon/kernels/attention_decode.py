@@ -1,11 +1,14 @@
 """Paged decode attention (one query token per row) with split-KV (flash-decoding).
 
-Stage 1 runs one program per (row, KV head, KV split). The program handles every
+One launch, one program per (row, KV head, KV split). The program handles every
 query head that shares the KV head (GQA group, padded to BLOCK_H >= 16 so that
 `tl.dot` applies), walks the split's KV positions through the page table, and
 writes a partial output normalized by its own softmax sum plus the log-sum-exp
-of the split. Stage 2 runs one program per (row, query head) and merges the
-splits with weights exp(lse_split - max lse).
+of the split. The program that finishes a (row, KV head) last (an atomic count
+per pair says which) then merges the splits with weights exp(lse_split - max
+lse) and writes the output: no second launch (a separate merge kernel cost ~1.7
+us a layer at batch 1 on an H100, launch-bound). With one split the partial is
+the output and goes straight to it.
 
 The grid is (bs, KVH, num_kv_splits) whatever the sequence lengths are: each
 program derives its key range from seq_lens on the device, so a CUDA graph
@@ -28,10 +31,14 @@ LOG2E = 1.4426950408889634
 
 @dataclass
 class DecodeScratch:
-    """Caller-owned partials of stage 1, reusable across layers and steps."""
+    """Caller-owned split partials, reusable across layers and steps (launches on one
+    stream: each launch merges its partials before it ends)."""
 
     mid_o: torch.Tensor  # [max_bs, H, num_kv_splits, D] float32
     mid_lse: torch.Tensor  # [max_bs, H, num_kv_splits] float32 (base-2 log-sum-exp)
+    # [max_bs, H] int32, zero between launches: splits finished per (row, KV head)
+    # (columns [0, KVH) used); the last program of a pair sets it back to 0
+    counts: torch.Tensor
 
     @property
     def num_kv_splits(self) -> int:
@@ -48,6 +55,7 @@ def alloc_decode_scratch(
             (max_bs, num_heads, num_kv_splits, head_dim), dtype=torch.float32, device=device
         ),
         mid_lse=torch.empty((max_bs, num_heads, num_kv_splits), dtype=torch.float32, device=device),
+        counts=torch.zeros((max_bs, num_heads), dtype=torch.int32, device=device),
     )
 
 
@@ -65,6 +73,8 @@ def _decode_split_kernel(
     seq_lens_ptr,
     mid_o_ptr,
     mid_lse_ptr,
+    count_ptr,  # [max_bs, >= KVH] int32 zeros: finished splits per (row, KV head)
+    o_ptr,
     qk_scale,  # softmax scale * log2(e)
     stride_qb,
     stride_qh,
@@ -78,6 +88,9 @@ def _decode_split_kernel(
     stride_mos,
     stride_mlb,
     stride_mlh,
+    stride_cb,
+    stride_ob,
+    stride_oh,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -85,6 +98,7 @@ def _decode_split_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -132,7 +146,7 @@ def _decode_split_kernel(
         m_i = m_new
 
     # NOTE: an empty split (start >= end) stores lse = -inf and a zero output;
-    # stage 2 gives it weight 0 and never reads its output.
+    # the merge gives it weight 0 and never reads its output.
     nonempty = l_i > 0.0
     out = tl.where(nonempty[:, None], acc / tl.where(nonempty, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
@@ -143,51 +157,79 @@ def _decode_split_kernel(
         + split * stride_mos
         + offs_d[None, :]
     )
+    hd_mask = mask_h[:, None] & mask_d[None, :]
     # NOTE: with one split mid_o is the output itself (see decode_attention)
-    tl.store(mo_ptrs, out.to(mid_o_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
-    tl.store(mid_lse_ptr + row * stride_mlb + heads * stride_mlh + split, lse, mask=mask_h)
+    tl.store(mo_ptrs, out.to(mid_o_ptr.dtype.element_ty), mask=hd_mask)
+    if NUM_SPLITS > 1:
+        tl.store(mid_lse_ptr + row * stride_mlb + heads * stride_mlh + split, lse, mask=mask_h)
+        # Every thread's partial must be stored before the count says so: a CTA
+        # barrier, then a release (acq_rel, GPU scope) increment by one thread.
+        tl.debug_barrier()
+        count = count_ptr + row * stride_cb + kvh
+        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+            tl.store(count, 0)  # the others are done: ready for the next launch
+            _merge_splits(
+                mid_o_ptr + row * stride_mob,
+                mid_lse_ptr + row * stride_mlb,
+                o_ptr + row * stride_ob,
+                heads,
+                mask_h,
+                mask_d,
+                stride_moh,
+                stride_mos,
+                stride_mlh,
+                stride_oh,
+                NUM_SPLITS,
+                BLOCK_S,
+                BLOCK_D,
+            )
 
 
 @triton.jit
-def _decode_reduce_kernel(
-    mid_o_ptr,
-    mid_lse_ptr,
-    o_ptr,
-    stride_mob,
+def _merge_splits(
+    mid_o_row,  # this row's partial outputs
+    mid_lse_row,  # this row's partial log-sum-exps
+    o_row,  # this row's output
+    heads,  # [BLOCK_H] query heads of the KV head
+    mask_h,  # [BLOCK_H] heads < GROUP
+    mask_d,  # [BLOCK_D] dims < HEAD_DIM
     stride_moh,
     stride_mos,
-    stride_mlb,
     stride_mlh,
-    stride_ob,
     stride_oh,
-    HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    head = tl.program_id(1)
+    """o = sum_s w_s * part_s / sum_s w_s with w_s = exp2(lse_s - max lse).
+
+    NOTE: the partials were written by other programs (other SMs): loads go through
+    L2 (.cg), never a possibly stale L1 line."""
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
-    lse_ptrs = mid_lse_ptr + row * stride_mlb + head * stride_mlh + offs_s
-    lse = tl.load(lse_ptrs, mask=offs_s < NUM_SPLITS, other=float("-inf"))  # [BLOCK_S]
-    valid = lse > float("-inf")
-    m = tl.max(lse, 0)
+    hd_mask = mask_h[:, None] & mask_d[None, :]
+    lse_ptrs = mid_lse_row + heads[:, None] * stride_mlh + offs_s[None, :]
+    lse = tl.load(
+        lse_ptrs,
+        mask=mask_h[:, None] & (offs_s[None, :] < NUM_SPLITS),
+        other=float("-inf"),
+        cache_modifier=".cg",
+    )  # [BLOCK_H, BLOCK_S]
+    m = tl.max(lse, 1)
     m = tl.where(m > float("-inf"), m, 0.0)  # guard exp2(-inf - -inf) = NaN
-    w = tl.where(valid, tl.exp2(lse - m), 0.0)  # [BLOCK_S]
-    mo_ptrs = (
-        mid_o_ptr
-        + row * stride_mob
-        + head * stride_moh
-        + offs_s[:, None] * stride_mos
-        + offs_d[None, :]
-    )
-    part = tl.load(mo_ptrs, mask=valid[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
-    denom = tl.sum(w, 0)
-    out = tl.sum(w[:, None] * part, 0) / tl.where(denom > 0.0, denom, 1.0)  # [BLOCK_D]
-    o_ptrs = o_ptr + row * stride_ob + head * stride_oh + offs_d
-    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=mask_d)
+    denom = tl.sum(tl.where(lse > float("-inf"), tl.exp2(lse - m[:, None]), 0.0), 1)
+    acc = tl.zeros(hd_mask.shape, dtype=tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        lse_s = tl.load(mid_lse_row + heads * stride_mlh + s, mask=mask_h, other=float("-inf"),
+                        cache_modifier=".cg")  # fmt: skip
+        valid = lse_s > float("-inf")
+        w = tl.where(valid, tl.exp2(lse_s - m), 0.0)  # [BLOCK_H]
+        part_ptrs = mid_o_row + heads[:, None] * stride_moh + s * stride_mos + offs_d[None, :]
+        part = tl.load(part_ptrs, mask=hd_mask & valid[:, None], other=0.0, cache_modifier=".cg")
+        acc += w[:, None] * part
+    out = acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
+    o_ptrs = o_row + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(o_row.dtype.element_ty), mask=hd_mask)
 
 
 def decode_attention(
@@ -221,6 +263,7 @@ def decode_attention(
         splits,
         head_dim,
     ), (scratch.mid_o.shape, q.shape)
+    assert scratch.counts.shape[0] >= bs and scratch.counts.shape[1] >= num_kv_heads
     assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1
     assert o.stride(2) == 1 and page_table.stride(1) == 1
     assert scratch.mid_o.stride(3) == 1 and scratch.mid_lse.stride(2) == 1
@@ -233,56 +276,19 @@ def decode_attention(
         block_n = 64 if block_d <= 128 else 32
     mid_o, mid_lse = scratch.mid_o, scratch.mid_lse
     # NOTE: one split needs no merge: its normalized output is final and goes straight
-    # to o (the same float ops as the merge with a single weight of 1), saving a launch
+    # to o (the same float ops as the merge with a single weight of 1)
     direct = splits == 1
     mo = o if direct else mid_o
     mo_strides = (o.stride(0), o.stride(1), 0) if direct else mid_o.stride()[:3]
     _decode_split_kernel[(bs, num_kv_heads, splits)](
-        q,
-        k_cache,
-        v_cache,
-        page_table,
-        seq_lens,
-        mo,
-        mid_lse,
+        q, k_cache, v_cache, page_table, seq_lens, mo, mid_lse, scratch.counts, o,
         scale * LOG2E,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        page_table.stride(0),
-        *mo_strides,
-        mid_lse.stride(0),
-        mid_lse.stride(1),
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        PAGE_SIZE=page_size,
-        NUM_SPLITS=splits,
-        BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=block_n,
-        BLOCK_D=block_d,
-        PRECISION=dot_precision(q.dtype),
-        num_warps=4,
-        num_stages=2,
-    )
-    if direct:
-        return
-    _decode_reduce_kernel[(bs, num_heads)](
-        mid_o,
-        mid_lse,
-        o,
-        mid_o.stride(0),
-        mid_o.stride(1),
-        mid_o.stride(2),
-        mid_lse.stride(0),
-        mid_lse.stride(1),
-        o.stride(0),
-        o.stride(1),
-        HEAD_DIM=head_dim,
-        NUM_SPLITS=splits,
-        BLOCK_S=triton.next_power_of_2(splits),
-        BLOCK_D=block_d,
-        num_warps=4,
-    )
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
+        *mo_strides, mid_lse.stride(0), mid_lse.stride(1),
+        scratch.counts.stride(0), o.stride(0), o.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, NUM_SPLITS=splits,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        BLOCK_S=triton.next_power_of_2(splits), PRECISION=dot_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )  # fmt: skip

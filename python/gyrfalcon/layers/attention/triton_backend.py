@@ -121,8 +121,8 @@ class TritonBackend(AttentionBackend):
     def _decode_scratch(self, bs: int, device: torch.device) -> DecodeScratch:
         """Eager-mode scratch with at least bs rows (reused across steps and layers).
 
-        NOTE: reuse is safe because every layer's stage 2 consumes the partials
-        before the next launch on the same stream overwrites them.
+        NOTE: reuse is safe because every layer's launch merges its partials before
+        the next launch on the same stream overwrites them.
         """
         splits = self.kv_splits(bs, device)
         s = self._scratch.get(splits)
