@@ -45,7 +45,7 @@ def kern():
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("TRITON_INTERPRET", raising=False)
         mods = {}
-        for name in ("norm", "rotary", "activation", "kv_store"):
+        for name in ("norm", "rotary", "activation", "kv_store", "argmax"):
             spec = importlib.util.find_spec(f"gyrfalcon.kernels.{name}")
             mod = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(mod)
@@ -229,3 +229,16 @@ def test_rotary_and_store_equals_rotary_then_store(kern, cache_dtype, T):
         assert torch.equal(g.float(), w.float()) and not g.float().isnan().any()
     if cache_dtype == torch.float8_e4m3fn:
         assert (got[2][loc, -1, -1].float() == -448.0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bs", [1, 3, 256])
+def test_argmax_rows_equals_torch(kern, dtype, bs):
+    """Greedy sampling's argmax over a Llama-3 vocabulary, with ties placed across
+    chunks (the smallest index wins) and a NaN row (NaN wins), as torch.argmax."""
+    vocab = 128256
+    x = torch.randn(bs, vocab, device="cuda").to(dtype)
+    x[0, [77_000, 5_000, 100_000]] = 50.0
+    if bs > 1:
+        x[1, [4097, 128255]] = float("nan")
+    assert torch.equal(kern.argmax.argmax_rows(x), x.argmax(dim=-1))

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gyrfalcon.ipc.messages import SamplingParams
+from gyrfalcon.layers.dispatch import use_fused
 from gyrfalcon.worker.host_copy import upload
 from gyrfalcon.worker.logprobs import SampleOutput, prompt_logprobs, to_position_logprobs
 from gyrfalcon.worker.penalties import (
@@ -244,6 +245,16 @@ def _truncate(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return scaled
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim of x [bs, vocab] -> [bs] int64 (the Triton kernel on
+    CUDA: torch's one-block-per-row reduce idles the GPU at small batches)."""
+    if use_fused(x):
+        from gyrfalcon.kernels.argmax import argmax_rows as triton_argmax_rows
+
+        return triton_argmax_rows(x)
+    return x.argmax(dim=-1)
+
+
 def _gumbel_argmax(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Sample one token per row from softmax(scaled) [bs, vocab] -> [bs] int64."""
     if batch.any_unseeded:
@@ -254,7 +265,7 @@ def _gumbel_argmax(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         # NOTE: a full row from the request's own generator; no host sync.
         noise[row].exponential_(generator=batch.generators[row])
     noise.clamp_min_(torch.finfo(torch.float32).tiny).log_()
-    return scaled.sub_(noise).argmax(dim=-1)  # argmax(p / E) == argmax(logit - log E)
+    return argmax_rows(scaled.sub_(noise))  # argmax(p / E) == argmax(logit - log E)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
@@ -276,12 +287,12 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
     raw = logits.float()  # [bs, vocab]; NOTE: may alias `logits`: read-only below
     penalized = apply_penalties(raw, batch)  # [bs, vocab] float32
     if batch.all_greedy:
-        token_ids = penalized.argmax(dim=-1)
+        token_ids = argmax_rows(penalized)
     else:
         scaled = _truncate(penalized / batch.temperatures[:, None], batch)  # new tensor
         token_ids = _gumbel_argmax(scaled, batch)
         if batch.any_greedy:
-            token_ids = torch.where(batch.greedy, penalized.argmax(dim=-1), token_ids)
+            token_ids = torch.where(batch.greedy, argmax_rows(penalized), token_ids)
     if batch.max_logprobs is None:
         return SampleOutput(token_ids, None, None, None)
     all_lp = torch.log_softmax(raw, dim=-1)  # [bs, vocab]
