@@ -46,7 +46,9 @@ def triton_backend_cls():
     pytest.importorskip("triton")
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("TRITON_INTERPRET", raising=False)
-        for name in ("attention_decode", "attention_extend", "kv_store"):
+        # NOTE: dependencies first (attention_decode imports kv_store's and rotary's jit
+        # functions at its import)
+        for name in ("kv_store", "rotary", "attention_decode", "attention_extend"):
             full = f"gyrfalcon.kernels.{name}"
             if importlib.util.find_spec(full) is None:
                 continue
@@ -129,6 +131,47 @@ def test_decode_bf16(triton_backend_cls, heads, kv_heads, head_dim, bs, splits):
         pad_rows=3,
         num_kv_splits=splits,
     )
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (9, 3, 64)])
+def test_decode_with_rope_in_the_kernel_equals_rotary_then_attend(
+    triton_backend_cls, kv_dtype, heads, kv_heads, head_dim
+):
+    """What the model runs for decode batches (RoPE and the K/V write inside the decode
+    kernel) gives the same bits as rotary_and_store followed by attend: outputs and
+    the cache slots written, bf16 and fp8 caches, with padded rows."""
+    from gyrfalcon.kernels.rotary import build_cos_sin_cache, rotary_and_store
+    from gyrfalcon.layers.rotary import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(4)
+    spec = [
+        (n - 1, 1) for n in [1, PS, PS + 1] + torch.randint(2, 4097, (20,), generator=gen).tolist()
+    ]
+    (cache, rows), (cache2, _) = (
+        make_case(spec, kv_heads, head_dim, 4, pad_rows=3, kv_dtype=kv_dtype) for _ in range(2)
+    )
+    cache2.k.copy_(cache.k)
+    cache2.v.copy_(cache.v)
+    tri = triton_backend_cls(heads, kv_heads, head_dim, head_dim**-0.5)
+    tb = make_batch(rows, cache, tri, ForwardMode.DECODE)
+    tb2 = make_batch(rows, cache2, tri, ForwardMode.DECODE)
+    T = len(rows)
+    qkv = (torch.randn(T, (heads + 2 * kv_heads) * head_dim, device="cuda") * 4).to(torch.bfloat16)
+    split = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    rope = RotaryEmbedding(head_dim, 500000.0, None, 8192).cuda()
+    cos_sin = build_cos_sin_cache(rope.inv_freq, 8192)
+    q, k, v = (t.view(T, -1, head_dim) for t in qkv.clone().split(split, dim=-1))
+    fused = tri.attend_rope(q, k, v, tb.positions, cos_sin, LAYER, tb)
+    q, k, v = (t.view(T, -1, head_dim) for t in qkv.clone().split(split, dim=-1))
+    rotary_and_store(
+        q, k, v, tb2.positions, cos_sin, cache2.k[LAYER], cache2.v[LAYER], tb2.out_cache_loc
+    )
+    n = len(spec)
+    assert torch.equal(fused[:n], tri.attend(q, LAYER, tb2)[:n])
+    slots = tb.out_cache_loc[:n]
+    for a, b in ((cache.k, cache2.k), (cache.v, cache2.v)):
+        assert torch.equal(a[LAYER][slots].float(), b[LAYER][slots].float())
 
 
 def test_split_merge_is_deterministic_across_launches(triton_backend_cls):

@@ -10,6 +10,11 @@ lse) and writes the output: no second launch (a separate merge kernel cost ~1.7
 us a layer at batch 1 on an H100, launch-bound). With one split the partial is
 the output and goes straight to it.
 
+With `rope`, the kernel also does what `rotary_and_store` would in a launch of its
+own: every program rotates its q heads in registers, and the program whose split
+holds the new token rotates its k and writes k and v into the cache before it
+reads its keys.
+
 The grid is (bs, KVH, num_kv_splits) whatever the sequence lengths are: each
 program derives its key range from seq_lens on the device, so a CUDA graph
 captured for a batch size replays correctly for any lengths.
@@ -25,6 +30,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from gyrfalcon.kernels.kv_store import to_cache
+from gyrfalcon.kernels.rotary import rotated_heads
 
 LOG2E = 1.4426950408889634
 
@@ -59,6 +67,18 @@ def alloc_decode_scratch(
     )
 
 
+@dataclass
+class DecodeRope:
+    """What `decode_attention` needs to apply RoPE and write the new K/V itself (the
+    launch `rotary_and_store` would cost): q is then the raw (unrotated) query."""
+
+    k: torch.Tensor  # [bs, KVH, D] the new tokens' k before RoPE (head dim contiguous)
+    v: torch.Tensor  # [bs, KVH, D]
+    positions: torch.Tensor  # [bs] int, the new tokens' positions (= seq_lens - 1)
+    cos_sin: torch.Tensor  # [max_pos, D] float32, `build_cos_sin_cache`
+    loc: torch.Tensor  # [bs] int, the new tokens' cache slots
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs get exact (IEEE) dots instead of tf32; 16-bit inputs ignore this."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -75,6 +95,11 @@ def _decode_split_kernel(
     mid_lse_ptr,
     count_ptr,  # [max_bs, >= KVH] int32 zeros: finished splits per (row, KV head)
     o_ptr,
+    k_new_ptr,  # [bs, KVH, D] the new tokens' k before RoPE (when ROPE)
+    v_new_ptr,  # [bs, KVH, D] their v (when ROPE)
+    pos_ptr,  # [bs] the new tokens' positions (when ROPE)
+    cos_sin_ptr,  # [max_pos, D] float32 cos | sin table (when ROPE)
+    loc_ptr,  # [bs] the new tokens' cache slots (when ROPE)
     qk_scale,  # softmax scale * log2(e)
     stride_qb,
     stride_qh,
@@ -91,6 +116,11 @@ def _decode_split_kernel(
     stride_cb,
     stride_ob,
     stride_oh,
+    stride_knb,
+    stride_knh,
+    stride_vnb,
+    stride_vnh,
+    stride_cs,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -100,6 +130,7 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     PRECISION: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
     row = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -111,15 +142,40 @@ def _decode_split_kernel(
     mask_d = offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_h  # [BLOCK_H] query heads of this KV head
 
-    q_ptrs = q_ptr + row * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=mask_h[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
-
     seq_len = tl.load(seq_lens_ptr + row)
     # NOTE: the split length is rounded up to whole key blocks, so short rows use
     # only the first few splits; the rest have start >= end and stay empty.
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
+
+    if ROPE:
+        # RoPE of q in registers (every split); the split that holds the new token
+        # writes its rotated k and its v into the cache, then reads them back below
+        # like any other key (no other program reads that slot).
+        pos = tl.load(pos_ptr + row).to(tl.int64)
+        cs_row = cos_sin_ptr + pos * stride_cs
+        q = rotated_heads(
+            q_ptr + row * stride_qb, heads, stride_qh, mask_h, cs_row, HEAD_DIM, BLOCK_D
+        )  # [BLOCK_H, BLOCK_D]
+        if (pos >= start) & (pos < end):
+            one = tl.arange(0, 1)
+            k_new = rotated_heads(
+                k_new_ptr + row * stride_knb, kvh + one, stride_knh, one < 1, cs_row, HEAD_DIM,
+                BLOCK_D,
+            )  # fmt: skip
+            v_new = tl.load(
+                v_new_ptr + row * stride_vnb + kvh * stride_vnh + offs_d, mask=mask_d, other=0.0
+            )
+            slot = tl.load(loc_ptr + row).to(tl.int64)
+            kc = k_ptr + slot * stride_ks + kvh * stride_kh + offs_d
+            vc = v_ptr + slot * stride_vs + kvh * stride_vh + offs_d
+            tl.store(kc[None, :], to_cache(k_new, k_ptr), mask=mask_d[None, :])
+            tl.store(vc, to_cache(v_new, v_ptr), mask=mask_d)
+        tl.debug_barrier()  # the stores above before any thread's loads below
+    else:
+        q_ptrs = q_ptr + row * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=mask_h[:, None] & mask_d[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -243,12 +299,16 @@ def decode_attention(
     page_size: int,
     scale: float,
     block_n: int | None = None,
+    rope: DecodeRope | None = None,
 ) -> None:
     """Paged decode attention, written into `o` in place.
 
     q: [bs, H, D]; k_cache, v_cache: [slots, KVH, D]; page_table: [bs, max_pages]
     int32/int64; seq_lens: [bs] (>= 1, KV length including the new token);
     o: [bs, H, D]; scratch: from `alloc_decode_scratch` with max_bs >= bs.
+    rope: None when q is rotated and the new K/V are in the cache already; else
+    q is unrotated and the kernel rotates q and k and writes k, v (see DecodeRope),
+    with the roundings of `rotary_and_store`.
     The launch grid depends only on bs, KVH, H and scratch.num_kv_splits.
     """
     bs, num_heads, head_dim = q.shape
@@ -268,8 +328,15 @@ def decode_attention(
     assert o.stride(2) == 1 and page_table.stride(1) == 1
     assert scratch.mid_o.stride(3) == 1 and scratch.mid_lse.stride(2) == 1
     assert head_dim <= 256, f"head_dim {head_dim} > 256"
+    if rope is not None:
+        assert rope.k.shape == rope.v.shape == (bs, num_kv_heads, head_dim), rope.k.shape
+        assert rope.k.stride(2) == 1 and rope.v.stride(2) == 1 and rope.k.dtype == q.dtype
+        assert rope.positions.shape == rope.loc.shape == (bs,)
+        assert rope.cos_sin.shape[1] == head_dim and rope.cos_sin.dtype == torch.float32
+        assert rope.cos_sin.stride(1) == 1 and head_dim % 2 == 0
     if bs == 0:
         return
+    r = rope if rope is not None else DecodeRope(q, q, seq_lens, q, seq_lens)  # unused if None
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
     if block_n is None:
@@ -282,13 +349,15 @@ def decode_attention(
     mo_strides = (o.stride(0), o.stride(1), 0) if direct else mid_o.stride()[:3]
     _decode_split_kernel[(bs, num_kv_heads, splits)](
         q, k_cache, v_cache, page_table, seq_lens, mo, mid_lse, scratch.counts, o,
+        r.k, r.v, r.positions, r.cos_sin, r.loc,
         scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
         *mo_strides, mid_lse.stride(0), mid_lse.stride(1),
         scratch.counts.stride(0), o.stride(0), o.stride(1),
+        r.k.stride(0), r.k.stride(1), r.v.stride(0), r.v.stride(1), r.cos_sin.stride(0),
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, NUM_SPLITS=splits,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         BLOCK_S=triton.next_power_of_2(splits), PRECISION=dot_precision(q.dtype),
-        num_warps=4, num_stages=2,
+        ROPE=rope is not None, num_warps=4, num_stages=2,
     )  # fmt: skip

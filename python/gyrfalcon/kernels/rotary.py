@@ -33,41 +33,64 @@ def build_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Ten
 
 
 @triton.jit
+def rotated_heads(
+    base_ptr,  # one token's [heads, D] rows of q or k (head dim contiguous)
+    heads,  # [BLOCK_H] head indices
+    stride_h,
+    mask_h,  # [BLOCK_H]
+    cs_row,  # the token's row of the cos/sin table (float32, cos | sin)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """[BLOCK_H, BLOCK_D] rows rotated (rotate-half RoPE), in base_ptr's dtype, with the
+    reference's roundings: x * cos + rotate_half(x) * sin, cos/sin rounded to the
+    dtype, each product and the sum rounded to it. Masked entries are 0."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    dtype = base_ptr.dtype.element_ty
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    first = offs_d < HALF
+    freq = tl.where(first, offs_d, offs_d - HALF)  # column of cos/sin
+    partner = tl.where(first, offs_d + HALF, offs_d - HALF)  # rotate_half's source
+    mask = mask_h[:, None] & mask_d[None, :]
+    rows = base_ptr + heads[:, None] * stride_h
+    x = tl.load(rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(rows + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.where(first[None, :], -xp, xp)  # rotate_half(x)
+    cos = tl.load(cs_row + freq, mask=mask_d, other=0.0).to(dtype).to(tl.float32)[None, :]
+    sin = tl.load(cs_row + HALF + freq, mask=mask_d, other=0.0).to(dtype).to(tl.float32)[None, :]
+    a = (x * cos).to(dtype).to(tl.float32)
+    b = (xp * sin).to(dtype).to(tl.float32)
+    return (a + b).to(dtype)
+
+
+@triton.jit
 def _rotate_heads(
     base_ptr,  # this token's row of q or k
     stride_h,
     num_heads,
-    cos,  # [1, BLOCK_D] float32, already rounded through the tensor dtype
-    sin,  # [1, BLOCK_D] float32, ditto
+    cs_row,  # this token's cos/sin row
     cache_ptr,  # this token's cache slot (used when STORE)
     s_cache_h,
-    HALF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     STORE: tl.constexpr,
 ):
-    dtype = base_ptr.dtype.element_ty
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
     for h0 in range(0, num_heads, BLOCK_H):
         heads = h0 + offs_h
-        mask = (heads[:, None] < num_heads) & (offs_d[None, :] < HALF)
-        p1 = base_ptr + heads[:, None] * stride_h + offs_d[None, :]  # [BLOCK_H, BLOCK_D]
-        p2 = p1 + HALF
-        x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
-        # out1 = x1*cos + (-x2)*sin ; out2 = x2*cos + x1*sin, every op rounded to dtype
-        a1 = (x1 * cos).to(dtype).to(tl.float32)
-        b1 = (-x2 * sin).to(dtype).to(tl.float32)
-        a2 = (x2 * cos).to(dtype).to(tl.float32)
-        b2 = (x1 * sin).to(dtype).to(tl.float32)
-        o1, o2 = (a1 + b1).to(dtype), (a2 + b2).to(dtype)
-        tl.store(p1, o1, mask=mask)
-        tl.store(p2, o2, mask=mask)
+        mask_h = heads < num_heads
+        out = rotated_heads(base_ptr, heads, stride_h, mask_h, cs_row, HEAD_DIM, BLOCK_D)
+        # NOTE: every element was loaded (by this thread or another) before any store
+        tl.debug_barrier()
+        mask = mask_h[:, None] & mask_d[None, :]
+        tl.store(base_ptr + heads[:, None] * stride_h + offs_d[None, :], out, mask=mask)
         if STORE:
-            c1 = cache_ptr + heads[:, None] * s_cache_h + offs_d[None, :]
-            tl.store(c1, to_cache(o1, cache_ptr), mask=mask)
-            tl.store(c1 + HALF, to_cache(o2, cache_ptr), mask=mask)
+            c = cache_ptr + heads[:, None] * s_cache_h + offs_d[None, :]
+            tl.store(c, to_cache(out, cache_ptr), mask=mask)
 
 
 @triton.jit
@@ -93,36 +116,26 @@ def _rotary_kernel(
     svc_h,
     num_q_heads,
     num_k_heads,
-    head_dim,
-    HALF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     STORE: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < HALF
-    row = cache_ptr + pos * s_cache
-    cos = tl.load(row + offs_d, mask=dmask, other=0.0)[None, :]
-    sin = tl.load(row + HALF + offs_d, mask=dmask, other=0.0)[None, :]
-    # NOTE: the reference rounds cos/sin to the q dtype before multiplying (q and k
-    # share one dtype, asserted on the host).
-    dtype = q_ptr.dtype.element_ty
-    cos = cos.to(dtype).to(tl.float32)
-    sin = sin.to(dtype).to(tl.float32)
+    cs_row = cache_ptr + pos * s_cache
     q_row = q_ptr + t * sq_t
-    _rotate_heads(q_row, sq_h, num_q_heads, cos, sin, q_row, 0, HALF, BLOCK_H, BLOCK_D, False)
+    _rotate_heads(q_row, sq_h, num_q_heads, cs_row, q_row, 0, HEAD_DIM, BLOCK_H, BLOCK_D, False)
     slot = tl.load(loc_ptr + t).to(tl.int64) if STORE else 0
     kc_row = kc_ptr + slot * skc_s
     _rotate_heads(
-        k_ptr + t * sk_t, sk_h, num_k_heads, cos, sin, kc_row, skc_h, HALF, BLOCK_H, BLOCK_D, STORE
-    )
+        k_ptr + t * sk_t, sk_h, num_k_heads, cs_row, kc_row, skc_h, HEAD_DIM, BLOCK_H, BLOCK_D,
+        STORE,
+    )  # fmt: skip
     if STORE:
         copy_rows(
-            v_ptr + t * sv_t, vc_ptr + slot * svc_s, sv_h, svc_h, num_k_heads, head_dim,
-            BLOCK_H, BLOCK_DV,
+            v_ptr + t * sv_t, vc_ptr + slot * svc_s, sv_h, svc_h, num_k_heads, HEAD_DIM,
+            BLOCK_H, BLOCK_D,
         )  # fmt: skip
 
 
@@ -174,9 +187,8 @@ def _launch(q, k, positions, cos_sin_cache, store) -> None:
     num_tokens = q.shape[0]
     if num_tokens == 0:
         return
-    half = head_dim // 2
-    block_d = triton.next_power_of_2(half)
-    # ~2K elements per tile keeps registers modest for D=128 (16 heads a step).
+    block_d = triton.next_power_of_2(head_dim)
+    # ~2K elements per tile keeps registers modest (D=128: 16 heads a step).
     block_h = max(1, min(triton.next_power_of_2(max(q.shape[1], k.shape[1])), 2048 // block_d))
     if store is None:
         v, kc, vc, loc = k, k, k, positions  # unused (STORE=False)
@@ -186,7 +198,7 @@ def _launch(q, k, positions, cos_sin_cache, store) -> None:
         q, k, positions, cos_sin_cache, v, kc, vc, loc,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
         v.stride(0), v.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
-        q.shape[1], k.shape[1], head_dim,
-        HALF=half, BLOCK_H=block_h, BLOCK_D=block_d, STORE=store is not None,
-        BLOCK_DV=triton.next_power_of_2(head_dim), num_warps=4,
+        q.shape[1], k.shape[1],
+        HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, STORE=store is not None,
+        num_warps=4,
     )  # fmt: skip

@@ -56,7 +56,7 @@ class RotaryEmbedding(nn.Module):
         if use_fused(q):
             from gyrfalcon.kernels.rotary import rotary_inplace
 
-            return rotary_inplace(q, k, positions, self._cos_sin())
+            return rotary_inplace(q, k, positions, self.cos_sin_table())
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos().to(q.dtype)[:, None, :]
@@ -79,9 +79,10 @@ class RotaryEmbedding(nn.Module):
         slots loc (`KVCache.write`), in one kernel."""
         from gyrfalcon.kernels.rotary import rotary_and_store
 
-        rotary_and_store(q, k, v, positions, self._cos_sin(), k_cache, v_cache, loc)
+        rotary_and_store(q, k, v, positions, self.cos_sin_table(), k_cache, v_cache, loc)
 
-    def _cos_sin(self) -> torch.Tensor:
+    def cos_sin_table(self) -> torch.Tensor:
+        """[max_positions, D] float32 cos | sin table (CUDA kernels)."""
         if self.cos_sin_cache is None:
             from gyrfalcon.kernels.rotary import build_cos_sin_cache
 

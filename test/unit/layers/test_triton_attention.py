@@ -316,3 +316,45 @@ def test_leading_single_token_rows():
     assert leading_single_token_rows([3, 1]) == 0
     assert leading_single_token_rows([1, 1]) == 2
     assert leading_single_token_rows([]) == 0
+
+
+@pytest.mark.parametrize(
+    "kv_heads,head_dim,splits,kv_dtype",
+    [(2, 64, 1, torch.float32), (2, 64, 4, torch.float32), (1, 96, 3, FP8), (4, 128, 2, FP8)],
+)
+def test_decode_with_rope_in_the_kernel(kv_heads, head_dim, splits, kv_dtype):
+    """attend_rope (RoPE of q and k, and the K/V write, inside the decode kernel) equals
+    the torch rotary, the K/V store kernel and torch_ref attention, and leaves the same
+    cache. NOTE: the store kernel stands in for KVCache.write because triton's
+    interpreter converts some values to fp8 differently from torch (the GPU test
+    compares with torch)."""
+    from gyrfalcon.kernels.kv_store import store_kv
+    from gyrfalcon.kernels.rotary import build_cos_sin_cache
+    from gyrfalcon.layers.rotary import RotaryEmbedding
+
+    heads = 2 * kv_heads
+    spec = [(n - 1, 1) for n in (1, PS, PS + 1, 29, 61)]
+    (cache, rows), (ref_cache, _) = (
+        make_case(spec, kv_heads, head_dim, 9, pad_rows=2, kv_dtype=kv_dtype) for _ in range(2)
+    )
+    tri = TritonBackend(heads, kv_heads, head_dim, head_dim**-0.5, num_kv_splits=splits)
+    ref = TorchRefBackend(heads, kv_heads, head_dim, head_dim**-0.5)
+    tb = make_batch(rows, cache, tri, ForwardMode.DECODE)
+    rb = make_batch(rows, ref_cache, ref, ForwardMode.DECODE)
+    assert tri.fuses_rope(tb)
+    gen = torch.Generator().manual_seed(10)
+    q, k, v = (
+        torch.randn(len(rows), h, head_dim, generator=gen) for h in (heads,) + 2 * (kv_heads,)
+    )
+    rope = RotaryEmbedding(head_dim, 10000.0, None, 128)
+    cos_sin = build_cos_sin_cache(rope.inv_freq, 128)
+    out = tri.attend_rope(q, k, v, tb.positions, cos_sin, LAYER, tb)
+    q_rot, k_rot = rope(rb.positions, q, k)
+    store_kv(k_rot, v, ref_cache.k[LAYER], ref_cache.v[LAYER], rb.out_cache_loc)
+    expect = ref.attend(q_rot, LAYER, rb)
+    n = len(spec)  # padded rows share the dummy slot: only real rows are compared
+    torch.testing.assert_close(out[:n], expect[:n], **TOL)
+    slots = tb.out_cache_loc[:n]
+    for got, want in ((cache.k, ref_cache.k), (cache.v, ref_cache.v)):
+        torch.testing.assert_close(got[LAYER][slots].float(), want[LAYER][slots].float(), **TOL)
+    assert not tb.attn_meta.scratch.counts.any()

@@ -51,6 +51,26 @@ class AttentionBackend(ABC):
         """Attention of q [T, H, D] over the layer's cache, the new tokens' K/V already
         in it -> [T, H * D]."""
 
+    def fuses_rope(self, batch: ForwardBatch) -> bool:
+        """Whether `attend_rope` serves this batch (RoPE and the K/V write inside the
+        attention kernel: one launch less per layer)."""
+        return False
+
+    def attend_rope(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        layer: int,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """`attend` from unrotated q, k (rotate-half RoPE with the float32 cos | sin
+        table `cos_sin` [max_pos, D]); writes the rotated k and v into the cache.
+        Only where `fuses_rope(batch)`."""
+        raise NotImplementedError(f"{self.name} does not fuse RoPE")
+
     def capture_buffers(self, max_bs: int, max_pages: int, device: torch.device) -> None:
         """Allocate static decode metadata for batches up to max_bs rows."""
         raise NotImplementedError(f"{self.name} does not support CUDA graphs")

@@ -8,6 +8,9 @@ Everything that needs host values (max_q_len, how many rows lead with one token)
 is computed once per step in build_metadata, so `forward` launches kernels
 without host syncs.
 
+Pure decode batches take RoPE and the new K/V write inside the decode kernel
+(`attend_rope`), one launch less per layer.
+
 The decode kernel splits each row's KV into `decode_kv_splits(bs, ...)` parts
 (unless fixed in the constructor): enough (batch x KV head x split) programs to
 fill the GPU a few times over, so a small batch does not leave SMs idle.
@@ -25,7 +28,12 @@ from dataclasses import dataclass
 
 import torch
 
-from gyrfalcon.kernels.attention_decode import DecodeScratch, alloc_decode_scratch, decode_attention
+from gyrfalcon.kernels.attention_decode import (
+    DecodeRope,
+    DecodeScratch,
+    alloc_decode_scratch,
+    decode_attention,
+)
 from gyrfalcon.kernels.attention_extend import extend_attention
 from gyrfalcon.kernels.device import num_sms
 from gyrfalcon.layers.attention.base import AttentionBackend
@@ -211,6 +219,31 @@ class TritonBackend(AttentionBackend):
         )
 
     # ------------------------------------------------------------ forward
+
+    def fuses_rope(self, batch: ForwardBatch) -> bool:
+        return batch.attn_meta.is_decode
+
+    def attend_rope(self, q, k, v, positions, cos_sin, layer, batch) -> torch.Tensor:
+        meta: TritonMeta = batch.attn_meta
+        assert meta.is_decode and meta.scratch is not None
+        bs = q.shape[0]
+        assert q.shape == (bs, self.num_heads, self.head_dim), q.shape
+        cache = batch.kv_cache
+        out = q.new_empty(q.shape)
+        decode_attention(
+            q,
+            cache.k[layer],
+            cache.v[layer],
+            meta.page_table,
+            meta.seq_lens,
+            out,
+            meta.scratch,
+            batch.page_size,
+            self.scale,
+            block_n=self.decode_block_n,
+            rope=DecodeRope(k, v, positions, cos_sin, batch.out_cache_loc),
+        )
+        return out.view(bs, -1)
 
     def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
         meta: TritonMeta = batch.attn_meta
