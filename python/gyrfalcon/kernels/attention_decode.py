@@ -128,6 +128,7 @@ def _decode_split_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr,
     BLOCK_S: tl.constexpr,
     PRECISION: tl.constexpr,
     ROPE: tl.constexpr,
@@ -153,12 +154,12 @@ def _decode_split_kernel(
         # RoPE of q in registers (every split); the split that holds the new token
         # writes its rotated k and its v into the cache, then reads them back below
         # like any other key (no other program reads that slot).
-        pos = tl.load(pos_ptr + row).to(tl.int64)
-        cs_row = cos_sin_ptr + pos * stride_cs
+        new_pos = tl.load(pos_ptr + row).to(tl.int64)
+        cs_row = cos_sin_ptr + new_pos * stride_cs
         q = rotated_heads(
             q_ptr + row * stride_qb, heads, stride_qh, mask_h, cs_row, HEAD_DIM, BLOCK_D
         )  # [BLOCK_H, BLOCK_D]
-        if (pos >= start) & (pos < end):
+        if (new_pos >= start) & (new_pos < end):
             one = tl.arange(0, 1)
             k_new = rotated_heads(
                 k_new_ptr + row * stride_knb, kvh + one, stride_knh, one < 1, cs_row, HEAD_DIM,
@@ -228,14 +229,15 @@ def _decode_split_kernel(
                 mid_o_ptr + row * stride_mob,
                 mid_lse_ptr + row * stride_mlb,
                 o_ptr + row * stride_ob,
-                heads,
-                mask_h,
-                mask_d,
+                kvh * GROUP,
                 stride_moh,
                 stride_mos,
                 stride_mlh,
                 stride_oh,
+                GROUP,
+                HEAD_DIM,
                 NUM_SPLITS,
+                BLOCK_G,
                 BLOCK_S,
                 BLOCK_D,
             )
@@ -246,46 +248,65 @@ def _merge_splits(
     mid_o_row,  # this row's partial outputs
     mid_lse_row,  # this row's partial log-sum-exps
     o_row,  # this row's output
-    heads,  # [BLOCK_H] query heads of the KV head
-    mask_h,  # [BLOCK_H] heads < GROUP
-    mask_d,  # [BLOCK_D] dims < HEAD_DIM
+    head0,  # first query head of the KV head
     stride_moh,
     stride_mos,
     stride_mlh,
     stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """o = sum_s w_s * part_s / sum_s w_s with w_s = exp2(lse_s - max lse).
+    """o = sum_s w_s * part_s / sum_s w_s with w_s = exp2(lse_s - max lse), for the
+    GROUP heads of one KV head: every partial is loaded at once as a [head, split,
+    dim] tile (one memory round trip, not one per split), BLOCK_G heads at a time.
 
     NOTE: the partials were written by other programs (other SMs): loads go through
     L2 (.cg), never a possibly stale L1 line."""
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    hd_mask = mask_h[:, None] & mask_d[None, :]
-    lse_ptrs = mid_lse_row + heads[:, None] * stride_mlh + offs_s[None, :]
-    lse = tl.load(
-        lse_ptrs,
-        mask=mask_h[:, None] & (offs_s[None, :] < NUM_SPLITS),
-        other=float("-inf"),
-        cache_modifier=".cg",
-    )  # [BLOCK_H, BLOCK_S]
-    m = tl.max(lse, 1)
-    m = tl.where(m > float("-inf"), m, 0.0)  # guard exp2(-inf - -inf) = NaN
-    denom = tl.sum(tl.where(lse > float("-inf"), tl.exp2(lse - m[:, None]), 0.0), 1)
-    acc = tl.zeros(hd_mask.shape, dtype=tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        lse_s = tl.load(mid_lse_row + heads * stride_mlh + s, mask=mask_h, other=float("-inf"),
-                        cache_modifier=".cg")  # fmt: skip
-        valid = lse_s > float("-inf")
-        w = tl.where(valid, tl.exp2(lse_s - m), 0.0)  # [BLOCK_H]
-        part_ptrs = mid_o_row + heads[:, None] * stride_moh + s * stride_mos + offs_d[None, :]
-        part = tl.load(part_ptrs, mask=hd_mask & valid[:, None], other=0.0, cache_modifier=".cg")
-        acc += w[:, None] * part
-    out = acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
-    o_ptrs = o_row + heads[:, None] * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, out.to(o_row.dtype.element_ty), mask=hd_mask)
+    for g0 in tl.static_range(0, GROUP, BLOCK_G):  # BLOCK_G heads per tile
+        offs_g = g0 + tl.arange(0, BLOCK_G)
+        heads = head0 + offs_g
+        gs_mask = (offs_g[:, None] < GROUP) & (offs_s[None, :] < NUM_SPLITS)  # [G, S]
+        lse = tl.load(
+            mid_lse_row + heads[:, None] * stride_mlh + offs_s[None, :],
+            mask=gs_mask,
+            other=float("-inf"),
+            cache_modifier=".cg",
+        )  # [BLOCK_G, BLOCK_S]
+        valid = lse > float("-inf")  # empty splits (and padding) weigh 0, unread
+        part_ptrs = (
+            mid_o_row
+            + heads[:, None, None] * stride_moh
+            + offs_s[None, :, None] * stride_mos
+            + offs_d[None, None, :]
+        )
+        part_mask = valid[:, :, None] & (offs_d[None, None, :] < HEAD_DIM)
+        part = tl.load(part_ptrs, mask=part_mask, other=0.0, cache_modifier=".cg")  # [G, S, D]
+        m = tl.max(lse, 1)
+        m = tl.where(m > float("-inf"), m, 0.0)  # guard exp2(-inf - -inf) = NaN
+        w = tl.where(valid, tl.exp2(lse - m[:, None]), 0.0)  # [BLOCK_G, BLOCK_S]
+        denom = tl.sum(w, 1)
+        out = tl.sum(w[:, :, None] * part, 1) / tl.where(denom > 0.0, denom, 1.0)[:, None]
+        o_ptrs = o_row + heads[:, None] * stride_oh + offs_d[None, :]
+        o_mask = (offs_g[:, None] < GROUP) & (offs_d[None, :] < HEAD_DIM)
+        tl.store(o_ptrs, out.to(o_row.dtype.element_ty), mask=o_mask)
+
+
+# Largest [heads, splits, dims] tile the merge loads at once (64 float32 registers per
+# thread at 4 warps).
+MERGE_TILE = 8192
+
+
+def merge_heads_per_tile(group: int, splits: int, block_d: int) -> int:
+    """Query heads per merge tile: the whole GQA group when its [group, splits, dims]
+    partials fit MERGE_TILE elements, else the largest power of two that does (>= 1)."""
+    per_head = triton.next_power_of_2(splits) * block_d
+    return max(1, min(triton.next_power_of_2(group), MERGE_TILE // per_head))
 
 
 def decode_attention(
@@ -358,6 +379,8 @@ def decode_attention(
         r.k.stride(0), r.k.stride(1), r.v.stride(0), r.v.stride(1), r.cos_sin.stride(0),
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, NUM_SPLITS=splits,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        BLOCK_S=triton.next_power_of_2(splits), PRECISION=dot_precision(q.dtype),
+        BLOCK_G=merge_heads_per_tile(group, splits, block_d),
+        BLOCK_S=triton.next_power_of_2(splits),
+        PRECISION=dot_precision(q.dtype),
         ROPE=rope is not None, num_warps=4, num_stages=2,
     )  # fmt: skip

@@ -107,7 +107,8 @@ DECODE_LENS = [1, PS - 1, PS, PS + 1, 16, 17, 45]
 
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim,splits",
-    [(2, 2, 64, 1), (6, 2, 64, 3), (8, 2, 128, 4), (8, 1, 64, 8), (4, 4, 128, 2)],
+    # the last: a GQA group of 16 whose partials take 4 merge tiles
+    [(2, 2, 64, 1), (6, 2, 64, 3), (8, 2, 128, 4), (8, 1, 64, 8), (4, 4, 128, 2), (16, 1, 128, 16)],
 )
 def test_decode_matches_ref(heads, kv_heads, head_dim, splits):
     spec = [(n - 1, 1) for n in DECODE_LENS]
@@ -119,6 +120,19 @@ def test_decode_matches_ref(heads, kv_heads, head_dim, splits):
     torch.testing.assert_close(out, expect, **TOL)
     # the program that merged each (row, KV head) reset its count for the next launch
     assert not tb.attn_meta.scratch.counts.any()
+
+
+def test_merge_tile_holds_the_group_unless_too_large():
+    from gyrfalcon.kernels.attention_decode import MERGE_TILE, merge_heads_per_tile
+
+    assert merge_heads_per_tile(4, 16, 128) == 4  # Llama-3.1-8B at batch 1: one tile
+    assert merge_heads_per_tile(3, 16, 64) == 4  # SmolLM2 (padded to a power of two)
+    assert merge_heads_per_tile(16, 16, 128) == 4
+    assert merge_heads_per_tile(8, 16, 256) == 2
+    assert merge_heads_per_tile(1, 16, 1024) == 1
+    for g, s, d in [(4, 16, 128), (16, 16, 128), (8, 16, 256), (5, 3, 64)]:
+        n = merge_heads_per_tile(g, s, d)
+        assert n & (n - 1) == 0 and n * 16 * d <= max(MERGE_TILE, 16 * d)
 
 
 def test_decode_kv_splits_fill_the_gpu_a_few_times_over():
