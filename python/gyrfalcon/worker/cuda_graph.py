@@ -121,7 +121,7 @@ class GraphRunner:
 
     def __init__(
         self,
-        forward: Callable[[ForwardBatch], torch.Tensor],
+        forward: Callable[[ForwardBatch], tuple[torch.Tensor, ...]],
         backend: AttentionBackend,
         kv_cache: KVCache,
         page_size: int,
@@ -140,7 +140,7 @@ class GraphRunner:
         self.sizes = capture_batch_sizes(max_bs, sizes)
         self.buf = StaticBuffers.allocate(self.sizes[-1], max_pages, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self.num_runs = 0  # decode steps served through the graph runner
         if backend.supports_cuda_graph:
             backend.capture_buffers(self.sizes[-1], max_pages, device)
@@ -224,8 +224,8 @@ class GraphRunner:
             time.perf_counter() - t0,
         )
 
-    def run(self, bt: BatchTensors) -> torch.Tensor:
-        """Outputs of the real rows: forward(...)[:bs]."""
+    def run(self, bt: BatchTensors) -> tuple[torch.Tensor, ...]:
+        """Outputs of the real rows: each of forward(...)'s tensors [:bs]."""
         bs = len(bt.seq_lens_cpu)
         padded = padded_batch_size(bs, self.sizes)
         seq_lens = self.buf.fill(bt, padded)
@@ -237,4 +237,4 @@ class GraphRunner:
             out = self.outputs[padded]
         else:
             out = self.forward(batch)
-        return out[:bs]
+        return tuple(t[:bs] for t in out)

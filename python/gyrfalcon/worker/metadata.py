@@ -35,6 +35,7 @@ class BatchTensors:
     seq_lens_cpu: list[int]
     q_lens_cpu: list[int]
     q_starts_cpu: list[int]
+    extra: list[torch.Tensor]  # the caller's `extra` int lists, uploaded with the rest
 
 
 def slot_of(pages: list[int], pos: int, page_size: int) -> int:
@@ -42,8 +43,14 @@ def slot_of(pages: list[int], pos: int, page_size: int) -> int:
 
 
 def build_batch_tensors(
-    rows: list[RowInput], page_size: int, device: torch.device, dummy_page: int = 0
+    rows: list[RowInput],
+    page_size: int,
+    device: torch.device,
+    dummy_page: int = 0,
+    extra: list[list[int]] | None = None,
 ) -> BatchTensors:
+    """The step's index tensors, in one host->device copy; `extra` int lists (e.g. the
+    worker's per-row state slots) ride along in the same copy as `bt.extra`."""
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -68,11 +75,12 @@ def build_batch_tensors(
 
     last = [s + n - 1 for s, n in zip(q_starts, q_lens)]
     # NOTE: one host->device copy for the whole step; the fields are views of it.
-    parts = [ids, positions, slots, seq_lens, q_lens, q_starts, last]
+    extra = extra or []
+    parts = [ids, positions, slots, seq_lens, q_lens, q_starts, last, *extra]
     flat = [x for part in parts for x in part] + [p for row in table for p in row]
     packed = upload(flat, torch.int64, device)
     sizes = [len(part) for part in parts] + [len(rows) * max_pages]
-    t_ids, t_pos, t_slots, t_seq, t_q, t_starts, t_last, t_table = packed.split(sizes)
+    t_ids, t_pos, t_slots, t_seq, t_q, t_starts, t_last, *t_extra, t_table = packed.split(sizes)
 
     bt = BatchTensors(
         input_ids=t_ids,
@@ -86,6 +94,7 @@ def build_batch_tensors(
         seq_lens_cpu=seq_lens,
         q_lens_cpu=q_lens,
         q_starts_cpu=q_starts,
+        extra=t_extra,
     )
     assert bt.input_ids.shape == bt.positions.shape == bt.out_cache_loc.shape
     assert bt.seq_lens.shape[0] == bt.q_lens.shape[0] == bt.page_table.shape[0] == len(rows)

@@ -42,6 +42,7 @@ from gyrfalcon.worker.logprobs import HostCopy
 from gyrfalcon.worker.metadata import BatchTensors, RowInput, build_batch_tensors
 from gyrfalcon.worker.sampler import (
     RequestSamplingState,
+    argmax_rows,
     prepare,
     prompt_logprobs,
     sample,
@@ -149,9 +150,11 @@ class ModelRunner:
         )
         self.graphs.capture()
 
-    def _decode_logits(self, batch: ForwardBatch) -> torch.Tensor:
-        """The captured function: a decode batch -> logits [bs, vocab] float32."""
-        return self.model.compute_logits(self.model(batch))
+    def _decode_logits(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The captured function: a decode batch -> (logits [bs, vocab] float32, their
+        argmax [bs]: the tokens of greedy rows without penalties, sampled in the graph)."""
+        logits = self.model.compute_logits(self.model(batch))
+        return logits, argmax_rows(logits)
 
     # ------------------------------------------------------------ request state
 
@@ -221,15 +224,20 @@ class ModelRunner:
                     ph_slot.append(req.slot)
             n_tokens += len(row.input_ids)
         assert self.kv_cache is not None, "init_kv_cache() first"
-        bt = build_batch_tensors(inputs, self.page_size, self.device)
-        if ph_pos:
-            idx = upload([ph_pos, ph_slot], torch.int64, self.device)  # [2, n]
-            bt.input_ids[idx[0]] = self.last_tokens[idx[1]]
         step.sample_rows = [i for i, row in enumerate(rb.rows) if row.sample]
+        # NOTE: the placeholder fill and the sampled rows' slots ride in the step's one upload
+        sample_slots = [reqs[i].slot for i in step.sample_rows]
+        bt = build_batch_tensors(
+            inputs, self.page_size, self.device, extra=[ph_pos, ph_slot, sample_slots]
+        )
+        ph_pos_t, ph_slot_t, slots = bt.extra
+        if ph_pos:
+            bt.input_ids[ph_pos_t] = self.last_tokens[ph_slot_t]
         if self.graphs is not None and self.graphs.can_run(rb.forward_mode, bt):
             assert len(step.sample_rows) == len(rb.rows), "every decode row samples"
-            logits = self.graphs.run(bt)  # [bs, vocab]
+            logits, argmax = self.graphs.run(bt)  # [bs, vocab], [bs]
         else:
+            argmax = None
             logits = self._eager(rb, reqs, bt, step.results, step.sample_rows)
         if not step.sample_rows:
             return step
@@ -238,8 +246,7 @@ class ModelRunner:
             # NOTE: penalties read output_ids on the host: earlier steps must be in.
             for earlier in self.pending:
                 earlier.resolve()
-        out = sample(logits, prepare(step.states, self.cfg.vocab_size, self.device))
-        slots = upload([reqs[i].slot for i in step.sample_rows], torch.int64, self.device)
+        out = sample(logits, prepare(step.states, self.cfg.vocab_size, self.device), argmax)
         self.last_tokens.index_copy_(0, slots, out.token_ids)
         step.copy = HostCopy(out)
         return step

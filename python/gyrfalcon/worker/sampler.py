@@ -116,11 +116,12 @@ class RequestSamplingState:
 class SamplingBatch:
     """Per-step sampling parameters of a batch; built by `prepare`, tensors on device."""
 
-    temperatures: torch.Tensor  # [bs] float32 (1.0 on greedy rows)
-    greedy: torch.Tensor  # [bs] bool
-    top_k: torch.Tensor  # [bs] int64 (vocab_size = off)
-    top_p: torch.Tensor  # [bs] float32 (1.0 = off)
-    min_p: torch.Tensor  # [bs] float32 (0.0 = off)
+    # NOTE: the five draw tensors are None when every row is greedy (nothing uploaded)
+    temperatures: torch.Tensor | None  # [bs] float32 (1.0 on greedy rows)
+    greedy: torch.Tensor | None  # [bs] bool
+    top_k: torch.Tensor | None  # [bs] int64 (vocab_size = off)
+    top_p: torch.Tensor | None  # [bs] float32 (1.0 = off)
+    min_p: torch.Tensor | None  # [bs] float32 (0.0 = off)
     penalties: PenaltyTensors | None  # None when no row has a penalty
     generators: list[torch.Generator | None]  # per row
     seeded_rows: list[int]  # sampled (non-greedy) rows with a generator
@@ -153,9 +154,12 @@ def prepare(
         top_k.append(p.top_k if 0 < p.top_k < vocab_size else vocab_size)
         top_p.append(min(p.top_p, 1.0))
         min_p.append(p.min_p)
-    floats = upload([temps, top_p, min_p], torch.float32, device).view(3, len(states))
-    ints = upload([top_k, [int(g) for g in greedy]], torch.int64, device).view(2, len(states))
     sampled = [not g for g in greedy]
+    floats: list[torch.Tensor | None] = [None] * 3
+    ints: list[torch.Tensor | None] = [None] * 2
+    if any(sampled):
+        floats = list(upload([temps, top_p, min_p], torch.float32, device).view(3, len(states)))
+        ints = list(upload([top_k, [int(g) for g in greedy]], torch.int64, device).view(2, -1))
 
     pen_rows = [i for i, s in enumerate(states) if s.has_penalty]
     penalties = None
@@ -179,7 +183,7 @@ def prepare(
     asked = [s.params.logprobs for s in states if s.params.logprobs is not None]
     return SamplingBatch(
         temperatures=floats[0],
-        greedy=ints[1].bool(),
+        greedy=None if ints[1] is None else ints[1].bool(),
         top_k=ints[0],
         top_p=floats[1],
         min_p=floats[2],
@@ -268,8 +272,13 @@ def _gumbel_argmax(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return argmax_rows(scaled.sub_(noise))  # argmax(p / E) == argmax(logit - log E)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
+def sample(
+    logits: torch.Tensor, batch: SamplingBatch, argmax: torch.Tensor | None = None
+) -> SampleOutput:
     """Pick one token per row of `logits` [bs, vocab] (any float dtype).
+
+    argmax: [bs] argmax of `logits` when already computed (the decode graph does):
+    an all-greedy batch without penalties takes it as is.
 
     Greedy rows: argmax of the penalized logits. Other rows: penalties ->
     temperature -> top_k -> top_p -> min_p -> draw from the softmax.
@@ -286,9 +295,12 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         )
     raw = logits.float()  # [bs, vocab]; NOTE: may alias `logits`: read-only below
     penalized = apply_penalties(raw, batch)  # [bs, vocab] float32
-    if batch.all_greedy:
+    if batch.all_greedy and batch.penalties is None and argmax is not None:
+        token_ids = argmax
+    elif batch.all_greedy:
         token_ids = argmax_rows(penalized)
     else:
+        assert batch.temperatures is not None and batch.greedy is not None
         scaled = _truncate(penalized / batch.temperatures[:, None], batch)  # new tensor
         token_ids = _gumbel_argmax(scaled, batch)
         if batch.any_greedy:

@@ -265,6 +265,25 @@ def test_prepare_flags_and_defaults():
     assert batch.any_unseeded and batch.seeded_rows == []
 
 
+def test_precomputed_argmax_serves_only_plain_greedy_batches():
+    """The decode graph hands over argmax(logits): an all-greedy batch without
+    penalties takes it (no device upload for the batch either); penalties or a
+    sampled row make the sampler compute its own."""
+    logits = torch.tensor([[5.0, 4.0, 0.0], [0.0, 1.0, 9.0]])
+    graph_ids = torch.tensor([0, 2])
+    greedy = make_states([SamplingParams(temperature=0.0)] * 2)
+    batch = prepare(greedy, 3, CPU)
+    assert batch.temperatures is None and batch.greedy is None  # nothing uploaded
+    assert sample(logits, batch, graph_ids).token_ids is graph_ids
+    penalized = make_states([SamplingParams(temperature=0.0, presence_penalty=5.0)] * 2)
+    for s in penalized:
+        s.output_ids.append(0)
+    got = sample(logits, prepare(penalized, 3, CPU), graph_ids).token_ids
+    assert got.tolist() == [1, 2]  # the penalty moved row 0 off the graph's argmax
+    mixed = make_states([SamplingParams(temperature=0.0), SamplingParams(temperature=1e-4)])
+    assert sample(logits, prepare(mixed, 3, CPU), graph_ids).token_ids.tolist() == [0, 2]
+
+
 def test_sample_rejects_mismatched_logits():
     batch = prepare(make_states([SamplingParams()]), 10, CPU)
     with pytest.raises(ValueError):
