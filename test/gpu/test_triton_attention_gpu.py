@@ -15,6 +15,7 @@ import torch
 
 from gyrfalcon.ipc.messages import ForwardMode
 from gyrfalcon.layers.attention.torch_ref import TorchRefBackend
+from gyrfalcon.worker.cuda_graph import StaticBuffers
 from gyrfalcon.worker.forward_batch import ForwardBatch
 from gyrfalcon.worker.kv_cache import KVCache
 from gyrfalcon.worker.metadata import RowInput, build_batch_tensors
@@ -242,9 +243,9 @@ def test_decode_cuda_graph_replay(triton_backend_cls):
         "k": torch.zeros(padded, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16),
         "v": torch.zeros(padded, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16),
     }
-    dummy = make_batch([RowInput(0, [0], [0])] * padded, cache, tri, ForwardMode.DECODE)
-    static_loc = dummy.out_cache_loc.clone()
-    dummy.out_cache_loc = static_loc
+    # the graph runner's static batch: capture on padding rows only, replay on real ones
+    buf = StaticBuffers.allocate(padded, max_pages, cache.k.device)
+    dummy = buf.forward_batch(padded, buf.fill(None, padded), PS, cache, tri)
     dummy.attn_meta = tri.prepare_replay(dummy)
     run = lambda: tri.forward(static["q"], static["k"], static["v"], LAYER, dummy)
     stream = torch.cuda.Stream()
@@ -256,9 +257,7 @@ def test_decode_cuda_graph_replay(triton_backend_cls):
     with torch.cuda.graph(graph):
         static_out = run()
 
-    real = make_batch(rows + [RowInput(0, [0], [0])] * 3, cache, tri, ForwardMode.DECODE)
-    tri.prepare_replay(real)  # refills the static page table and seq_lens
-    static_loc.copy_(real.out_cache_loc)
+    buf.fill(build_batch_tensors(rows, PS, cache.k.device), padded)  # 5 real rows, 3 padding
     for name in static:
         static[name].normal_()
     graph.replay()

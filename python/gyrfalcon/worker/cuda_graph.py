@@ -106,14 +106,40 @@ class StaticBuffers:
             self.out_cache_loc[:bs].copy_(bt.out_cache_loc)
             self.seq_lens[:bs].copy_(bt.seq_lens)
             self.page_table[:bs, :width].copy_(bt.page_table)
-        pad = slice(bs, padded_bs)
-        self.input_ids[pad] = 0
-        self.positions[pad] = 0
-        self.out_cache_loc[pad] = DUMMY_PAGE
-        self.seq_lens[pad] = 1
-        self.page_table[pad] = DUMMY_PAGE
+        if padded_bs > bs:  # NOTE: no launches (and no host time) when nothing is padded
+            pad = slice(bs, padded_bs)
+            self.input_ids[pad] = 0
+            self.positions[pad] = 0
+            self.out_cache_loc[pad] = DUMMY_PAGE
+            self.seq_lens[pad] = 1
+            self.page_table[pad] = DUMMY_PAGE
         seq_lens = [] if bt is None else list(bt.seq_lens_cpu)
         return seq_lens + [1] * (padded_bs - bs)
+
+    def forward_batch(
+        self,
+        padded_bs: int,
+        seq_lens: list[int],
+        page_size: int,
+        kv_cache: KVCache,
+        backend: AttentionBackend,
+    ) -> ForwardBatch:
+        """The decode batch of rows [0, padded_bs): views of these buffers (`fill` first)."""
+        return ForwardBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=self.input_ids[:padded_bs],
+            positions=self.positions[:padded_bs],
+            out_cache_loc=self.out_cache_loc[:padded_bs],
+            seq_lens=self.seq_lens[:padded_bs],
+            q_lens=self.q_lens[:padded_bs],
+            q_starts=self.q_starts[:padded_bs],
+            page_table=self.page_table[:padded_bs],
+            seq_lens_cpu=seq_lens,
+            q_lens_cpu=[1] * padded_bs,
+            page_size=page_size,
+            kv_cache=kv_cache,
+            attn_backend=backend,
+        )
 
 
 class GraphRunner:
@@ -153,21 +179,8 @@ class GraphRunner:
         )
 
     def _batch(self, padded_bs: int, seq_lens: list[int]) -> ForwardBatch:
-        b = self.buf
-        return ForwardBatch(
-            mode=ForwardMode.DECODE,
-            input_ids=b.input_ids[:padded_bs],
-            positions=b.positions[:padded_bs],
-            out_cache_loc=b.out_cache_loc[:padded_bs],
-            seq_lens=b.seq_lens[:padded_bs],
-            q_lens=b.q_lens[:padded_bs],
-            q_starts=b.q_starts[:padded_bs],
-            page_table=b.page_table[:padded_bs],
-            seq_lens_cpu=seq_lens,
-            q_lens_cpu=[1] * padded_bs,
-            page_size=self.page_size,
-            kv_cache=self.kv_cache,
-            attn_backend=self.backend,
+        return self.buf.forward_batch(
+            padded_bs, seq_lens, self.page_size, self.kv_cache, self.backend
         )
 
     def _metadata(self, batch: ForwardBatch) -> None:

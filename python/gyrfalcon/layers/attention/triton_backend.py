@@ -15,11 +15,10 @@ The decode kernel splits each row's KV into `decode_kv_splits(bs, ...)` parts
 (unless fixed in the constructor): enough (batch x KV head x split) programs to
 fill the GPU a few times over, so a small batch does not leave SMs idle.
 
-CUDA graphs (decode only): `capture_buffers` allocates static int32 page table
-and seq_lens buffers plus decode scratch per split count; `prepare_replay`
-copies the graph runner's static batch into them and returns metadata whose
-tensors are views of those buffers, so a captured graph reads fresh values on
-every replay. The decode grid depends only on the padded batch size.
+CUDA graphs (decode only): `capture_buffers` allocates decode scratch per split
+count; `prepare_replay` returns metadata that views the graph runner's static
+batch (page table, lengths), so a captured graph reads fresh values on every
+replay with nothing copied. The decode grid depends only on the padded batch size.
 """
 
 from __future__ import annotations
@@ -42,8 +41,10 @@ from gyrfalcon.worker.forward_batch import ForwardBatch
 
 @dataclass
 class TritonMeta:
-    page_table: torch.Tensor  # [bs, max_pages] int32
-    seq_lens: torch.Tensor  # [bs] int32, KV length of each row after this step (>= 1)
+    page_table: torch.Tensor  # [bs, max_pages] int32 (int64 under graphs)
+    seq_lens: (
+        torch.Tensor
+    )  # [bs] int32 (int64 under graphs), KV length of each row after this step (>= 1)
     q_starts: torch.Tensor  # [bs] int32, offset of each row's first new token in [T]
     q_lens: torch.Tensor  # [bs] int32, new tokens of each row (>= 1)
     max_q_len: int  # host value: the longest extend row (rows >= num_decode); sets its grid
@@ -83,15 +84,6 @@ def leading_single_token_rows(q_lens: list[int]) -> int:
     return n
 
 
-@dataclass
-class _StaticDecode:
-    """CUDA-graph buffers: rows [0, max_bs) of the decode metadata."""
-
-    page_table: torch.Tensor  # [max_bs, max_pages] int32
-    seq_lens: torch.Tensor  # [max_bs] int32
-    scratch: dict[int, DecodeScratch]  # by split count, rows for every bs that uses it
-
-
 class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graph = True
@@ -117,7 +109,8 @@ class TritonBackend(AttentionBackend):
         self.decode_block_n = decode_block_n
         self.extend_block_m, self.extend_block_n = extend_block_m, extend_block_n
         self._scratch: dict[int, DecodeScratch] = {}  # eager, by split count, grown on demand
-        self._static: _StaticDecode | None = None
+        # CUDA graphs: decode scratch by split count, rows for every bs that uses it
+        self._graph_scratch: dict[int, DecodeScratch] | None = None
 
     def kv_splits(self, bs: int, device: torch.device) -> int:
         if self.num_kv_splits is not None:
@@ -183,39 +176,27 @@ class TritonBackend(AttentionBackend):
         rows: dict[int, int] = {}  # split count -> largest batch size using it
         for bs in range(1, max_bs + 1):
             rows[self.kv_splits(bs, device)] = bs
-        self._static = _StaticDecode(
-            page_table=torch.zeros((max_bs, max_pages), dtype=torch.int32, device=device),
-            seq_lens=torch.ones(max_bs, dtype=torch.int32, device=device),
-            scratch={
-                s: alloc_decode_scratch(n, self.num_heads, self.head_dim, s, device)
-                for s, n in rows.items()
-            },
-        )
+        self._graph_scratch = {
+            s: alloc_decode_scratch(n, self.num_heads, self.head_dim, s, device)
+            for s, n in rows.items()
+        }
 
     def prepare_replay(self, batch: ForwardBatch) -> TritonMeta:
-        """Decode metadata for `batch` in the static buffers (same tensors every call)."""
-        st = self._static
-        assert st is not None, "capture_buffers must run before prepare_replay"
+        """Decode metadata that views the batch's own page table and lengths: under
+        graphs the batch is the graph runner's static buffers, refilled before every
+        replay, so nothing is copied (the kernels take int64 indices)."""
+        assert self._graph_scratch is not None, "capture_buffers must run before prepare_replay"
         self._check(batch)
-        bs, width = batch.batch_size, batch.page_table.shape[1]
+        bs = batch.batch_size
         assert batch.num_tokens == bs, "graphs replay decode batches only"
-        assert bs <= st.seq_lens.shape[0] and width <= st.page_table.shape[1], (
-            bs,
-            width,
-            tuple(st.page_table.shape),
-        )
-        # NOTE: columns past `width` keep stale pages; the kernel reads only the
-        # pages of positions < seq_len, which all lie in the copied columns.
-        st.page_table[:bs, :width].copy_(batch.page_table)
-        st.seq_lens[:bs].copy_(batch.seq_lens)
         return TritonMeta(
-            page_table=st.page_table[:bs],
-            seq_lens=st.seq_lens[:bs],
-            q_starts=st.seq_lens[:0],  # unused by the decode kernel
-            q_lens=st.seq_lens[:0],
+            page_table=batch.page_table,
+            seq_lens=batch.seq_lens,
+            q_starts=batch.seq_lens[:0],  # unused by the decode kernel
+            q_lens=batch.seq_lens[:0],
             max_q_len=1,
             num_decode=bs,
-            scratch=st.scratch[self.kv_splits(bs, batch.seq_lens.device)],
+            scratch=self._graph_scratch[self.kv_splits(bs, batch.seq_lens.device)],
         )
 
     # ------------------------------------------------------------ forward
