@@ -9,6 +9,8 @@
 #   fi-cache: pack flashinfer's compiled kernels into $OUT/fi-cache.tgz.part* (15 MiB
 #           parts); put them back in .fi-cache/ here and send that folder along (carry)
 #           to skip flashinfer's JIT compile (minutes) on a fresh machine.
+#   PYTEST_K selects tests (pytest -k), e.g. "not flashinfer_matches_torch_ref" skips the
+#   slowest (~4 min) when flashinfer is unchanged.
 #   SERVER_FLAGS adds server flags (e.g. "--kv-cache-dtype fp8_e4m3"); TAG suffixes the
 #   sglang/sweep output names (e.g. TAG=_fp8kv).
 set -uo pipefail
@@ -73,7 +75,7 @@ case "${1:-tests}" in
     ls -la "$OUT" ;;
   tests)
     nvidia-smi -L
-    python3 -m pytest -m gpu test/gpu -q -p no:cacheprovider -rA --durations=10 \
+    python3 -m pytest -m gpu test/gpu ${PYTEST_K:+-k "$PYTEST_K"} -q -p no:cacheprovider -rA --durations=10 \
       > "$OUT/gpu_tests.log" 2>&1
     echo "pytest exit $?"; tail -40 "$OUT/gpu_tests.log" ;;
   bench)  # PROFILE=0 skips the kernel profiles, EAGER=0 the eager SmolLM2 run
