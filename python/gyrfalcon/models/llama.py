@@ -136,8 +136,10 @@ class LlamaForCausalLM(nn.Module):
         return self.norm.add_and_norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [N, hidden] -> [N, vocab] in float32
-        return self.lm_head(hidden).float()
+        """hidden: [N, hidden] -> [N, vocab] in the model dtype (HF rounds the LM head's
+        output to it too); consumers upcast where they need float32, so a greedy decode
+        step never writes a float32 copy."""
+        return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors; raises if any parameter is left unloaded."""

@@ -151,8 +151,9 @@ class ModelRunner:
         self.graphs.capture()
 
     def _decode_logits(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The captured function: a decode batch -> (logits [bs, vocab] float32, their
-        argmax [bs]: the tokens of greedy rows without penalties, sampled in the graph)."""
+        """The captured function: a decode batch -> (logits [bs, vocab] in the model
+        dtype, their argmax [bs]: the tokens of greedy rows without penalties, sampled
+        in the graph)."""
         logits = self.model.compute_logits(self.model(batch))
         return logits, argmax_rows(logits)
 
