@@ -58,9 +58,9 @@ def padded_batch_size(bs: int, sizes: list[int]) -> int:
 class StaticBuffers:
     """Inputs of a captured decode step; rows [0, max_bs)."""
 
-    input_ids: torch.Tensor  # [max_bs] int64
-    positions: torch.Tensor  # [max_bs] int64
-    out_cache_loc: torch.Tensor  # [max_bs] int64
+    # [3, max_bs] int64: rows input_ids, positions, out_cache_loc (one block, so `fill`
+    # writes all three with one copy from the step's upload, where they are consecutive)
+    tokens: torch.Tensor
     seq_lens: torch.Tensor  # [max_bs] int64
     q_lens: torch.Tensor  # [max_bs] int64, all ones (one token per row)
     q_starts: torch.Tensor  # [max_bs] int64, arange (row i's token is token i)
@@ -72,14 +72,24 @@ class StaticBuffers:
             return torch.zeros(shape, dtype=torch.int64, device=device)
 
         return cls(
-            input_ids=z(max_bs),
-            positions=z(max_bs),
-            out_cache_loc=z(max_bs),
+            tokens=z(3, max_bs),
             seq_lens=torch.ones(max_bs, dtype=torch.int64, device=device),
             q_lens=torch.ones(max_bs, dtype=torch.int64, device=device),
             q_starts=torch.arange(max_bs, dtype=torch.int64, device=device),
             page_table=z(max_bs, max_pages),
         )
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self.tokens[0]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.tokens[1]
+
+    @property
+    def out_cache_loc(self) -> torch.Tensor:
+        return self.tokens[2]
 
     @property
     def max_bs(self) -> int:
@@ -101,9 +111,7 @@ class StaticBuffers:
             assert bt.input_ids.shape[0] == bs, "decode rows carry exactly one token"
             width = bt.page_table.shape[1]
             assert width <= self.max_pages, f"page table width {width} > {self.max_pages}"
-            self.input_ids[:bs].copy_(bt.input_ids)
-            self.positions[:bs].copy_(bt.positions)
-            self.out_cache_loc[:bs].copy_(bt.out_cache_loc)
+            self.tokens[:, :bs].copy_(bt.token_rows)
             self.seq_lens[:bs].copy_(bt.seq_lens)
             self.page_table[:bs, :width].copy_(bt.page_table)
         if padded_bs > bs:  # NOTE: no launches (and no host time) when nothing is padded

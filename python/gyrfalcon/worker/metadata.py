@@ -36,6 +36,7 @@ class BatchTensors:
     q_lens_cpu: list[int]
     q_starts_cpu: list[int]
     extra: list[torch.Tensor]  # the caller's `extra` int lists, uploaded with the rest
+    token_rows: torch.Tensor  # [3, T] view: input_ids, positions, out_cache_loc
 
 
 def slot_of(pages: list[int], pos: int, page_size: int) -> int:
@@ -95,6 +96,7 @@ def build_batch_tensors(
         q_lens_cpu=q_lens,
         q_starts_cpu=q_starts,
         extra=t_extra,
+        token_rows=packed[: 3 * len(ids)].view(3, len(ids)),
     )
     assert bt.input_ids.shape == bt.positions.shape == bt.out_cache_loc.shape
     assert bt.seq_lens.shape[0] == bt.q_lens.shape[0] == bt.page_table.shape[0] == len(rows)

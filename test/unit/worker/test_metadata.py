@@ -22,6 +22,16 @@ def test_slots_positions_and_padding():
     assert bt.page_table.tolist() == [[3, 0], [4, 8], [2, 6]]  # padded with dummy page 0
 
 
+def test_one_upload_carries_extra_lists_and_token_rows_view_it():
+    rows = [RowInput(0, [5, 6], [3]), RowInput(5, [9], [4, 8])]
+    bt = build_batch_tensors(rows, 4, torch.device("cpu"), extra=[[7, 8, 9], [], [1]])
+    assert [t.tolist() for t in bt.extra] == [[7, 8, 9], [], [1]]
+    assert bt.page_table.tolist() == [[3, 0], [4, 8]]  # after the extras, intact
+    assert bt.token_rows.tolist() == [[5, 6, 9], [0, 1, 5], [12, 13, 33]]
+    bt.input_ids[2] = 4  # e.g. the worker's placeholder fill: the rows view the same ids
+    assert bt.token_rows[0].tolist() == [5, 6, 4]
+
+
 def test_slot_of_matches_table_walk():
     pages = [7, 2, 9]
     assert [slot_of(pages, p, 4) for p in range(12)] == (
