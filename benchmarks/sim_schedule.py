@@ -31,6 +31,7 @@ def main() -> None:
     p.add_argument("--range-ratio", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--conservativeness", type=float, default=1.0)
+    p.add_argument("--max-num-seqs", type=int, default=256)
     # defaults: Llama-3.1-8B bf16 on nvidia-h100-x1 (measured 2.93 TB/s read bandwidth)
     p.add_argument("--bandwidth", type=float, default=2.93e12, help="bytes/s")
     p.add_argument("--flops", type=float, default=600e12, help="dense bf16 FLOP/s reached")
@@ -48,7 +49,7 @@ def main() -> None:
         num_pages=a.num_pages + 1,  # page 0 is the dummy page
         page_size=a.page_size,
         max_model_len=1 << 20,
-        max_num_seqs=256,
+        max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=16384,
         chunked_prefill_size=8192,
         eos_token_ids=(),
