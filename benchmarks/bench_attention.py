@@ -3,7 +3,9 @@
 
 Variants: flashinfer decode with and without tensor cores, each with the
 planner's split-KV choice and with split-KV disabled, and our Triton split-KV
-decode. For each (heads, kv heads, head dim) and batch size, every row has
+decode, by split count, alone and as the model runs it on decode batches (RoPE
+and the new token's K/V write in the same launch: `triton_rope_splits*`).
+For each (heads, kv heads, head dim) and batch size, every row has
 --context tokens of KV on random pages; each variant is captured in a graph of
 --reps calls and replayed; the figure is the mean time of one call.
 
@@ -25,7 +27,13 @@ except ImportError:  # running from a checkout without an installed package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
 from gyrfalcon.bench.provenance import git_commit
-from gyrfalcon.kernels.attention_decode import alloc_decode_scratch, decode_attention
+from gyrfalcon.kernels.attention_decode import (
+    DecodeRope,
+    alloc_decode_scratch,
+    decode_attention,
+)
+from gyrfalcon.kernels.rotary import build_cos_sin_cache
+from gyrfalcon.layers.rotary import rope_inv_freq
 
 SHAPES = {"llama-3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
 
@@ -69,7 +77,7 @@ def bench_shape(name: str, bs: int, ns: argparse.Namespace) -> dict[str, float]:
     indices = table.reshape(-1).to(torch.int32)
     out: dict[str, float] = {}
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    for tc in (False, True):
+    for tc in (False, True) if not ns.triton_only else ():
         for split in ("auto", "off"):
             w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 ws,
@@ -93,14 +101,21 @@ def bench_shape(name: str, bs: int, ns: argparse.Namespace) -> dict[str, float]:
                 print(f"{name} bs {bs} tc={tc} split={split}: {exc}", file=sys.stderr)
     seq = torch.full((bs,), ctx, dtype=torch.int32, device=dev)
     o = torch.empty_like(q)
+    # the new token (position ctx - 1) of each row, for the fused RoPE + K/V write
+    cos_sin = build_cos_sin_cache(rope_inv_freq(d, 500000.0, None).to(dev), ctx)
+    last_slot = table[:, (ctx - 1) // ps].to(torch.int64) * ps + (ctx - 1) % ps
+    new_k, new_v = (torch.randn(bs, kvh, d, dtype=dt, device=dev) for _ in range(2))
+    rope = DecodeRope(new_k, new_v, seq.to(torch.int64) - 1, cos_sin, last_slot)
+    kc, vc = k.view(-1, kvh, d), v.view(-1, kvh, d)
     for splits in (1, 2, 4, 8, 16):
         scratch = alloc_decode_scratch(bs, h, d, splits, dev)
-        out[f"triton_splits{splits}"] = time_graph(
-            lambda s=scratch: decode_attention(
-                q, k.view(-1, kvh, d), v.view(-1, kvh, d), table, seq, o, s, ps, d**-0.5
-            ),
-            ns.reps,
-        )
+        for tag, r in (("triton", None), ("triton_rope", rope)):
+            out[f"{tag}_splits{splits}"] = time_graph(
+                lambda s=scratch, r=r: decode_attention(
+                    q, kc, vc, table, seq, o, s, ps, d**-0.5, rope=r
+                ),
+                ns.reps,
+            )
     return out
 
 
@@ -112,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--device-kind", default="unknown")
     ap.add_argument("--output-json", default=None)
+    ap.add_argument("--triton-only", action="store_true", help="skip the flashinfer variants")
     ns = ap.parse_args(argv)
     rows = []
     for name in SHAPES:
