@@ -7,7 +7,7 @@ decode, by split count, alone and as the model runs it on decode batches (RoPE
 and the new token's K/V write in the same launch: `triton_rope_splits*`).
 For each (heads, kv heads, head dim) and batch size, every row has
 --context tokens of KV on random pages; each variant is captured in a graph of
---reps calls and replayed; the figure is the mean time of one call.
+--reps calls and replayed; the figure is the median time of one call.
 
     python benchmarks/bench_attention.py --output-json attention.json --device-kind h100
 """
@@ -26,6 +26,7 @@ try:
 except ImportError:  # running from a checkout without an installed package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
+from gyrfalcon.bench.graph_timing import time_graph
 from gyrfalcon.bench.provenance import git_commit
 from gyrfalcon.kernels.attention_decode import (
     DecodeRope,
@@ -36,28 +37,6 @@ from gyrfalcon.kernels.rotary import build_cos_sin_cache
 from gyrfalcon.layers.rotary import rope_inv_freq
 
 SHAPES = {"llama-3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
-
-
-def time_graph(fn, reps: int) -> float:
-    """Mean microseconds of one fn() call, from a graph of `reps` calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1e3 * start.elapsed_time(end) / (5 * reps)
 
 
 def bench_shape(name: str, bs: int, ns: argparse.Namespace) -> dict[str, float]:
@@ -94,7 +73,7 @@ def bench_shape(name: str, bs: int, ns: argparse.Namespace) -> dict[str, float]:
                     disable_split_kv=split == "off",
                 )  # fmt: skip
                 out[f"flashinfer_{'tc' if tc else 'cc'}_split_{split}"] = time_graph(
-                    lambda w=w: w.run(q, (k, v)), ns.reps
+                    [lambda w=w: w.run(q, (k, v))] * ns.reps, 5
                 )
             except Exception as exc:  # a variant flashinfer does not offer here
                 out[f"flashinfer_{'tc' if tc else 'cc'}_split_{split}"] = float("nan")
@@ -110,12 +89,10 @@ def bench_shape(name: str, bs: int, ns: argparse.Namespace) -> dict[str, float]:
     for splits in (1, 2, 4, 8, 16):
         scratch = alloc_decode_scratch(bs, h, d, splits, dev)
         for tag, r in (("triton", None), ("triton_rope", rope)):
-            out[f"{tag}_splits{splits}"] = time_graph(
-                lambda s=scratch, r=r: decode_attention(
-                    q, kc, vc, table, seq, o, s, ps, d**-0.5, rope=r
-                ),
-                ns.reps,
+            call = lambda s=scratch, r=r: decode_attention(  # noqa: E731
+                q, kc, vc, table, seq, o, s, ps, d**-0.5, rope=r
             )
+            out[f"{tag}_splits{splits}"] = time_graph([call] * ns.reps, 5)
     return out
 
 

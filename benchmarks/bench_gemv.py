@@ -23,10 +23,8 @@ read-only streaming kernel gives the achievable read bandwidth for reference.
 from __future__ import annotations
 
 import argparse
-import gc
 import itertools
 import json
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -43,6 +41,7 @@ except ImportError:  # running from a checkout without an installed package
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from gyrfalcon.bench.graph_timing import time_graph
 from gyrfalcon.bench.provenance import git_commit  # noqa: E402
 from gyrfalcon.kernels.gemv import GemvConfig, gemv_config, skinny_linear  # noqa: E402
 
@@ -95,37 +94,6 @@ def fused_dot_configs() -> list[GemvConfig]:
 def cfg_name(cfg: GemvConfig) -> str:
     path = "dot" if cfg.use_dot else "fma"
     return f"{path}/n{cfg.block_n}/k{cfg.block_k}/w{cfg.num_warps}/s{cfg.num_stages}"
-
-
-def time_graph(fns: list[Callable[[], object]], replays: int) -> float:
-    """Median microseconds per call of a CUDA graph running every fn once, in order."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns[:2]:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    gc.disable()  # a collection mid-capture can invalidate it
-    try:
-        with torch.cuda.graph(graph):
-            for fn in fns:
-                fn()
-    finally:
-        gc.enable()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return 1e3 * statistics.median(times) / len(fns)
 
 
 @triton.jit

@@ -53,15 +53,15 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         backend, layer = batch.attn_backend, self.layer_id
-        if use_fused(q) and backend.fuses_rope(batch):  # NOTE: RoPE inside the attention kernel
+        if not use_fused(q):
+            q, k = self.rotary(positions, q, k)
+            out = backend.forward(q, k, v, layer, batch)
+        elif backend.fuses_rope(batch):  # NOTE: RoPE inside the attention kernel
             out = backend.attend_rope(q, k, v, positions, self.rotary.cos_sin_table(), layer, batch)
-        elif use_fused(q):  # NOTE: rotary and the KV-cache write in one kernel
+        else:  # NOTE: rotary and the KV-cache write in one kernel
             cache, loc = batch.kv_cache, batch.out_cache_loc
             self.rotary.forward_and_store(positions, q, k, v, cache.k[layer], cache.v[layer], loc)
             out = backend.attend(q, layer, batch)
-        else:
-            q, k = self.rotary(positions, q, k)
-            out = backend.forward(q, k, v, layer, batch)
         return self.o_proj(out)
 
 
