@@ -130,6 +130,13 @@ class ServerArgs:
     )
     seed: int = field(default=0, metadata={"help": "global random seed"})
     log_level: str = field(default="info", metadata={"help": "debug|info|warning|error"})
+    log_stats_interval: float = field(
+        default=10.0,
+        metadata={
+            "help": "seconds between log lines of throughput, running/waiting requests and "
+            "KV use (0: none)"
+        },
+    )
     cache_dir: str | None = field(
         default=None,
         metadata={"help": "where converted models are cached (default ~/.cache/gyrfalcon)"},

@@ -27,6 +27,7 @@ from gyrfalcon.ipc.messages import (
 )
 from gyrfalcon.ipc.sockets import Channel, IpcPaths
 from gyrfalcon.scheduler.scheduler import Scheduler, SchedulerConfig
+from gyrfalcon.scheduler.step_log import ThroughputLog
 from gyrfalcon.utils import parent_alive, setup_child
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class SchedulerLoop:
             ctx, zmq.PULL, paths.worker_to_scheduler, True, WorkerToScheduler
         )
         self.sched: Scheduler | None = None
+        self.throughput_log = ThroughputLog(args.log_stats_interval)
 
     def _recv_worker(self) -> WorkerReady | StepResult:
         while True:
@@ -107,6 +109,16 @@ class SchedulerLoop:
         outputs: list[RequestOutput] = sched.pump(self.to_worker.send, self._recv_result)
         if outputs:
             self.to_frontend.send(BatchOutput(outputs))
+        alloc = sched.alloc
+        line = self.throughput_log.line(
+            sched.counters,
+            len(sched.running),
+            len(sched.waiting),
+            alloc.num_usable - alloc.num_free,
+            alloc.num_usable,
+        )
+        if line is not None:
+            logger.info("%s", line)
         if not sched.has_work() and not parent_alive(self.ppid):
             sys.exit(0)
 

@@ -32,6 +32,7 @@ from gyrfalcon.ipc.messages import (
 from gyrfalcon.scheduler.page_allocator import PageAllocator
 from gyrfalcon.scheduler.policy import Decision, Limits, ReserveRatio, pages_needed, schedule
 from gyrfalcon.scheduler.request import Request, Status
+from gyrfalcon.scheduler.step_log import StepCounters, is_decode_row
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class SchedulerConfig:
 
 
 def forward_mode(decision: Decision) -> ForwardMode:
-    decodes = sum(1 for s in decision.rows if s.num_tokens == 1 and s.req.num_generated)
+    decodes = sum(1 for s in decision.rows if is_decode_row(s.num_tokens, s.req.num_generated))
     if decodes == len(decision.rows):
         return ForwardMode.DECODE
     return ForwardMode.PREFILL if decodes == 0 else ForwardMode.MIXED
@@ -101,6 +102,7 @@ class Scheduler:
         self._finished_for_worker: list[str] = []
         self._outputs: list[RequestOutput] = []
         self._inflight: deque[tuple[int, Decision]] = deque()  # (step_id, decision), in order
+        self.counters = StepCounters()
 
     # ------------------------------------------------------------ inputs
 
@@ -164,6 +166,7 @@ class Scheduler:
                 )
             )
         mode = forward_mode(decision)
+        self.counters.add(decision)
         for s in decision.rows:  # the plan's effect, applied now (see request.py)
             s.req.num_computed += s.num_tokens
             s.req.num_pending += s.samples

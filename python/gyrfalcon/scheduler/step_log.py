@@ -1,0 +1,64 @@
+"""What the engine did, in counters and a periodic log line (throughput, batch, queue, KV)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from gyrfalcon.scheduler.policy import Decision
+
+
+def is_decode_row(num_tokens: int, num_generated: int) -> bool:
+    """A row computing one token of a request that has output is a decode row."""
+    return num_tokens == 1 and num_generated > 0
+
+
+@dataclass
+class StepCounters:
+    """Totals since start-up, counted when plans are built."""
+
+    steps: int = 0
+    prompt_tokens: int = 0  # tokens of prefill rows (recomputed prompts included)
+    generated_tokens: int = 0  # rows that sample
+    preemptions: int = 0
+
+    def add(self, decision: Decision) -> None:
+        """Count a decision before it is applied to its requests."""
+        self.steps += 1
+        for s in decision.rows:
+            if not is_decode_row(s.num_tokens, s.req.num_generated):
+                self.prompt_tokens += s.num_tokens
+            self.generated_tokens += s.samples
+        self.preemptions += len(decision.preempted)
+
+
+class ThroughputLog:
+    """Formats a line every `interval_s` seconds from the counters' growth since the last."""
+
+    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic):
+        self.interval_s, self.clock = interval_s, clock
+        self.last_t = clock()
+        self.last = StepCounters()
+
+    def line(
+        self, now: StepCounters, running: int, waiting: int, used_pages: int, total_pages: int
+    ) -> str | None:
+        """The log line if an interval has passed and work was done in it, else None."""
+        t = self.clock()
+        dt = t - self.last_t
+        if self.interval_s <= 0 or dt < self.interval_s:
+            return None
+        d_steps = now.steps - self.last.steps
+        d_prompt = now.prompt_tokens - self.last.prompt_tokens
+        d_gen = now.generated_tokens - self.last.generated_tokens
+        d_pre = now.preemptions - self.last.preemptions
+        self.last_t, self.last = t, replace(now)
+        if d_steps == 0:
+            return None
+        return (
+            f"{d_steps / dt:.1f} steps/s, prompt {d_prompt / dt:.0f} tok/s, "
+            f"generation {d_gen / dt:.0f} tok/s, running {running}, waiting {waiting}, "
+            f"KV {100.0 * used_pages / max(1, total_pages):.1f}% of {total_pages} pages, "
+            f"preempted {d_pre}"
+        )
