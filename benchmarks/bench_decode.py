@@ -140,6 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--bandwidth", type=float, default=None, help="B/s; skips measuring it")
     ap.add_argument("--bandwidth-bytes", default=None, help="buffer of the bandwidth probe")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--shuffle-pages",
+        action="store_true",
+        help="hand KV pages out in random order, as a long-running server's are",
+    )
     ap.add_argument("--output-json", default=None)
     ap.add_argument("--profile-dir", default=None, help="write a host cProfile per batch size")
     return ap
@@ -223,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     graphs = getattr(runner, "graphs", None)
     dtype_bytes = torch.empty((), dtype=runner.dtype).element_size()
     wbytes = weight_bytes(cfg, dtype_bytes)
-    driver = Driver(runner, args.page_size, args.num_kv_pages)
+    driver = Driver(
+        runner, args.page_size, args.num_kv_pages, ns.seed if ns.shuffle_pages else None
+    )
     gen = torch.Generator().manual_seed(ns.seed)
     mean_kv = ns.context + ns.warmup + (ns.steps + 1) / 2  # KV read by the mean overlapped step
     rows: list[dict] = []
@@ -260,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         "attention_backend": args.attention_backend,
         "decode_attention_backend": args.decode_attention_backend,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "shuffled_pages": ns.shuffle_pages,
         "load_format": args.load_format,
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

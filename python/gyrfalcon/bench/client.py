@@ -81,9 +81,11 @@ def build_payload(
     ignore_eos: bool = False,
     extra_body: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The JSON body of one streamed request for ``sample``."""
+    """The JSON body of one streamed request for ``sample``: greedy (temperature 0)
+    unless ``extra_body`` says otherwise, as SGLang's and vLLM's serving benchmarks send."""
     payload: dict[str, Any] = {
         "model": model,
+        "temperature": 0.0,
         "max_tokens": sample.output_len,
         "stream": True,
         "stream_options": {"include_usage": True},

@@ -9,6 +9,7 @@ its input filled on the device through PLACEHOLDER, as the server runs them).
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections.abc import Sequence
 
 import torch
@@ -37,9 +38,15 @@ class Seq:
 class Driver:
     """Feeds hand-built StepPlans to a ModelRunner and tracks pages like a scheduler."""
 
-    def __init__(self, runner: ModelRunner, page_size: int, num_pages: int):
+    def __init__(
+        self, runner: ModelRunner, page_size: int, num_pages: int, shuffle_seed: int | None = None
+    ):
+        """shuffle_seed: hand pages out in a seeded random order (a server's cache after
+        many requests) instead of in ascending order."""
         self.runner, self.page_size = runner, page_size
         self.free_pages = list(range(num_pages - 1, 0, -1))  # page 0 is the dummy page
+        if shuffle_seed is not None:
+            random.Random(shuffle_seed).shuffle(self.free_pages)
         self.seqs: list[Seq] = []
         self.step_id = 0
 

@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--extra-body",
         type=json.loads,
         default=None,
-        help="JSON object merged into every request body, e.g. '{\"temperature\": 0}'",
+        help="JSON object merged into every request body (requests are greedy unless it says "
+        "otherwise), e.g. '{\"temperature\": 1.0}'",
     )
 
     w = p.add_argument_group("workload")

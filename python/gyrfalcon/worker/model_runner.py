@@ -48,6 +48,7 @@ from gyrfalcon.worker.sampler import (
     sample,
     to_position_logprobs,
 )
+from gyrfalcon.worker.warmup import warmup_plans
 
 logger = logging.getLogger(__name__)
 
@@ -203,6 +204,15 @@ class ModelRunner:
         self.submit(plan)
         return self.take()
 
+    def warm_up(self) -> None:
+        """Run one step of each kind on the dummy page (kernels compile now, not in the
+        first requests); leaves no request state behind."""
+        t0 = time.perf_counter()
+        for plan in warmup_plans(self.page_size):
+            self.execute(plan)
+        assert not self.requests, "warm-up requests left behind"
+        logger.info("warm-up steps ran in %.1f s", time.perf_counter() - t0)
+
     def _launch(self, step_id: int, rb: RankBatch) -> PendingStep:
         step = PendingStep(step_id, [RowResult(rid=row.rid, token_id=-1) for row in rb.rows])
         if not rb.rows:
@@ -303,4 +313,5 @@ def build_runner(
     pages = num_kv_pages(args, cfg, args.kv_dtype(runner.dtype), runner.device)
     context = max_model_len(args, cfg, pages)
     runner.init_kv_cache(pages, context)
+    runner.warm_up()
     return runner, context

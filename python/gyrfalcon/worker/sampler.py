@@ -293,21 +293,21 @@ def sample(
             f"logits {tuple(logits.shape)} do not match batch ({batch.batch_size}, "
             f"{batch.vocab_size})"
         )
-    raw = logits.float()  # [bs, vocab]; NOTE: may alias `logits`: read-only below
-    penalized = apply_penalties(raw, batch)  # [bs, vocab] float32
     if batch.all_greedy and batch.penalties is None and argmax is not None:
-        token_ids = argmax
-    elif batch.all_greedy:
-        token_ids = argmax_rows(penalized)
+        token_ids = argmax  # NOTE: no float32 copy of the logits on this path
     else:
-        assert batch.temperatures is not None and batch.greedy is not None
-        scaled = _truncate(penalized / batch.temperatures[:, None], batch)  # new tensor
-        token_ids = _gumbel_argmax(scaled, batch)
-        if batch.any_greedy:
-            token_ids = torch.where(batch.greedy, argmax_rows(penalized), token_ids)
+        penalized = apply_penalties(logits, batch)  # [bs, vocab] float32, a new tensor
+        if batch.all_greedy:
+            token_ids = argmax_rows(penalized)
+        else:
+            assert batch.temperatures is not None and batch.greedy is not None
+            scaled = _truncate(penalized / batch.temperatures[:, None], batch)  # new tensor
+            token_ids = _gumbel_argmax(scaled, batch)
+            if batch.any_greedy:
+                token_ids = torch.where(batch.greedy, argmax_rows(penalized), token_ids)
     if batch.max_logprobs is None:
         return SampleOutput(token_ids, None, None, None)
-    all_lp = torch.log_softmax(raw, dim=-1)  # [bs, vocab]
+    all_lp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [bs, vocab]
     chosen = all_lp.gather(1, token_ids[:, None]).squeeze(1)  # [bs]
     top_lp, top_ids = all_lp.topk(batch.max_logprobs, dim=-1)  # [bs, k] each, descending
     return SampleOutput(token_ids, chosen, top_ids, top_lp)

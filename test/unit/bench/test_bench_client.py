@@ -119,18 +119,20 @@ def test_sse_decoder_handles_splits_crlf_comments_and_multiline() -> None:
 
 def test_build_payload_shapes() -> None:
     ids = SampleRequest(prompt=[1, 2, 3], prompt_len=3, output_len=9)
-    p = build_payload("completions", "m", ids, ignore_eos=True, extra_body={"temperature": 0})
+    p = build_payload("completions", "m", ids, ignore_eos=True, extra_body={"top_k": 5})
     assert p == {
         "model": "m",
+        "temperature": 0.0,
         "prompt": [1, 2, 3],
         "max_tokens": 9,
         "stream": True,
         "stream_options": {"include_usage": True},
         "ignore_eos": True,
-        "temperature": 0,
+        "top_k": 5,
     }
     text = SampleRequest(prompt="hi", prompt_len=None, output_len=2)
-    chat = build_payload("chat", "m", text)
+    chat = build_payload("chat", "m", text, extra_body={"temperature": 0.7})
+    assert chat["temperature"] == 0.7  # extra_body wins
     assert chat["messages"] == [{"role": "user", "content": "hi"}] and "ignore_eos" not in chat
     with pytest.raises(ValueError):
         build_payload("chat", "m", ids)

@@ -138,6 +138,18 @@ def test_driver_plans_match_local_engine(tmp_path: Path) -> None:
     sampling = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
     assert engine.generate(prompts, sampling) == got
 
+    # pages handed out in random order (as a long-running server's): same tokens
+    shuffled = Driver(runner, args.page_size, args.num_kv_pages, shuffle_seed=3)
+    assert shuffled.free_pages != driver.free_pages
+    shuffled.prefill(prompts, token_cap=4)
+    again = [[s.last] for s in shuffled.seqs]
+    for _ in range(steps):
+        shuffled.decode()
+        for out, s in zip(again, shuffled.seqs):
+            out.append(s.last)
+    assert again == got
+    shuffled.release()
+
     # overlapped: inputs filled on the device from the previous step; same tokens
     driver.prefill(prompts, token_cap=4)
     driver.decode_overlapped(steps)  # two steps in flight at a time

@@ -1,0 +1,52 @@
+"""Start-up warm-up: one step of each kind, run before the engine reports ready.
+
+Kernels compile on first use (Triton, flashinfer's JIT): without a warm-up the
+first requests wait for them, seconds to minutes on a fresh machine. The plans
+below go through the same `submit` path as the scheduler's, on the reserved
+dummy page (which padding rows already write), so nothing else is touched.
+"""
+
+from __future__ import annotations
+
+from gyrfalcon.ipc.messages import (
+    ForwardMode,
+    NewRequest,
+    RankBatch,
+    SamplingParams,
+    ScheduledRow,
+    StepPlan,
+)
+from gyrfalcon.scheduler.page_allocator import DUMMY_PAGE
+from gyrfalcon.scheduler.request import PLACEHOLDER
+
+WARMUP_RIDS = ("warmup-greedy", "warmup-sampled")
+TOKEN = 1  # any id the vocabulary has
+
+
+def warmup_plans(page_size: int, chunk: int = 24) -> list[StepPlan]:
+    """Prefill, a chunk on a cached prefix, a mixed step (a decode row beside a
+    prefill, one greedy and one sampled row), a decode step, then the drop.
+
+    Every page of both requests is the dummy page; step ids are negative."""
+    a, b = WARMUP_RIDS
+    greedy = SamplingParams(temperature=0.0, max_tokens=3)
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=2)
+
+    def row(rid: str, start: int, n: int, sample: bool, placeholder: bool = False):
+        pages = -(-(start + n) // page_size) - -(-start // page_size)
+        ids = [PLACEHOLDER] if placeholder else [TOKEN] * n
+        return ScheduledRow(rid, start, ids, [DUMMY_PAGE] * pages, sample, False)
+
+    new = [NewRequest(a, [TOKEN] * 2 * chunk, greedy), NewRequest(b, [TOKEN] * chunk, sampled)]
+    c = chunk
+    steps = [
+        (ForwardMode.PREFILL, [new[0]], [row(a, 0, c, False)]),
+        (ForwardMode.PREFILL, [], [row(a, c, c, True)]),
+        (ForwardMode.MIXED, [new[1]], [row(a, 2 * c, 1, True, True), row(b, 0, c, True)]),
+        (ForwardMode.DECODE, [], [row(a, 2 * c + 1, 1, True, True), row(b, c, 1, True, True)]),
+        (ForwardMode.IDLE, [], []),
+    ]
+    return [
+        StepPlan(-1 - i, n, list(WARMUP_RIDS) if not r else [], [RankBatch(m, r)])
+        for i, (m, n, r) in enumerate(steps)
+    ]

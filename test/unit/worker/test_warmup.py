@@ -1,0 +1,52 @@
+"""Start-up warm-up: each kind of step runs once, on the dummy page only, and leaves
+no request state behind."""
+
+import pytest
+import torch
+
+from gyrfalcon.config.model_config import ModelConfig
+from gyrfalcon.config.server_args import ServerArgs
+from gyrfalcon.ipc.messages import ForwardMode
+from gyrfalcon.scheduler.page_allocator import DUMMY_PAGE
+from gyrfalcon.worker.model_runner import build_runner
+from gyrfalcon.worker.warmup import WARMUP_RIDS, warmup_plans
+
+
+def test_plans_give_every_request_the_pages_its_tokens_need():
+    ps = 16
+    plans = warmup_plans(ps, chunk=24)
+    assert [p.batches[0].forward_mode for p in plans] == [
+        ForwardMode.PREFILL, ForwardMode.PREFILL, ForwardMode.MIXED, ForwardMode.DECODE,
+        ForwardMode.IDLE,
+    ]  # fmt: skip
+    pages = {rid: 0 for rid in WARMUP_RIDS}
+    computed = {rid: 0 for rid in WARMUP_RIDS}
+    for plan in plans:
+        for row in plan.batches[0].rows:
+            assert row.start == computed[row.rid], "rows continue where the last one ended"
+            assert set(row.new_pages) <= {DUMMY_PAGE}
+            computed[row.rid] += len(row.input_ids)
+            pages[row.rid] += len(row.new_pages)
+            assert pages[row.rid] == -(-computed[row.rid] // ps)
+    assert sorted(plans[-1].finished_rids) == sorted(WARMUP_RIDS)
+    mixed = plans[2].batches[0].rows
+    assert len(mixed[0].input_ids) == 1 and len(mixed[1].input_ids) > 1  # decode rows lead
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_warm_up_touches_only_the_dummy_page(tiny_model_dirs, static):
+    d = tiny_model_dirs["llama"]
+    args = ServerArgs(
+        model=d, device="cpu", dtype="float32", page_size=4, num_kv_pages=32,
+        static_graph_replay=static,
+    ).resolved()  # fmt: skip
+    runner, _ = build_runner(args, d, ModelConfig.from_dir(d), rank=0)  # warms up
+    kv = runner.kv_cache
+    ps = args.page_size
+    dummy = slice(DUMMY_PAGE * ps, (DUMMY_PAGE + 1) * ps)
+    assert kv.k[:, dummy].abs().sum() > 0 and kv.v[:, dummy].abs().sum() > 0  # the steps ran
+    rest = torch.ones(kv.k.shape[1], dtype=torch.bool)
+    rest[dummy] = False
+    assert not kv.k[:, rest].any() and not kv.v[:, rest].any()
+    assert not runner.requests and not runner.pending
+    assert len(runner._free_slots) == runner.last_tokens.shape[0]  # every slot back
