@@ -15,6 +15,7 @@ For each (heads, kv heads, head dim) and batch size, every row has
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -39,15 +40,19 @@ from gyrfalcon.layers.rotary import rope_inv_freq
 SHAPES = {"llama-3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
 
 
-def bench_shape(name: str, bs: int, ns: argparse.Namespace) -> dict[str, float]:
-    import flashinfer
+# --sweep: launch parameters of the Triton decode kernel (block_n, num_warps, num_stages)
+SWEEP = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4)))
 
+
+def bench_shape(name: str, bs: int, ns: argparse.Namespace) -> dict[str, float]:
     h, kvh, d = SHAPES[name]
     ps, ctx, dev, dt = ns.page_size, ns.context, torch.device("cuda"), torch.bfloat16
+    fp8 = ns.kv_cache_dtype == "fp8_e4m3"
+    kv_dt = torch.float8_e4m3fn if fp8 else dt
     pages_per_row = -(-ctx // ps)
     num_pages = bs * pages_per_row + 1
-    k = torch.randn(num_pages, ps, kvh, d, dtype=dt, device=dev)
-    v = torch.randn_like(k)
+    k = torch.randn(num_pages, ps, kvh, d, dtype=dt, device=dev).to(kv_dt)
+    v = torch.randn(num_pages, ps, kvh, d, dtype=dt, device=dev).to(kv_dt)
     perm = torch.randperm(num_pages - 1, device=dev)[: bs * pages_per_row] + 1
     table = perm.view(bs, pages_per_row)
     q = torch.randn(bs, h, d, dtype=dt, device=dev)
@@ -56,7 +61,9 @@ def bench_shape(name: str, bs: int, ns: argparse.Namespace) -> dict[str, float]:
     indices = table.reshape(-1).to(torch.int32)
     out: dict[str, float] = {}
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    for tc in (False, True) if not ns.triton_only else ():
+    for tc in (False, True) if not (ns.triton_only or fp8) else ():
+        import flashinfer
+
         for split in ("auto", "off"):
             w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 ws,
@@ -86,13 +93,27 @@ def bench_shape(name: str, bs: int, ns: argparse.Namespace) -> dict[str, float]:
     new_k, new_v = (torch.randn(bs, kvh, d, dtype=dt, device=dev) for _ in range(2))
     rope = DecodeRope(new_k, new_v, seq.to(torch.int64) - 1, cos_sin, last_slot)
     kc, vc = k.view(-1, kvh, d), v.view(-1, kvh, d)
-    for splits in (1, 2, 4, 8, 16):
+    for splits in [int(x) for x in ns.splits.split(",")]:
         scratch = alloc_decode_scratch(bs, h, d, splits, dev)
         for tag, r in (("triton", None), ("triton_rope", rope)):
             call = lambda s=scratch, r=r: decode_attention(  # noqa: E731
                 q, kc, vc, table, seq, o, s, ps, d**-0.5, rope=r
             )
             out[f"{tag}_splits{splits}"] = time_graph([call] * ns.reps, 5)
+        if not ns.sweep:
+            continue
+        for (bn, warps, stages), f16 in itertools.product(
+            SWEEP, (False, True) if fp8 else (False,)
+        ):
+            call = lambda s=scratch, bn=bn, w=warps, st=stages, f=f16: decode_attention(  # noqa: E731
+                q, kc, vc, table, seq, o, s, ps, d**-0.5, bn, rope, w, st, f
+            )
+            tag = f"triton_rope_splits{splits}_n{bn}_w{warps}_s{stages}" + ("_f16" if f16 else "")
+            try:
+                out[tag] = time_graph([call] * ns.reps, 5)
+            except Exception as exc:  # e.g. more shared memory than the device has
+                out[tag] = float("nan")
+                print(f"{name} bs {bs} {tag}: {str(exc).splitlines()[0]}", file=sys.stderr)
     return out
 
 
@@ -105,9 +126,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device-kind", default="unknown")
     ap.add_argument("--output-json", default=None)
     ap.add_argument("--triton-only", action="store_true", help="skip the flashinfer variants")
+    ap.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"], help="fp8: Triton only"
+    )
+    ap.add_argument("--splits", default="1,2,4,8,16", help="split counts of the Triton kernel")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="of " + ", ".join(SHAPES))
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also time the fused decode per (block_n, num_warps, num_stages) and, on an "
+        "fp8 cache, with the dots in bfloat16 or float16",
+    )
     ns = ap.parse_args(argv)
     rows = []
-    for name in SHAPES:
+    for name in ns.shapes.split(","):
         for bs in (int(x) for x in ns.batch_sizes.split(",")):
             t = bench_shape(name, bs, ns)
             rows.append({"shape": name, "batch_size": bs, "context": ns.context, "us": t})
@@ -121,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         "commit": git_commit(),
         "device_name": torch.cuda.get_device_name(),
         "page_size": ns.page_size,
+        "kv_cache_dtype": ns.kv_cache_dtype,
         "rows": rows,
     }
     if ns.output_json:

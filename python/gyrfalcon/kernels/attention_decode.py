@@ -132,6 +132,7 @@ def _decode_split_kernel(
     BLOCK_S: tl.constexpr,
     PRECISION: tl.constexpr,
     ROPE: tl.constexpr,
+    F16_MATH: tl.constexpr,  # fp8 caches: dots in float16 (see decode_attention)
 ):
     row = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -178,6 +179,10 @@ def _decode_split_kernel(
         q_ptrs = q_ptr + row * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
         q = tl.load(q_ptrs, mask=mask_h[:, None] & mask_d[None, :], other=0.0)
 
+    s_scale = qk_scale
+    if F16_MATH:  # the scale rides in q, which keeps float16 far from overflow
+        q = (q.to(tl.float32) * qk_scale).to(tl.float16)
+        s_scale = 1.0
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -190,7 +195,7 @@ def _decode_split_kernel(
         kv_mask = mask_d[:, None] & mask_n[None, :]
         k_ptrs = k_ptr + slot[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None]
         k_t = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_D, BLOCK_N]
-        s = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
+        s = tl.dot(q, k_t, input_precision=PRECISION) * s_scale  # [BLOCK_H, BLOCK_N]
         s = tl.where(mask_n[None, :], s, float("-inf"))
         # every block inside [start, end) has a valid key, so m_new is finite
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -321,6 +326,9 @@ def decode_attention(
     scale: float,
     block_n: int | None = None,
     rope: DecodeRope | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    f16_math: bool | None = None,
 ) -> None:
     """Paged decode attention, written into `o` in place.
 
@@ -331,6 +339,10 @@ def decode_attention(
     q is unrotated and the kernel rotates q and k and writes k, v (see DecodeRope),
     with the roundings of `rotary_and_store`.
     The launch grid depends only on bs, KVH, H and scratch.num_kv_splits.
+    f16_math (fp8 caches only; default: on for them with 16-bit q): q (pre-scaled) and the keys and
+    values go to float16 for the dots instead of q's dtype. e4m3 -> float16 is one
+    conversion instruction per two values, exact; -> bfloat16 takes more, and with
+    half the bytes per key an fp8 cache leaves the kernel bound by those instructions.
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -355,6 +367,10 @@ def decode_attention(
         assert rope.positions.shape == rope.loc.shape == (bs,)
         assert rope.cos_sin.shape[1] == head_dim and rope.cos_sin.dtype == torch.float32
         assert rope.cos_sin.stride(1) == 1 and head_dim % 2 == 0
+    fp8 = k_cache.element_size() == 1
+    if f16_math is None:
+        f16_math = fp8 and q.element_size() == 2
+    assert fp8 or not f16_math, "f16_math is for fp8 caches"
     if bs == 0:
         return
     r = rope if rope is not None else DecodeRope(q, q, seq_lens, q, seq_lens)  # unused if None
@@ -382,5 +398,5 @@ def decode_attention(
         BLOCK_G=merge_heads_per_tile(group, splits, block_d),
         BLOCK_S=triton.next_power_of_2(splits),
         PRECISION=dot_precision(q.dtype),
-        ROPE=rope is not None, num_warps=4, num_stages=2,
+        ROPE=rope is not None, F16_MATH=f16_math, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip

@@ -239,6 +239,38 @@ def test_fp8_kv_cache_matches_ref_and_stays_near_full_precision(mode):
     assert 0 < err < 0.08, err
 
 
+def test_fp8_decode_with_bf16_queries_in_float16_math():
+    """bf16 queries on an fp8 cache, dots in float16 (the default there): within bf16
+    rounding of float32 attention over the same fp8 values.
+
+    NOTE: the interpreter's fp8 -> bf16 conversion is wrong (test/gpu covers the
+    bf16 math on the GPU); its fp8 -> float16 one is right."""
+    from gyrfalcon.kernels.attention_decode import alloc_decode_scratch, decode_attention
+
+    gen = torch.Generator().manual_seed(4)
+    lens, heads, kvh, d = [1, 7, 18, 33], 8, 2, 64
+    pages = [-(-n // PS) for n in lens]
+    table = torch.zeros(len(lens), max(pages), dtype=torch.int64)
+    first = 1
+    for i, n in enumerate(pages):
+        table[i, :n] = torch.arange(first, first + n)
+        first += n
+    k = (2 * torch.randn(first * PS, kvh, d, generator=gen)).to(FP8)
+    v = (2 * torch.randn(first * PS, kvh, d, generator=gen)).to(FP8)
+    q = (3 * torch.randn(len(lens), heads, d, generator=gen)).bfloat16()
+    o = torch.empty_like(q)
+    scratch = alloc_decode_scratch(len(lens), heads, d, 2, CPU)
+    seq = torch.tensor(lens)
+    decode_attention(q, k, v, table, seq, o, scratch, PS, d**-0.5, 16)
+    for i, n in enumerate(lens):
+        slots = (table[i, :, None] * PS + torch.arange(PS)).reshape(-1)[:n]
+        kk = k[slots].float().repeat_interleave(heads // kvh, 1)  # [n, H, D]
+        vv = v[slots].float().repeat_interleave(heads // kvh, 1)
+        w = torch.einsum("hd,nhd->hn", q[i].float(), kk).mul(d**-0.5).softmax(-1)
+        ref = torch.einsum("hn,nhd->hd", w, vv)
+        torch.testing.assert_close(o[i].float(), ref, atol=0.03, rtol=0.02)
+
+
 def test_extend_default_blocks_long_prefill():
     out, expect, _ = run_both([(0, 70), (50, 20)], 4, 2, 64, ForwardMode.PREFILL)
     torch.testing.assert_close(out, expect, **TOL)
