@@ -102,13 +102,11 @@ def bench_shape(name: str, bs: int, ns: argparse.Namespace) -> dict[str, float]:
             out[f"{tag}_splits{splits}"] = time_graph([call] * ns.reps, 5)
         if not ns.sweep:
             continue
-        for (bn, warps, stages), f16 in itertools.product(
-            SWEEP, (False, True) if fp8 else (False,)
-        ):
-            call = lambda s=scratch, bn=bn, w=warps, st=stages, f=f16: decode_attention(  # noqa: E731
-                q, kc, vc, table, seq, o, s, ps, d**-0.5, bn, rope, w, st, f
+        for bn, warps, stages in SWEEP:
+            call = lambda s=scratch, bn=bn, w=warps, st=stages: decode_attention(  # noqa: E731
+                q, kc, vc, table, seq, o, s, ps, d**-0.5, bn, rope, w, st
             )
-            tag = f"triton_rope_splits{splits}_n{bn}_w{warps}_s{stages}" + ("_f16" if f16 else "")
+            tag = f"triton_rope_splits{splits}_n{bn}_w{warps}_s{stages}"
             try:
                 out[tag] = time_graph([call] * ns.reps, 5)
             except Exception as exc:  # e.g. more shared memory than the device has
@@ -134,8 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--sweep",
         action="store_true",
-        help="also time the fused decode per (block_n, num_warps, num_stages) and, on an "
-        "fp8 cache, with the dots in bfloat16 or float16",
+        help="also time the fused decode per (block_n, num_warps, num_stages)",
     )
     ns = ap.parse_args(argv)
     rows = []

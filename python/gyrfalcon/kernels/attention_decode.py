@@ -314,6 +314,18 @@ def merge_heads_per_tile(group: int, splits: int, block_d: int) -> int:
     return max(1, min(triton.next_power_of_2(group), MERGE_TILE // per_head))
 
 
+def decode_block_params(block_d: int, fp8: bool) -> tuple[int, int]:
+    """(keys per loop iteration, pipeline stages) of the decode kernel.
+
+    Measured on an H100 (benchmarks/NOTES.md, Llama-8B heads, context 2048): an fp8
+    cache runs fastest with 128 keys and 3 stages (446 vs 545 us at batch 256, 120
+    vs 181 us at 64); a 16-bit one is at the bandwidth with 64 keys and 2 stages.
+    Wider heads take half the keys (shared memory)."""
+    if block_d > 128:
+        return 32, 2
+    return (128, 3) if fp8 else (64, 2)
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -327,8 +339,7 @@ def decode_attention(
     block_n: int | None = None,
     rope: DecodeRope | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
-    f16_math: bool | None = None,
+    num_stages: int | None = None,
 ) -> None:
     """Paged decode attention, written into `o` in place.
 
@@ -339,10 +350,11 @@ def decode_attention(
     q is unrotated and the kernel rotates q and k and writes k, v (see DecodeRope),
     with the roundings of `rotary_and_store`.
     The launch grid depends only on bs, KVH, H and scratch.num_kv_splits.
-    f16_math (fp8 caches only; default: on for them with 16-bit q): q (pre-scaled) and the keys and
-    values go to float16 for the dots instead of q's dtype. e4m3 -> float16 is one
-    conversion instruction per two values, exact; -> bfloat16 takes more, and with
-    half the bytes per key an fp8 cache leaves the kernel bound by those instructions.
+    block_n, num_stages: None = `decode_block_params`.
+    An fp8 cache with a 16-bit q does its dots in float16: q (pre-scaled) and the keys
+    and values are converted to it. e4m3 -> float16 is one instruction per two values,
+    exact; -> bfloat16 takes more, and with half the bytes per key an fp8 cache leaves
+    the kernel bound by instructions (benchmarks/NOTES.md).
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -368,16 +380,14 @@ def decode_attention(
         assert rope.cos_sin.shape[1] == head_dim and rope.cos_sin.dtype == torch.float32
         assert rope.cos_sin.stride(1) == 1 and head_dim % 2 == 0
     fp8 = k_cache.element_size() == 1
-    if f16_math is None:
-        f16_math = fp8 and q.element_size() == 2
-    assert fp8 or not f16_math, "f16_math is for fp8 caches"
     if bs == 0:
         return
     r = rope if rope is not None else DecodeRope(q, q, seq_lens, q, seq_lens)  # unused if None
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
-    if block_n is None:
-        block_n = 64 if block_d <= 128 else 32
+    default_n, default_stages = decode_block_params(block_d, fp8)
+    block_n = default_n if block_n is None else block_n
+    num_stages = default_stages if num_stages is None else num_stages
     mid_o, mid_lse = scratch.mid_o, scratch.mid_lse
     # NOTE: one split needs no merge: its normalized output is final and goes straight
     # to o (the same float ops as the merge with a single weight of 1)
@@ -398,5 +408,6 @@ def decode_attention(
         BLOCK_G=merge_heads_per_tile(group, splits, block_d),
         BLOCK_S=triton.next_power_of_2(splits),
         PRECISION=dot_precision(q.dtype),
-        ROPE=rope is not None, F16_MATH=f16_math, num_warps=num_warps, num_stages=num_stages,
+        ROPE=rope is not None, F16_MATH=fp8 and q.element_size() == 2,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
