@@ -31,6 +31,10 @@ fi
 export PYTHONPATH=$PWD/python:/tmp/site
 if [ -d .fi-cache ] && [ ! -d ~/.cache/flashinfer ]; then  # compiled kernels from an earlier machine
   mkdir -p ~/.cache && cat .fi-cache/fi-cache.tgz.part* | tar xzf - -C ~/.cache && echo "flashinfer cache restored"
+  # NOTE: flashinfer runs ninja on every load; restored outputs older than the sources
+  # just installed would be rebuilt (84 s at the first bf16 prefill): one time for all,
+  # newer than the install
+  now=$(date +%s); find ~/.cache/flashinfer -type f -exec touch -d "@$now" {} +
 fi
 export GYRFALCON_SMOLLM2_GGUF=${GYRFALCON_SMOLLM2_GGUF:-/tmp/SmolLM2-135M-Instruct.Q4_1.gguf}
 export GYRFALCON_CACHE=/tmp/gyr-cache
