@@ -123,7 +123,7 @@ def test_decode_matches_ref(heads, kv_heads, head_dim, splits):
 
 
 def test_merge_tile_holds_the_group_unless_too_large():
-    from gyrfalcon.kernels.attention_decode import MERGE_TILE, merge_heads_per_tile
+    from gyrfalcon.kernels.split_merge import MERGE_TILE, merge_heads_per_tile
 
     assert merge_heads_per_tile(4, 16, 128) == 4  # Llama-3.1-8B at batch 1: one tile
     assert merge_heads_per_tile(3, 16, 64) == 4  # SmolLM2 (padded to a power of two)
