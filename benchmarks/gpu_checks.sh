@@ -92,6 +92,8 @@ case "${1:-tests}" in
       --output-json "$OUT/decode_llama8b.json" $P8 2>&1 | tail -12
     $B --model benchmarks/models/smollm2-135m --load-format dummy --batch-sizes 1 --steps 256 \
       --output-json "$OUT/decode_smollm2_graphs.json" $PS 2>&1 | tail -4
+    $B --model benchmarks/models/smollm2-135m --load-format dummy --batch-sizes 1 --steps 256 \
+      --enable-pdl --output-json "$OUT/decode_smollm2_graphs_pdl.json" 2>&1 | tail -2
     if [ "${EAGER:-1}" = 1 ]; then
       $B --model benchmarks/models/smollm2-135m --load-format dummy --batch-sizes 1 --steps 64 \
         --enforce-eager --output-json "$OUT/decode_smollm2_eager.json" 2>&1 | tail -4

@@ -14,6 +14,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from gyrfalcon.kernels.device import launch_pdl
 
 CHUNK = 2048  # vocab entries per stage-1 program
 
@@ -27,7 +30,11 @@ def _chunk_max_kernel(
     stride_x,
     num_chunks,
     CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # after this the previous kernel's writes are visible (kernels/device.py)
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -52,7 +59,11 @@ def _row_argmax_kernel(
     out_ptr,  # [bs] int64
     num_chunks,
     BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # after this the previous kernel's writes are visible (kernels/device.py)
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_C)
     mask = offs < num_chunks
@@ -79,10 +90,13 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     num_chunks = triton.cdiv(vocab, CHUNK)
     vals = torch.empty((bs, num_chunks), dtype=torch.float32, device=x.device)
     idxs = torch.empty((bs, num_chunks), dtype=torch.int32, device=x.device)
+    pdl = launch_pdl(x)
     _chunk_max_kernel[(bs, num_chunks)](
-        x, vals, idxs, vocab, x.stride(0), num_chunks, CHUNK=CHUNK, num_warps=8
-    )
+        x, vals, idxs, vocab, x.stride(0), num_chunks, CHUNK=CHUNK, num_warps=8,
+        PDL=pdl, launch_pdl=pdl,
+    )  # fmt: skip
     _row_argmax_kernel[(bs,)](
-        vals, idxs, out, num_chunks, BLOCK_C=max(2, triton.next_power_of_2(num_chunks))
-    )
+        vals, idxs, out, num_chunks, BLOCK_C=max(2, triton.next_power_of_2(num_chunks)),
+        PDL=pdl, launch_pdl=pdl,
+    )  # fmt: skip
     return out

@@ -30,7 +30,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from gyrfalcon.kernels.device import launch_pdl
 from gyrfalcon.kernels.kv_store import to_cache
 from gyrfalcon.kernels.rotary import rotated_heads
 from gyrfalcon.kernels.split_merge import merge_heads_per_tile, merge_splits
@@ -134,7 +136,11 @@ def _decode_split_kernel(
     PRECISION: tl.constexpr,
     ROPE: tl.constexpr,
     F16_MATH: tl.constexpr,  # fp8 caches: dots in float16 (see decode_attention)
+    PDL: tl.constexpr,
 ):
+    if PDL:  # after this the previous kernel's writes are visible (kernels/device.py)
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -329,6 +335,7 @@ def decode_attention(
     direct = splits == 1
     mo = o if direct else mid_o
     mo_strides = (o.stride(0), o.stride(1), 0) if direct else mid_o.stride()[:3]
+    pdl = launch_pdl(q)
     _decode_split_kernel[(bs, num_kv_heads, splits)](
         q, k_cache, v_cache, page_table, seq_lens, mo, mid_lse, scratch.counts, o,
         r.k, r.v, r.positions, r.cos_sin, r.loc,
@@ -344,5 +351,5 @@ def decode_attention(
         BLOCK_S=triton.next_power_of_2(splits),
         PRECISION=dot_precision(q.dtype),
         ROPE=rope is not None, F16_MATH=fp8 and q.element_size() == 2,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip

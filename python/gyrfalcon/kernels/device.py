@@ -14,3 +14,25 @@ def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 8
+
+
+_pdl_enabled = False
+
+
+def set_launch_pdl(enabled: bool) -> None:
+    """Process-wide: launch the decode path's kernels with programmatic dependent launch
+    (`--enable-pdl`), where the device supports it. Set once, by the worker, at start."""
+    global _pdl_enabled
+    _pdl_enabled = enabled
+
+
+@functools.cache
+def _pdl_supported(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def launch_pdl(x: torch.Tensor) -> bool:
+    """Whether a kernel on x's device launches with programmatic dependent launch: it may
+    start while the previous kernel finishes, and waits (`gdc_wait`) before it touches
+    anything but weights. Hopper and later only; never under the CPU interpreter."""
+    return _pdl_enabled and _pdl_supported(x.device)

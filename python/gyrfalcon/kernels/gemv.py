@@ -41,8 +41,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from gyrfalcon.kernels.device import num_sms
+from gyrfalcon.kernels.device import launch_pdl, num_sms
 
 # Largest row count `skinny_linear` accepts; larger decode batches go to cuBLAS.
 MAX_SKINNY_M = 16
@@ -131,7 +132,11 @@ def _skinny_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # after this the previous kernel's writes are visible (kernels/device.py)
+        gdc_wait()
+        gdc_launch_dependents()
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -229,12 +234,13 @@ def skinny_linear(
     # their raw uint16 bits, so off the GPU the tensor-core path upcasts them to
     # float32 first (bf16 x bf16 products are exact in float32 either way).
     block_m = _DOT_MIN if cfg.use_dot else triton.next_power_of_2(m)
+    pdl = launch_pdl(x)
     _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, w, out, m, n, k, x.stride(0), out.stride(0),
         ACT_SILU_MUL=act_silu_mul, USE_DOT=cfg.use_dot,
         DOT_F32=x.dtype == torch.float32 or not x.is_cuda,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
@@ -257,11 +263,20 @@ def _norm_gemv_kernel(
     HAS_RES: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_k = tl.arange(0, BLOCK_K)
     k_mask = offs_k < K
     dtype = h_ptr.dtype.element_ty
+    # the weights first: constant, so with PDL they load while the previous kernel ends
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    w = tl.load(w_ptr + rows[:, None] * K + offs_k[None, :], mask=k_mask[None, :], other=0.0)
+    g = tl.load(gamma_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    if PDL:  # after this the previous kernel's writes are visible (kernels/device.py)
+        gdc_wait()
+        gdc_launch_dependents()
     # every program normalizes the (short) row itself, with the norm kernel's roundings
     x = tl.load(h_ptr + offs_k, mask=k_mask, other=0.0)
     if HAS_RES:
@@ -272,11 +287,7 @@ def _norm_gemv_kernel(
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
     normed = (xf * rstd).to(dtype).to(tl.float32)
-    g = tl.load(gamma_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
     a = (g * normed).to(dtype).to(tl.float32)  # the norm's output, as rmsnorm rounds it
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-    w = tl.load(w_ptr + rows[:, None] * K + offs_k[None, :], mask=k_mask[None, :], other=0.0)
     y = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
 
@@ -311,9 +322,10 @@ def norm_skinny_linear(
     y = torch.empty((1, n), dtype=h.dtype, device=h.device)
     cfg = gemv_config(1, n, k, num_sms(h.device))
     assert cfg.block_k >= k  # one K step (gemv_config: block_k = next_pow2(k) <= 1024)
+    pdl = launch_pdl(h)
     _norm_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         h, h if residual is None else residual, gamma, w, y, res_out, n, k, eps,
         HAS_RES=residual is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     return y, res_out

@@ -12,6 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from gyrfalcon.kernels.device import launch_pdl
 
 # Rows up to this many elements are normalized from registers in one pass;
 # longer rows are streamed in chunks of _CHUNK elements (two passes over memory).
@@ -39,7 +42,11 @@ def _rmsnorm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # after this the previous kernel's writes are visible (kernels/device.py)
+        gdc_wait()
+        gdc_launch_dependents()
     i0 = tl.program_id(0).to(tl.int64)
     i1 = tl.program_id(1).to(tl.int64)
     x_row = x_ptr + i0 * sx0 + i1 * sx1
@@ -129,6 +136,7 @@ def rmsnorm(
         return out
     x3, o3 = _as_3d(x), _as_3d(out)
     block, chunks, warps = _launch_params(hidden, block_size)
+    pdl = launch_pdl(x)
     grid = (x3.shape[0], x3.shape[1])
     _rmsnorm_kernel[grid](
         x3, x3, weight, o3, o3,
@@ -136,6 +144,7 @@ def rmsnorm(
         o3.stride(0), o3.stride(1), o3.stride(0), o3.stride(1),
         hidden, eps,
         HAS_RESIDUAL=False, BLOCK=block, NUM_CHUNKS=chunks, num_warps=warps,
+        PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
@@ -167,6 +176,7 @@ def fused_add_rmsnorm(
     if x.numel() == 0:
         return out, res_out
     block, chunks, warps = _launch_params(hidden, block_size)
+    pdl = launch_pdl(x)
     # NOTE: in place, each program reads its whole row (x and residual) before the
     # stores that overwrite it in the single-pass path; in the chunked path it only
     # overwrites chunks it has already consumed. Rows never overlap between programs.
@@ -176,5 +186,6 @@ def fused_add_rmsnorm(
         out.stride(0), 0, res_out.stride(0), 0,
         hidden, eps,
         HAS_RESIDUAL=True, BLOCK=block, NUM_CHUNKS=chunks, num_warps=warps,
+        PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     return out, res_out

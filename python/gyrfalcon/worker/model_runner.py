@@ -30,6 +30,7 @@ from gyrfalcon.ipc.messages import (
     StepPlan,
     StepResult,
 )
+from gyrfalcon.kernels.device import set_launch_pdl
 from gyrfalcon.layers.attention.registry import create_backend
 from gyrfalcon.models.registry import build_model
 from gyrfalcon.scheduler.request import PLACEHOLDER
@@ -100,6 +101,7 @@ class ModelRunner:
         self.dtype = DTYPES[args.dtype]
         self.page_size = args.page_size
         torch.manual_seed(args.seed)
+        set_launch_pdl(args.enable_pdl)
         t0 = time.perf_counter()
         self.model = build_model(model_cfg, model_dir, self.dtype, self.device, args.load_format)
         logger.info("model loaded in %.1f s", time.perf_counter() - t0)
