@@ -49,7 +49,7 @@ from gyrfalcon.worker.sampler import (
     sample,
     to_position_logprobs,
 )
-from gyrfalcon.worker.warmup import warmup_plans
+from gyrfalcon.worker.warmup import WARMUP_CHUNK, warmup_plans
 
 logger = logging.getLogger(__name__)
 
@@ -206,11 +206,14 @@ class ModelRunner:
         self.submit(plan)
         return self.take()
 
-    def warm_up(self) -> None:
+    def warm_up(self, context_len: int) -> None:
         """Run one step of each kind on the dummy page (kernels compile now, not in the
-        first requests); leaves no request state behind."""
+        first requests), within `context_len` positions; leaves no request state behind."""
+        chunk = min(WARMUP_CHUNK, (context_len - 2) // 2)  # the longest row: 2 chunks + 2
+        if chunk < 1:
+            return
         t0 = time.perf_counter()
-        for plan in warmup_plans(self.page_size):
+        for plan in warmup_plans(self.page_size, chunk):
             self.execute(plan)
         assert not self.requests, "warm-up requests left behind"
         logger.info("warm-up steps ran in %.1f s", time.perf_counter() - t0)
@@ -315,5 +318,5 @@ def build_runner(
     pages = num_kv_pages(args, cfg, args.kv_dtype(runner.dtype), runner.device)
     context = max_model_len(args, cfg, pages)
     runner.init_kv_cache(pages, context)
-    runner.warm_up()
+    runner.warm_up(context)
     return runner, context

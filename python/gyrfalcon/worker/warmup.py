@@ -23,11 +23,15 @@ WARMUP_RIDS = ("warmup-greedy", "warmup-sampled")
 TOKEN = 1  # any id the vocabulary has
 
 
-def warmup_plans(page_size: int, chunk: int = 24) -> list[StepPlan]:
+WARMUP_CHUNK = 24  # prompt tokens per prefill row
+
+
+def warmup_plans(page_size: int, chunk: int = WARMUP_CHUNK) -> list[StepPlan]:
     """Prefill, a chunk on a cached prefix, a mixed step (a decode row beside a
     prefill, one greedy and one sampled row), a decode step, then the drop.
 
-    Every page of both requests is the dummy page; step ids are negative."""
+    Every page of both requests is the dummy page; step ids are negative. The
+    longest request reaches position 2 * chunk + 1."""
     a, b = WARMUP_RIDS
     greedy = SamplingParams(temperature=0.0, max_tokens=3)
     sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=2)

@@ -50,3 +50,26 @@ def test_warm_up_touches_only_the_dummy_page(tiny_model_dirs, static):
     assert not kv.k[:, rest].any() and not kv.v[:, rest].any()
     assert not runner.requests and not runner.pending
     assert len(runner._free_slots) == runner.last_tokens.shape[0]  # every slot back
+
+
+def test_plans_stay_within_2_chunks_plus_2_positions():
+    for chunk in (1, 4, 24):
+        ends = [
+            row.start + len(row.input_ids)
+            for plan in warmup_plans(4, chunk)
+            for row in plan.batches[0].rows
+        ]
+        assert max(ends) == 2 * chunk + 2
+
+
+@pytest.mark.parametrize("context,runs", [(10, True), (3, False)])
+def test_warm_up_fits_a_short_context(tiny_model_dirs, context, runs):
+    d = tiny_model_dirs["llama"]
+    args = ServerArgs(
+        model=d, device="cpu", dtype="float32", page_size=4, num_kv_pages=32,
+        max_model_len=context, static_graph_replay=True,
+    ).resolved()  # fmt: skip
+    runner, ctx = build_runner(args, d, ModelConfig.from_dir(d), rank=0)
+    assert ctx == context
+    assert runner.graphs.num_runs == int(runs)  # its decode step replays; too short: none
+    assert not runner.requests
