@@ -73,3 +73,14 @@ def test_warm_up_fits_a_short_context(tiny_model_dirs, context, runs):
     assert ctx == context
     assert runner.graphs.num_runs == int(runs)  # its decode step replays; too short: none
     assert not runner.requests
+
+
+def test_context_longer_than_the_model_is_refused(tiny_model_dirs):
+    d = tiny_model_dirs["llama"]
+    cfg = ModelConfig.from_dir(d)
+    args = ServerArgs(
+        model=d, device="cpu", dtype="float32", page_size=4, num_kv_pages=32,
+        max_model_len=cfg.max_position_embeddings + 1,
+    ).resolved()  # fmt: skip
+    with pytest.raises(ValueError, match="exceeds the model's"):
+        build_runner(args, d, cfg, rank=0)
