@@ -49,7 +49,8 @@ def triton_backend_cls():
         mp.delenv("TRITON_INTERPRET", raising=False)
         # NOTE: dependencies first (attention_decode imports kv_store's and rotary's jit
         # functions at its import)
-        for name in ("kv_store", "rotary", "split_merge", "attention_decode", "attention_extend"):
+        names = ("pdl", "kv_store", "rotary", "split_merge", "attention_decode")
+        for name in names + ("attention_extend",):
             full = f"gyrfalcon.kernels.{name}"
             if importlib.util.find_spec(full) is None:
                 continue

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from gyrfalcon.kernels.device import launch_pdl
+from gyrfalcon.kernels.pdl import pdl_gate
 
 CHUNK = 2048  # vocab entries per stage-1 program
 
@@ -32,9 +32,7 @@ def _chunk_max_kernel(
     CHUNK: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:  # after this the previous kernel's writes are visible (kernels/device.py)
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_gate(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -61,9 +59,7 @@ def _row_argmax_kernel(
     BLOCK_C: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:  # after this the previous kernel's writes are visible (kernels/device.py)
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_gate(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_C)
     mask = offs < num_chunks

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from gyrfalcon.kernels.device import launch_pdl
 from gyrfalcon.kernels.kv_store import to_cache
+from gyrfalcon.kernels.pdl import pdl_gate
 from gyrfalcon.kernels.rotary import rotated_heads
 from gyrfalcon.kernels.split_merge import merge_heads_per_tile, merge_splits
 
@@ -138,9 +138,7 @@ def _decode_split_kernel(
     F16_MATH: tl.constexpr,  # fp8 caches: dots in float16 (see decode_attention)
     PDL: tl.constexpr,
 ):
-    if PDL:  # after this the previous kernel's writes are visible (kernels/device.py)
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_gate(PDL)
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)

@@ -41,9 +41,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from gyrfalcon.kernels.device import launch_pdl, num_sms
+from gyrfalcon.kernels.pdl import pdl_gate
 
 # Largest row count `skinny_linear` accepts; larger decode batches go to cuBLAS.
 MAX_SKINNY_M = 16
@@ -134,9 +134,7 @@ def _skinny_gemm_kernel(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:  # after this the previous kernel's writes are visible (kernels/device.py)
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_gate(PDL)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -274,9 +272,7 @@ def _norm_gemv_kernel(
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     w = tl.load(w_ptr + rows[:, None] * K + offs_k[None, :], mask=k_mask[None, :], other=0.0)
     g = tl.load(gamma_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-    if PDL:  # after this the previous kernel's writes are visible (kernels/device.py)
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_gate(PDL)
     # every program normalizes the (short) row itself, with the norm kernel's roundings
     x = tl.load(h_ptr + offs_k, mask=k_mask, other=0.0)
     if HAS_RES:

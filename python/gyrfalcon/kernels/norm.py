@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from gyrfalcon.kernels.device import launch_pdl
+from gyrfalcon.kernels.pdl import pdl_gate
 
 # Rows up to this many elements are normalized from registers in one pass;
 # longer rows are streamed in chunks of _CHUNK elements (two passes over memory).
@@ -44,9 +44,7 @@ def _rmsnorm_kernel(
     NUM_CHUNKS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:  # after this the previous kernel's writes are visible (kernels/device.py)
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_gate(PDL)
     i0 = tl.program_id(0).to(tl.int64)
     i1 = tl.program_id(1).to(tl.int64)
     x_row = x_ptr + i0 * sx0 + i1 * sx1

@@ -17,12 +17,11 @@ from gyrfalcon.ipc.messages import (
     StepPlan,
 )
 from gyrfalcon.scheduler.page_allocator import DUMMY_PAGE
+from gyrfalcon.scheduler.policy import pages_needed
 from gyrfalcon.scheduler.request import PLACEHOLDER
 
 WARMUP_RIDS = ("warmup-greedy", "warmup-sampled")
 TOKEN = 1  # any id the vocabulary has
-
-
 WARMUP_CHUNK = 24  # prompt tokens per prefill row
 
 
@@ -37,7 +36,7 @@ def warmup_plans(page_size: int, chunk: int = WARMUP_CHUNK) -> list[StepPlan]:
     sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=2)
 
     def row(rid: str, start: int, n: int, sample: bool, placeholder: bool = False):
-        pages = -(-(start + n) // page_size) - -(-start // page_size)
+        pages = pages_needed(pages_needed(0, start, page_size), start + n, page_size)
         ids = [PLACEHOLDER] if placeholder else [TOKEN] * n
         return ScheduledRow(rid, start, ids, [DUMMY_PAGE] * pages, sample, False)
 
