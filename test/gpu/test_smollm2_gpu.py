@@ -113,15 +113,13 @@ def agreement(a, b):
 
 def test_bf16_flashinfer_teacher_forced_argmax(smollm2_gpu_dir):
     """On the same answers (greedy, up to EOS; >= 2000 positions), the per-position
-    argmax of the engine (bf16, flashinfer) must agree with HF bf16, and with HF
-    float32, as well as HF bf16 agrees with HF float32 (within 0.5 points), and
-    never below 98%. Printed for scale: every backend.
+    argmax of the engine (bf16, flashinfer) must agree with HF bf16 at >= 99%, and with
+    HF float32 as well as HF bf16 does (within 0.5 points). Printed for scale: every
+    backend.
 
-    NOTE: the issue asked for >= 99% against HF bf16. Measured on nvidia-h200 over
-    4923 positions: HF bf16 vs HF float32 agree at 98.46% only, and flashinfer,
-    triton and torch_ref agree with HF bf16 at 98.68%, 98.62%, 98.56%: bf16
-    rounding alone flips ~1.5% of SmolLM2's argmaxes, so 99% against HF bf16 is
-    below this model's bf16 noise floor and is not asserted.
+    NOTE: bf16 logits tie at the top often (122 of 4973 positions for HF bf16 on the
+    CPU); torch.argmax takes the lowest id, and so must the engine's top logprob, or
+    ~1.2 points of agreement go to tie order alone.
 
     Also an fp8 (e4m3) KV cache on triton: it must stay within 3 points of HF bf16's
     own agreement with HF float32. Measured on nvidia-h100-x1: 1.85 points below it
@@ -166,6 +164,6 @@ def test_bf16_flashinfer_teacher_forced_argmax(smollm2_gpu_dir):
     rate, total = report["flashinfer_bf16_vs_hf_bf16"]
     noise = report["hf_bf16_vs_hf_fp32"][0]
     assert total >= 2000
-    assert rate >= 0.98 and rate >= noise - 0.005, report
+    assert rate >= 0.99, report
     assert report["flashinfer_bf16_vs_hf_fp32"][0] >= noise - 0.005, report
     assert report["triton_fp8kv_bf16_vs_hf_fp32"][0] >= noise - 0.03, report

@@ -80,6 +80,30 @@ def to_position_logprobs(out: SampleOutput, row: int, k: int) -> PositionLogprob
     )
 
 
+def top_k_lowest_ids(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest entries of each row of x [n, vocab], in descending order, equal
+    values by ascending id -> (values [n, k], ids [n, k] int64). No host sync.
+
+    NOTE: `torch.topk` orders equal values arbitrarily, and 16-bit logits tie often
+    (at the top of ~2.5% of SmolLM2's bf16 positions). Greedy decoding takes the
+    lowest id among equals (`torch.argmax`, the Triton argmax), so here too: the first
+    entry is always the token greedy decoding picks.
+    """
+    n, vocab = x.shape
+    if k == 0:
+        return x.new_empty((n, 0)), torch.empty((n, 0), dtype=torch.int64, device=x.device)
+    kth = x.topk(k, dim=-1).values[:, -1:]  # [n, 1]
+    above, at = x > kth, x == kth  # [n, vocab] each
+    room = k - above.sum(-1, keepdim=True, dtype=torch.int32)  # [n, 1]: places left for ties
+    keep = above | (at & (at.cumsum(-1, dtype=torch.int32) <= room))  # k per row
+    ids = torch.arange(vocab, device=x.device, dtype=torch.int32).expand(n, vocab)
+    ids = torch.where(keep, ids, vocab).topk(k, dim=-1, largest=False).values  # ascending
+    ids = ids.clamp_(max=vocab - 1).long()  # NOTE: only a NaN row keeps fewer than k
+    vals = x.gather(1, ids)
+    order = vals.sort(dim=-1, descending=True, stable=True).indices  # ties stay id-ascending
+    return vals.gather(1, order), ids.gather(1, order)
+
+
 def prompt_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, k: int) -> list[PositionLogprobs]:
     """Per prompt position i: logprob of next_ids[i] under log_softmax(logits[i]) + top-k.
 
@@ -96,7 +120,7 @@ def prompt_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, k: int) -> lis
         lp = torch.log_softmax(logits[start : start + chunk].float(), dim=-1)  # [c, vocab]
         ids = next_ids[start : start + chunk].to(device=lp.device, dtype=torch.int64)  # [c]
         chosen = lp.gather(1, ids[:, None]).squeeze(1)  # [c]
-        top_lp, top_ids = lp.topk(k, dim=-1)  # [c, k] each
+        top_lp, top_ids = top_k_lowest_ids(lp, k)  # [c, k] each
         for tok, c_lp, t_ids, t_lps in zip(
             ids.tolist(), chosen.tolist(), top_ids.tolist(), top_lp.tolist()
         ):

@@ -26,7 +26,12 @@ import torch
 from gyrfalcon.ipc.messages import SamplingParams
 from gyrfalcon.layers.dispatch import use_fused
 from gyrfalcon.worker.host_copy import upload
-from gyrfalcon.worker.logprobs import SampleOutput, prompt_logprobs, to_position_logprobs
+from gyrfalcon.worker.logprobs import (
+    SampleOutput,
+    prompt_logprobs,
+    to_position_logprobs,
+    top_k_lowest_ids,
+)
 from gyrfalcon.worker.penalties import (
     DeviceTokenBuffer,
     PenaltyTensors,
@@ -309,5 +314,5 @@ def sample(
         return SampleOutput(token_ids, None, None, None)
     all_lp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [bs, vocab]
     chosen = all_lp.gather(1, token_ids[:, None]).squeeze(1)  # [bs]
-    top_lp, top_ids = all_lp.topk(batch.max_logprobs, dim=-1)  # [bs, k] each, descending
+    top_lp, top_ids = top_k_lowest_ids(all_lp, batch.max_logprobs)  # [bs, k] each, descending
     return SampleOutput(token_ids, chosen, top_ids, top_lp)

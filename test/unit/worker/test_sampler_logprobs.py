@@ -113,3 +113,51 @@ def test_prompt_logprobs_k_zero_and_shape_check():
     assert [p.top for p in result] == [[], [], []]
     with pytest.raises(ValueError):
         prompt_logprobs(logits, torch.tensor([1, 2]), 1)
+
+
+def _ranked_reference(row: list[float], k: int) -> list[tuple[float, int]]:
+    # (value descending, id ascending): the order greedy decoding's argmax implies
+    return sorted(((v, i) for i, v in enumerate(row)), key=lambda t: (-t[0], t[1]))[:k]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 8])
+def test_top_k_orders_equal_logprobs_by_lowest_id(k):
+    """16-bit logits often tie at the top; the first entry must be greedy's token (the
+    lowest id among equals), and ties at the k-th place must keep the lowest ids."""
+    g = torch.Generator().manual_seed(k)
+    x = torch.randint(0, 4, (64, 24), generator=g).float()  # many exact ties per row
+    x[0] = 7.0  # a whole row of equal values
+    vals, ids = logprobs_module.top_k_lowest_ids(x, k)
+    assert vals.shape == ids.shape == (64, k) and ids.dtype == torch.int64
+    for r in range(64):
+        ref = _ranked_reference(x[r].tolist(), k)
+        assert ids[r].tolist() == [i for _, i in ref]
+        assert vals[r].tolist() == [v for v, _ in ref]
+    assert torch.equal(ids[:, 0], x.argmax(dim=-1))
+
+
+def test_top_k_without_ties_is_topk_and_k0_is_empty():
+    x = torch.randn(5, 50, generator=torch.Generator().manual_seed(3))
+    vals, ids = logprobs_module.top_k_lowest_ids(x, 6)
+    ref = x.topk(6, dim=-1)
+    assert torch.equal(ids, ref.indices) and torch.equal(vals, ref.values)
+    vals, ids = logprobs_module.top_k_lowest_ids(x, 0)
+    assert vals.shape == ids.shape == (5, 0)
+
+
+def test_prompt_and_sample_logprobs_top_entry_is_the_greedy_token_on_ties():
+    """A tie at the top (bf16 logits): greedy picks the lower id, and the top logprob
+    reported for that position (sampled and prompt logprobs) names the same token."""
+    logits = torch.full((2, 16), -2.0, dtype=torch.bfloat16)
+    logits[:, 9] = 3.0
+    logits[:, 4] = 3.0  # equal to id 9: greedy takes 4
+    logits[1, 12] = 3.0
+    states = [
+        RequestSamplingState.create(SamplingParams(temperature=0.0, logprobs=2), [0], CPU)
+        for _ in range(2)
+    ]
+    out = sample(logits, prepare(states, 16, CPU))
+    assert out.token_ids.tolist() == [4, 4]
+    assert out.top_ids is not None and out.top_ids.tolist() == [[4, 9], [4, 9]]
+    plp = prompt_logprobs(logits, torch.tensor([9, 12]), k=3)
+    assert [[t.token_id for t in p.top] for p in plp] == [[4, 9, 0], [4, 9, 12]]
