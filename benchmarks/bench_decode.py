@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         "decode_attention_backend": args.decode_attention_backend,
         "kv_cache_dtype": args.kv_cache_dtype,
         "shuffled_pages": ns.shuffle_pages,
-        "enable_pdl": args.enable_pdl,
+        "enable_pdl": not args.disable_pdl,
         "load_format": args.load_format,
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

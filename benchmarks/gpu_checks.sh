@@ -83,7 +83,7 @@ case "${1:-tests}" in
       > "$OUT/gpu_tests.log" 2>&1
     echo "pytest exit $?"; tail -40 "$OUT/gpu_tests.log" ;;
   bench)  # PROFILE=0 skips the kernel profiles, EAGER=0 the eager SmolLM2 run, PDL_BS=1,64
-    # adds the 8B with --enable-pdl
+    # adds the 8B with --disable-pdl
     B="python3 benchmarks/bench_decode.py --device-kind $KIND"
     P8="" PS=""
     if [ "${PROFILE:-1}" = 1 ]; then
@@ -91,14 +91,14 @@ case "${1:-tests}" in
     fi
     $B --model benchmarks/models/llama-3.1-8b --load-format dummy --batch-sizes "${BS:-1,8,32,64,128,256}" \
       --output-json "$OUT/decode_llama8b.json" $P8 2>&1 | tail -12
-    if [ -n "${PDL_BS:-}" ]; then  # the 8B with --enable-pdl at these batch sizes
+    if [ -n "${PDL_BS:-}" ]; then  # the 8B with --disable-pdl at these batch sizes
       $B --model benchmarks/models/llama-3.1-8b --load-format dummy --batch-sizes "$PDL_BS" \
-        --enable-pdl --output-json "$OUT/decode_llama8b_pdl.json" 2>&1 | tail -8
+        --disable-pdl --output-json "$OUT/decode_llama8b_nopdl.json" 2>&1 | tail -8
     fi
     $B --model benchmarks/models/smollm2-135m --load-format dummy --batch-sizes 1 --steps 256 \
       --output-json "$OUT/decode_smollm2_graphs.json" $PS 2>&1 | tail -4
     $B --model benchmarks/models/smollm2-135m --load-format dummy --batch-sizes 1 --steps 256 \
-      --enable-pdl --output-json "$OUT/decode_smollm2_graphs_pdl.json" ${PS:+${PS}_pdl} 2>&1 | tail -2
+      --disable-pdl --output-json "$OUT/decode_smollm2_graphs_nopdl.json" ${PS:+${PS}_nopdl} 2>&1 | tail -2
     if [ "${EAGER:-1}" = 1 ]; then
       $B --model benchmarks/models/smollm2-135m --load-format dummy --batch-sizes 1 --steps 64 \
         --enforce-eager --output-json "$OUT/decode_smollm2_eager.json" 2>&1 | tail -4

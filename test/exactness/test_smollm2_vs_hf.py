@@ -99,3 +99,32 @@ def test_mid_flight_arrivals_and_chunked_prefill_match_hf(smollm2_dir, chat_prom
     assert [got[str(i)] for i in range(len(chat_prompts))] == hf_outputs
     eng.check_integrity()
     assert eng.scheduler.alloc.num_free == eng.scheduler.alloc.num_usable
+
+
+def test_bf16_prompt_argmax_matches_hf_bf16_ties_included(smollm2_dir, chat_prompts, hf_outputs):
+    """bfloat16 on CPU (the engine's torch ops are HF's): the top prompt logprob at every
+    position is HF bf16's argmax. bf16 logits often tie at the top; HF (torch.argmax)
+    takes the lowest id there, and so must the engine, in its top logprob as in greedy."""
+    from transformers import AutoModelForCausalLM
+
+    seqs = [p + o for p, o in zip(chat_prompts, hf_outputs)]
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16).eval()
+    eng = LocalEngine(
+        ServerArgs(model=smollm2_dir, device="cpu", dtype="bfloat16", num_kv_pages=256),
+        smollm2_dir,
+    )
+    ties = 0
+    for i, seq in enumerate(seqs):
+        with torch.no_grad():
+            logits = model(torch.tensor([seq])).logits[0, :-1]  # predicts seq[1:]
+        top2 = logits.topk(2, dim=-1).values
+        ties += int((top2[:, 0] == top2[:, 1]).sum())
+        eng.add(str(i), seq, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))
+        plp = None
+        while eng.has_work():
+            for out in eng.step():
+                plp = out.prompt_logprobs if out.prompt_logprobs is not None else plp
+        assert plp is not None and len(plp) == len(seq)
+        assert [pos.top[0].token_id for pos in plp[1:]] == logits.argmax(-1).tolist()
+    assert ties >= 3  # the check above covered tied positions
+    eng.check_integrity()

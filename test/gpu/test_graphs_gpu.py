@@ -66,8 +66,9 @@ def test_capture_with_tiny_kv_pool(tiny_gpu_dir, gpu_engine):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_programmatic_dependent_launch_changes_no_token(tiny_gpu_dir, gpu_engine, dtype):
-    """--enable-pdl: the decode kernels may start while the previous one ends and wait
-    for it inside; graphs captured with it give the same tokens as without."""
+    """Programmatic dependent launch (the default; --disable-pdl turns it off): the
+    kernels may start while the previous one ends and wait for it inside; graphs
+    captured with it give the same tokens as without."""
     from gyrfalcon.kernels.device import set_launch_pdl
 
     gen = torch.Generator().manual_seed(3)
@@ -76,10 +77,10 @@ def test_programmatic_dependent_launch_changes_no_token(tiny_gpu_dir, gpu_engine
     try:
         outs = {}
         for pdl in (False, True):
-            e = gpu_engine(tiny_gpu_dir, "triton", dtype, cuda_graph_max_bs=8, enable_pdl=pdl)
+            e = gpu_engine(tiny_gpu_dir, "triton", dtype, cuda_graph_max_bs=8, disable_pdl=not pdl)
             assert e.runner.graphs is not None and e.runner.graphs.mode == "cuda"
             outs[pdl] = [e.generate([p], sp)[0] for p in prompts[:1]] + e.generate(prompts, sp)
             e.check_integrity()
         assert outs[True] == outs[False]
     finally:
-        set_launch_pdl(False)  # NOTE: process-wide; later tests launch without it
+        set_launch_pdl(True)  # NOTE: process-wide; back to the default

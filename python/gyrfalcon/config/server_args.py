@@ -121,11 +121,11 @@ class ServerArgs:
         default=None,
         metadata={"help": "comma-separated decode batch sizes to capture (default: 1,2,4,8,16,..)"},
     )
-    enable_pdl: bool = field(
+    disable_pdl: bool = field(
         default=False,
         metadata={
-            "help": "launch the decode path's Triton kernels with programmatic dependent "
-            "launch (Hopper and later): each may start while the previous one ends"
+            "help": "launch the Triton kernels without programmatic dependent launch (by "
+            "default on Hopper and later, each may start while the previous one ends)"
         },
     )
     static_graph_replay: bool = field(

@@ -16,12 +16,12 @@ def num_sms(device: torch.device) -> int:
     return 8
 
 
-_pdl_enabled = False
+_pdl_enabled = True  # the default; `--disable-pdl` turns it off
 
 
 def set_launch_pdl(enabled: bool) -> None:
-    """Process-wide: launch the decode path's kernels with programmatic dependent launch
-    (`--enable-pdl`), where the device supports it. Set once, by the worker, at start."""
+    """Process-wide: launch the Triton kernels with programmatic dependent launch where
+    the device supports it (unless `--disable-pdl`). Set once, by the worker, at start."""
     global _pdl_enabled
     _pdl_enabled = enabled
 

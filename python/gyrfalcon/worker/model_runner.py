@@ -101,7 +101,7 @@ class ModelRunner:
         self.dtype = DTYPES[args.dtype]
         self.page_size = args.page_size
         torch.manual_seed(args.seed)
-        set_launch_pdl(args.enable_pdl)
+        set_launch_pdl(not args.disable_pdl)
         t0 = time.perf_counter()
         self.model = build_model(model_cfg, model_dir, self.dtype, self.device, args.load_format)
         logger.info("model loaded in %.1f s", time.perf_counter() - t0)

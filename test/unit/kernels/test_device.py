@@ -1,5 +1,8 @@
+import argparse
+
 import torch
 
+from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.kernels.device import launch_pdl, set_launch_pdl
 
 
@@ -13,4 +16,11 @@ def test_pdl_only_when_asked_and_never_off_the_gpu():
         set_launch_pdl(False)
         assert not launch_pdl(x)
     finally:
-        set_launch_pdl(False)
+        set_launch_pdl(True)
+
+
+def test_pdl_is_on_unless_disabled_on_the_command_line():
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    assert not ServerArgs.from_cli_args(parser.parse_args(["m"])).disable_pdl
+    assert ServerArgs.from_cli_args(parser.parse_args(["m", "--disable-pdl"])).disable_pdl
