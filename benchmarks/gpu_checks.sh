@@ -38,6 +38,8 @@ if [ -d .fi-cache ] && [ ! -d ~/.cache/flashinfer ]; then  # compiled kernels fr
 fi
 export GYRFALCON_SMOLLM2_GGUF=${GYRFALCON_SMOLLM2_GGUF:-/tmp/SmolLM2-135M-Instruct.Q4_1.gguf}
 export GYRFALCON_CACHE=/tmp/gyr-cache
+# NOTE: the device's copy may carry a stale .git; results name the commit given here
+export GYRFALCON_COMMIT=${GYRFALCON_COMMIT:-unknown}
 start_server() {  # dummy 8B with a synthetic tokenizer; records the start-up time
   python3 -m gyrfalcon.bench.synthetic_tokenizer benchmarks/models/llama-3.1-8b /tmp/tok8b >/dev/null
   local t0=$(date +%s.%N)
