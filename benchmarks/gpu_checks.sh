@@ -6,9 +6,11 @@
 #           then SGLang's serving check (500 prompts, input U[1,4096], output U[1,2048],
 #           EOS ignored, all at once) and the KV accounting after it;
 #   sweep:  the same server, random 1024 in / 512 out at concurrency 1, 16, 64, 256.
-#   fi-cache: pack flashinfer's compiled kernels into $OUT/fi-cache.tgz.part* (15 MiB
-#           parts); put them back in .fi-cache/ here and send that folder along (carry)
-#           to skip flashinfer's JIT compile (minutes) on a fresh machine.
+#   fi-cache: pack flashinfer's compiled modules (the .so files only, those restored and
+#           those built here) into $OUT/fi-aot.tgz.part* (15 MiB parts); put them in
+#           .fi-cache/ here and send that folder along (carry): restored into flashinfer's
+#           AOT folder, they load without ninja, so a fresh machine compiles nothing
+#           flashinfer has already built.
 #   PYTEST_K selects tests (pytest -k), e.g. "not flashinfer_matches_torch_ref" skips the
 #   slowest (~4 min) when flashinfer is unchanged.
 #   SERVER_FLAGS adds server flags (e.g. "--kv-cache-dtype fp8_e4m3"); TAG suffixes the
@@ -29,12 +31,12 @@ if [ ! -f /tmp/site/.installed ]; then
   touch /tmp/site/.installed
 fi
 export PYTHONPATH=$PWD/python:/tmp/site
-if [ -d .fi-cache ] && [ ! -d ~/.cache/flashinfer ]; then  # compiled kernels from an earlier machine
-  mkdir -p ~/.cache && cat .fi-cache/fi-cache.tgz.part* | tar xzf - -C ~/.cache && echo "flashinfer cache restored"
-  # NOTE: flashinfer runs ninja on every load; restored outputs older than the sources
-  # just installed would be rebuilt (84 s at the first bf16 prefill): one time for all,
-  # newer than the install
-  now=$(date +%s); find ~/.cache/flashinfer -type f -exec touch -d "@$now" {} +
+FI_AOT=/tmp/site/flashinfer/data/aot  # flashinfer loads <name>/<name>.so here as is
+if compgen -G ".fi-cache/fi-aot.tgz.part*" >/dev/null && [ ! -f "$FI_AOT/.restored" ]; then
+  # NOTE: a module in its JIT cache goes through ninja on every load, which judges by
+  # timestamps (restored ones were rebuilt); AOT modules are loaded as they are
+  mkdir -p "$FI_AOT" && cat .fi-cache/fi-aot.tgz.part* | tar xzf - -C "$FI_AOT" \
+    && touch "$FI_AOT/.restored" && echo "flashinfer modules restored: $(ls "$FI_AOT" | wc -l)"
 fi
 export GYRFALCON_SMOLLM2_GGUF=${GYRFALCON_SMOLLM2_GGUF:-/tmp/SmolLM2-135M-Instruct.Q4_1.gguf}
 export GYRFALCON_CACHE=/tmp/gyr-cache
@@ -77,7 +79,13 @@ case "${1:-tests}" in
     done
     kill -TERM $SERVER; wait $SERVER; echo "server exit $?" ;;
   fi-cache)
-    tar czf - -C ~/.cache flashinfer | split -b 15M - "$OUT/fi-cache.tgz.part"
+    mkdir -p /tmp/fi-pack && cp -r "$FI_AOT"/. /tmp/fi-pack/ && rm -f /tmp/fi-pack/.restored
+    for so in ~/.cache/flashinfer/*/*/cached_ops/*/*.so; do  # built on this machine
+      [ -f "$so" ] && mkdir -p "/tmp/fi-pack/$(basename "$(dirname "$so")")" \
+        && cp "$so" "/tmp/fi-pack/$(basename "$(dirname "$so")")/"
+    done
+    ls /tmp/fi-pack
+    tar czf - -C /tmp/fi-pack . | split -b 15M - "$OUT/fi-aot.tgz.part"
     ls -la "$OUT" ;;
   tests)
     nvidia-smi -L
