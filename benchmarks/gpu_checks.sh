@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine session: install the carried wheels, then `tests` (pytest -m gpu)
 # or `bench` (decode benchmarks). Results and logs go to $OUT.
-#   usage (on the GPU machine, from the repo root): benchmarks/gpu_checks.sh tests|bench|sglang|sweep
+#   usage (on the GPU machine, from the repo root): benchmarks/gpu_checks.sh tests|bench|sglang|sweep|startup
 #   sglang: Llama-3.1-8B shape (dummy weights, synthetic tokenizer) served, start-up time,
 #           then SGLang's serving check (500 prompts, input U[1,4096], output U[1,2048],
 #           EOS ignored, all at once) and the KV accounting after it;
@@ -68,6 +68,9 @@ case "${1:-tests}" in
       --random-range-ratio 0 --ignore-eos --seed 1
     python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8100/server_info').read().decode())" \
       | tee "$OUT/server_info_after_sglang${TAG:-}.json"
+    kill -TERM $SERVER; wait $SERVER; echo "server exit $?" ;;
+  startup)  # start-up to healthy only
+    start_server "startup${TAG:-}"; grep -a "warm-up" "$OUT/server_startup${TAG:-}.log"
     kill -TERM $SERVER; wait $SERVER; echo "server exit $?" ;;
   sweep)
     start_server "sweep${TAG:-}"
