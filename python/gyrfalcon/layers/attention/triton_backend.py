@@ -42,9 +42,8 @@ from gyrfalcon.worker.forward_batch import ForwardBatch
 @dataclass
 class TritonMeta:
     page_table: torch.Tensor  # [bs, max_pages] int32 (int64 under graphs)
-    seq_lens: (
-        torch.Tensor
-    )  # [bs] int32 (int64 under graphs), KV length of each row after this step (>= 1)
+    # [bs] int32 (int64 under graphs), KV length of each row after this step (>= 1)
+    seq_lens: torch.Tensor
     q_starts: torch.Tensor  # [bs] int32, offset of each row's first new token in [T]
     q_lens: torch.Tensor  # [bs] int32, new tokens of each row (>= 1)
     max_q_len: int  # host value: the longest extend row (rows >= num_decode); sets its grid
