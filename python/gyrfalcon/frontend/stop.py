@@ -8,11 +8,32 @@ engine output) and decides what may be shown to the client now:
   next delta shows whether it completes a match;
 - on a match, the text is truncated where the stop string begins (the stop
   string itself is never emitted) and the matcher is finished.
+
+The match chosen is the one that *ends* first in the stream (the one
+token-by-token generation reaches first); among matches ending at the same
+character, the one starting earliest (the longest). So the released text does
+not depend on how the stream is split into deltas.
+
+Each stop string runs its own incremental KMP automaton: O(L) to build for a
+stop string of length L, then amortized O(1) per stop string per character fed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+
+
+def _borders(s: str) -> list[int]:
+    """KMP failure table: border[i] = longest proper prefix of s that is a suffix of s[: i + 1]."""
+    border = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = border[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        border[i] = k
+    return border
 
 
 class StopStringMatcher:
@@ -21,11 +42,15 @@ class StopStringMatcher:
     def __init__(self, stop: Iterable[str]) -> None:
         # NOTE: an empty stop string would match before any text at all; callers
         # drop them during validation, and the matcher ignores them defensively.
-        self._stops = sorted({s for s in stop if s}, key=len)
-        # Every proper prefix of every stop string: the tails worth holding back.
-        self._prefixes = {s[:i] for s in self._stops for i in range(1, len(s))}
-        self._max_hold = max((len(s) - 1 for s in self._stops), default=0)
-        self._held = ""
+        self._stops = sorted({s for s in stop if s})
+        self._borders = [_borders(s) for s in self._stops]
+        # NOTE: invariant: _states[j] = longest suffix of the text seen so far
+        # that is a prefix of _stops[j] (< its length until a match). The held
+        # tail is the longest of these suffixes, so it equals
+        # _stops[_src][:_hold] and is never stored as a string of its own.
+        self._states = [0] * len(self._stops)
+        self._hold = 0
+        self._src = 0
         self._matched = False
 
     @property
@@ -36,47 +61,73 @@ class StopStringMatcher:
     @property
     def held(self) -> str:
         """Text received but not yet released (a possible stop-string prefix)."""
-        return self._held
+        return self._stops[self._src][: self._hold] if self._hold else ""
 
     def feed(self, delta: str) -> tuple[str, bool]:
         """Consume the next text delta.
 
         Returns (text safe to emit now, matched). When matched is True the
-        returned text ends right before the earliest stop-string occurrence.
+        returned text ends right before the stop string that ends first (ties:
+        the one starting earliest), and the matcher is finished.
         """
         if self._matched:
             return "", True
         if not self._stops:
             return delta, False
-        buf = self._held + delta
-        # NOTE: the held tail never contains a complete stop string (it was
-        # searched last time), so searching `buf` finds exactly the matches that
-        # end inside the new delta, including ones that start in the held tail.
-        cut = self._earliest_match(buf)
-        if cut is not None:
-            self._held = ""
-            self._matched = True
-            return buf[:cut], True
-        hold = self._holdback_len(buf)
-        self._held = buf[len(buf) - hold :]
-        return buf[: len(buf) - hold], False
+        # Positions below index into buf = held + delta (never materialized).
+        best: tuple[int, int] | None = None  # (end in delta, -stop length): min wins
+        hold, src = 0, 0
+        for j, s in enumerate(self._stops):
+            end = self._advance(j, delta)
+            if end >= 0:
+                best = min(best or (end, -len(s)), (end, -len(s)))
+            elif self._states[j] > hold:
+                hold, src = self._states[j], j
+        if best is not None:
+            # NOTE: a match that began before this delta was then a suffix of
+            # the text and a prefix of its stop string, so no longer than
+            # _hold: it starts inside buf and the cut below is >= 0.
+            end, neg_len = best
+            out = self._buf_prefix(delta, self._hold + end + neg_len)
+            self._matched, self._hold = True, 0
+            return out, True
+        out = self._buf_prefix(delta, self._hold + len(delta) - hold)
+        self._hold, self._src = hold, src
+        return out, False
 
     def flush(self) -> str:
         """Release the held tail (the sequence ended without completing a match)."""
-        out, self._held = self._held, ""
+        out = self.held
+        self._hold, self._states = 0, [0] * len(self._stops)
         return "" if self._matched else out
 
-    def _earliest_match(self, buf: str) -> int | None:
-        best: int | None = None
-        for s in self._stops:
-            i = buf.find(s)
-            if i != -1 and (best is None or i < best):
-                best = i
-        return best
+    def _advance(self, j: int, delta: str) -> int:
+        """Run stop j's automaton over delta up to its first match; the index in
+        delta just past that match, or -1 (then the state covers all of delta)."""
+        s, border, k = self._stops[j], self._borders[j], self._states[j]
+        i = 0
+        while i < len(delta):
+            if k == 0:
+                # Fast path: in the start state only s[0] moves the automaton.
+                i = delta.find(s[0], i)
+                if i == -1:
+                    break
+            ch = delta[i]
+            # NOTE: each fallback shrinks k and each character grows it by at
+            # most one, so the while loop is amortized O(1) per character.
+            while k and s[k] != ch:
+                k = border[k - 1]
+            if s[k] == ch:
+                k += 1
+                if k == len(s):
+                    self._states[j] = k
+                    return i + 1
+            i += 1
+        self._states[j] = k
+        return -1
 
-    def _holdback_len(self, buf: str) -> int:
-        """Length of the longest suffix of `buf` that is a proper stop-string prefix."""
-        for k in range(min(len(buf), self._max_hold), 0, -1):
-            if buf[-k:] in self._prefixes:
-                return k
-        return 0
+    def _buf_prefix(self, delta: str, n: int) -> str:
+        """The first n characters of held + delta, in O(n)."""
+        if n <= self._hold:
+            return self._stops[self._src][:n]
+        return self._stops[self._src][: self._hold] + delta[: n - self._hold]
