@@ -1,4 +1,13 @@
-"""Small process utilities shared by the launcher and the child processes."""
+"""Small process utilities shared by the launcher and the child processes.
+
+Shutdown belongs to the launcher: it stops uvicorn first (requests in flight
+finish), then sets the shared `stopping` flag and SIGTERMs its children. A child
+therefore acts on SIGTERM only once that flag is set or its parent is gone; a
+SIGTERM sent to the whole process group (`kill -TERM -PGID`, systemd) and
+Ctrl-C's SIGINT are left to the launcher, and the children serve on until it
+stops them. Children are spawned with both signals blocked (CHILD_START_BLOCKED)
+and unblock them in `setup_child`, so none is lost or fatal while they import.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +16,19 @@ import logging
 import os
 import signal
 import sys
+from types import FrameType
+
+logger = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
+# NOTE: an OpenMP runtime reads these once, when it loads (at `import torch`), so
+# they are set in the environment the children are spawned with. PASSIVE: threads
+# waiting for work sleep instead of spinning on a core another process needs
+# (GNU libgomp, which torch's wheels use, and Intel's runtime); KMP_BLOCKTIME=0:
+# the same for Intel's runtime.
+CHILD_OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
+# Blocked while the launcher spawns children, until setup_child has its handlers in.
+CHILD_START_BLOCKED = frozenset({signal.SIGINT, signal.SIGTERM})
 
 
 def die_with_parent() -> None:
@@ -21,13 +41,79 @@ def die_with_parent() -> None:
             pass
 
 
-def setup_child(name: str, log_level: str) -> None:
+class ChildStop:
+    """When a child process stops (see the module docstring).
+
+    Until `serving()` is called, an accepted SIGTERM raises SystemExit(0) at once
+    (a worker may load a model for minutes); from then on it only sets
+    `requested`, and the main loop returns at its next poll, so no exception is
+    raised inside arbitrary code (a half-done step, an atexit callback).
+    """
+
+    def __init__(self, stopping: ctypes.c_bool) -> None:
+        self.requested = False
+        self._stopping = stopping  # shared with the launcher; set before it SIGTERMs us
+        self._ppid = os.getppid()
+        self._raise = True
+
+    def serving(self) -> None:
+        """The main loop starts: from now on a stop is noticed at its next poll."""
+        self._raise = False
+
+    def parent_gone(self) -> bool:
+        return os.getppid() != self._ppid
+
+    def on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        if self.requested or not (self._stopping.value or self.parent_gone()):
+            return  # NOTE: a group SIGTERM; the launcher stops us once HTTP has drained
+        self.requested = True
+        if self._raise:
+            raise SystemExit(0)
+
+
+def setup_child(name: str, log_level: str, stopping: ctypes.c_bool) -> ChildStop:
     """Common start of a child process: logging, signals, parent-death signal."""
     configure_logging(log_level, name)
-    die_with_parent()
+    stop = ChildStop(stopping)
     # NOTE: Ctrl-C reaches the whole process group; the launcher orders shutdown.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, stop.on_sigterm)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, CHILD_START_BLOCKED)  # blocked by the launcher
+    die_with_parent()
+    return stop
+
+
+def set_child_openmp_env() -> None:
+    """Keep OpenMP from busy-waiting in the processes started from now on, unless
+    the user chose a wait policy (CHILD_OPENMP_ENV)."""
+    for key, value in CHILD_OPENMP_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+def set_torch_threads(num_threads: int | None) -> None:
+    """Run this process's torch on `num_threads` threads (None: torch's default)
+    and one inter-op thread, where that can still be set; log the counts.
+
+    Where torch is not loaded (the scheduler never imports it), OMP_NUM_THREADS
+    and MKL_NUM_THREADS are set instead, so a later import starts that way. Call
+    it in the launcher only after torch is imported: the children would inherit
+    the variables.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        assert num_threads is not None
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(num_threads)
+        logger.info("torch threads: %d (torch not loaded; OMP_NUM_THREADS set)", num_threads)
+        return
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    try:
+        torch.set_num_interop_threads(1)  # nothing here runs inter-op work (no jit.fork)
+    except RuntimeError:
+        pass  # NOTE: settable only before this process's first inter-op work
+    logger.info(
+        "torch threads: %d (inter-op %d)", torch.get_num_threads(), torch.get_num_interop_threads()
+    )
 
 
 def configure_logging(level: str, name: str = "main") -> None:
@@ -36,7 +122,3 @@ def configure_logging(level: str, name: str = "main") -> None:
         format=f"%(asctime)s [{name}] %(levelname)s %(name)s: %(message)s",
         force=True,
     )
-
-
-def parent_alive(ppid: int) -> bool:
-    return os.getppid() == ppid

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -41,6 +42,14 @@ class ServerArgs:
         },
     )
     device: str = field(default="auto", metadata={"help": "auto|cpu|cuda"})
+    cpu_threads: int | None = field(
+        default=None,
+        metadata={
+            "help": "torch threads of the worker (overrides OMP_NUM_THREADS there); default: "
+            "on CPU the cores this process may run on (its CPU affinity), on CUDA torch's own "
+            "default. The frontend and scheduler always use one"
+        },
+    )
     load_format: str = field(
         default="auto",
         metadata={
@@ -187,6 +196,15 @@ class ServerArgs:
         on_gpu = device.startswith("cuda")
         budget = self.max_num_batched_tokens or (16384 if on_gpu else 8192)
         chunk = self.chunked_prefill_size or (8192 if on_gpu else 2048)
+        # NOTE: on CUDA the worker's host threads matter little: its tensor math on the
+        # host is converting checkpoint dtypes at load (threads help there), and small
+        # metadata tensors stay under torch's grain size and never wake the pool; so
+        # torch's default stays (None), its idle threads asleep (OMP_WAIT_POLICY).
+        threads = self.cpu_threads
+        if threads is None and not on_gpu:
+            threads = available_cores()
+        if threads is not None and threads < 1:
+            raise ValueError(f"--cpu-threads must be at least 1, got {threads}")
         return dataclasses.replace(
             self,
             device=device,
@@ -195,6 +213,7 @@ class ServerArgs:
             decode_attention_backend=decode_backend,
             max_num_batched_tokens=budget,
             chunked_prefill_size=chunk,
+            cpu_threads=threads,
         )
 
     def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
@@ -250,6 +269,14 @@ def _parse_type(annotation: Any) -> Any:
     if text.startswith("float"):
         return float
     return str
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity; else the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # NOTE: no sched_getaffinity on macOS
+        return os.cpu_count() or 1
 
 
 def parse_size(text: str) -> int:

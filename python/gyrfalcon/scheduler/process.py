@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
-import os
 import sys
 
 import zmq
@@ -28,7 +28,7 @@ from gyrfalcon.ipc.messages import (
 from gyrfalcon.ipc.sockets import Channel, IpcPaths
 from gyrfalcon.scheduler.scheduler import Scheduler, SchedulerConfig
 from gyrfalcon.scheduler.step_log import ThroughputLog
-from gyrfalcon.utils import parent_alive, setup_child
+from gyrfalcon.utils import ChildStop, set_torch_threads, setup_child
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +40,14 @@ class WorkerFailed(Exception):
     pass
 
 
+class StopRequested(Exception):
+    """The launcher stopped the server (or is gone) while we waited for the worker."""
+
+
 class SchedulerLoop:
-    def __init__(self, args: ServerArgs, paths: IpcPaths, model_cfg: ModelConfig):
+    def __init__(self, args: ServerArgs, paths: IpcPaths, model_cfg: ModelConfig, stop: ChildStop):
         self.args, self.model_cfg = args, model_cfg
-        self.ppid = os.getppid()
+        self.stop = stop
         ctx = zmq.Context()
         self.from_frontend = Channel(
             ctx, zmq.PULL, paths.frontend_to_scheduler, True, FrontendToScheduler
@@ -60,8 +64,8 @@ class SchedulerLoop:
         while True:
             msg = self.from_worker.recv(WORKER_POLL_MS)
             if msg is None:
-                if not parent_alive(self.ppid):
-                    sys.exit(0)
+                if self.stop.requested or self.stop.parent_gone():
+                    raise StopRequested
                 continue
             if isinstance(msg, WorkerError):
                 raise WorkerFailed(f"worker {msg.rank} failed: {msg.message}")
@@ -119,14 +123,16 @@ class SchedulerLoop:
         )
         if line is not None:
             logger.info("%s", line)
-        if not sched.has_work() and not parent_alive(self.ppid):
-            sys.exit(0)
 
     def run(self) -> None:
+        """Serve until the launcher stops us (or is gone); exits 1 if the worker fails."""
         try:
             self.start()
-            while True:
+            self.stop.serving()
+            while not (self.stop.requested or self.stop.parent_gone()):
                 self.step()
+        except StopRequested:
+            pass
         except WorkerFailed as e:
             logger.error("%s", e)
             if self.sched is not None:
@@ -134,10 +140,19 @@ class SchedulerLoop:
             self.to_frontend.send(EngineError(str(e)))
             sys.exit(1)
         finally:
-            self.to_worker.send(Shutdown())
+            # NOTE: a PUSH send blocks while no worker is connected (not started yet, or
+            # dead): give up at once then.
+            self.to_worker.sock.setsockopt(zmq.SNDTIMEO, 0)
+            try:
+                self.to_worker.send(Shutdown())
+            except zmq.Again:
+                pass
 
 
-def run_scheduler(args: ServerArgs, paths: IpcPaths, model_cfg: ModelConfig) -> None:
+def run_scheduler(
+    args: ServerArgs, paths: IpcPaths, model_cfg: ModelConfig, stopping: ctypes.c_bool
+) -> None:
     """Entry point of the scheduler process."""
-    setup_child("scheduler", args.log_level)
-    SchedulerLoop(args, paths, model_cfg).run()
+    stop = setup_child("scheduler", args.log_level, stopping)
+    set_torch_threads(1)  # no tensor math here
+    SchedulerLoop(args, paths, model_cfg, stop).run()

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
-import os
 import sys
 import traceback
 
@@ -13,7 +13,7 @@ from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.ipc.messages import SchedulerToWorker, Shutdown, StepPlan, WorkerError, WorkerReady
 from gyrfalcon.ipc.sockets import Channel, IpcPaths
-from gyrfalcon.utils import parent_alive, setup_child
+from gyrfalcon.utils import set_torch_threads, setup_child
 from gyrfalcon.worker.model_runner import build_runner
 
 logger = logging.getLogger(__name__)
@@ -22,18 +22,24 @@ POLL_MS = 1000
 
 
 def run_worker(
-    args: ServerArgs, paths: IpcPaths, model_dir: str, cfg: ModelConfig, rank: int
+    args: ServerArgs,
+    paths: IpcPaths,
+    model_dir: str,
+    cfg: ModelConfig,
+    rank: int,
+    stopping: ctypes.c_bool,
 ) -> None:
-    """Entry point of a worker process."""
-    setup_child(f"worker{rank}", args.log_level)
-    ppid = os.getppid()
+    """Entry point of a worker process; returns when the launcher stops it."""
+    stop = setup_child(f"worker{rank}", args.log_level, stopping)
+    set_torch_threads(args.cpu_threads)  # None (CUDA): torch's default, see ServerArgs
     ctx = zmq.Context()
     inbox = Channel(ctx, zmq.PULL, paths.scheduler_to_worker, False, SchedulerToWorker)
     outbox = Channel(ctx, zmq.PUSH, paths.worker_to_scheduler, False)
     try:
         runner, context_len = build_runner(args, model_dir, cfg, rank)
         outbox.send(WorkerReady(rank, runner.kv_cache.num_pages, context_len))
-        while True:
+        stop.serving()
+        while not stop.requested:
             if runner.pending:
                 # NOTE: spin between the next plan and the oldest step's end: a plan
                 # is launched as soon as it arrives, a result sent as soon as it is in.
@@ -46,7 +52,7 @@ def run_worker(
             else:
                 msg = inbox.recv(POLL_MS)
                 if msg is None:
-                    if not parent_alive(ppid):
+                    if stop.parent_gone():
                         return
                     continue
             if isinstance(msg, Shutdown):

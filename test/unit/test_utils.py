@@ -1,0 +1,89 @@
+"""Child-process start-up helpers: who may stop a child, OpenMP environment, threads."""
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from gyrfalcon import utils
+from gyrfalcon.utils import CHILD_OPENMP_ENV, ChildStop, set_child_openmp_env
+
+
+def sigterm(stop: ChildStop) -> None:
+    stop.on_sigterm(signal.SIGTERM, None)
+
+
+def test_group_sigterm_is_left_to_the_launcher():
+    stop = ChildStop(ctypes.c_bool(False))
+    sigterm(stop)  # kill -TERM -PGID, systemd: the launcher drains HTTP first
+    assert not stop.requested
+    stop.serving()
+    sigterm(stop)
+    assert not stop.requested
+
+
+def test_launcher_stop_while_starting_exits_at_once_and_only_once():
+    stopping = ctypes.c_bool(False)
+    stop = ChildStop(stopping)
+    stopping.value = True  # the launcher sets the flag, then SIGTERMs us
+    with pytest.raises(SystemExit) as exc:
+        sigterm(stop)
+    assert exc.value.code == 0 and stop.requested
+    sigterm(stop)  # NOTE: a second SIGTERM (during atexit, say) must not raise again
+
+
+def test_launcher_stop_while_serving_only_sets_requested():
+    stop = ChildStop(ctypes.c_bool(True))
+    stop.serving()
+    sigterm(stop)  # no exception inside whatever the main loop was doing
+    assert stop.requested
+
+
+def test_parent_death_stops_the_child(monkeypatch):
+    stop = ChildStop(ctypes.c_bool(False))
+    stop.serving()
+    monkeypatch.setattr(utils.os, "getppid", lambda: 1)  # reparented: PR_SET_PDEATHSIG fired
+    assert stop.parent_gone()
+    sigterm(stop)
+    assert stop.requested
+
+
+def test_child_openmp_env_keeps_the_users_choice(monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    monkeypatch.delenv("KMP_BLOCKTIME", raising=False)
+    set_child_openmp_env()
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert os.environ["KMP_BLOCKTIME"] == CHILD_OPENMP_ENV["KMP_BLOCKTIME"]
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    set_child_openmp_env()
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
+def run_python(code: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_set_torch_threads_in_a_fresh_process():
+    # a fresh interpreter: inter-op threads are settable only before any inter-op work
+    got = run_python(
+        "import torch; from gyrfalcon.utils import set_torch_threads; set_torch_threads(1); "
+        "print(torch.get_num_threads(), torch.get_num_interop_threads())"
+    )
+    assert got == "1 1"
+
+
+def test_set_torch_threads_before_torch_is_imported():
+    # the scheduler never imports torch: a later import must still start on one thread
+    got = run_python(
+        "import sys; from gyrfalcon.utils import set_torch_threads; set_torch_threads(1); "
+        "assert 'torch' not in sys.modules; import torch; print(torch.get_num_threads())"
+    )
+    assert got == "1"
