@@ -129,16 +129,17 @@ def test_chat_logprobs(client, model_name):
         top_logprobs=3,
     )
     content = r.choices[0].logprobs.content
-    # a final stop token (eos) counts in usage but is neither rendered nor listed
+    # one entry per counted token: a final stop token (eos) is listed, not rendered
+    assert len(content) == r.usage.completion_tokens
     stop_tok = 1 if r.choices[0].finish_reason == "stop" else 0
-    assert len(content) == r.usage.completion_tokens - stop_tok
     for pos in content:
         assert len(pos.top_logprobs) == 3
         assert pos.logprob <= 0
         # greedy: the chosen token is the most likely one
         assert pos.top_logprobs[0].logprob == pytest.approx(pos.logprob, abs=1e-4)
         assert pos.top_logprobs[0].logprob >= pos.top_logprobs[1].logprob
-    assert "".join(p.token for p in content) == r.choices[0].message.content
+    rendered = content[: len(content) - stop_tok]
+    assert "".join(p.token for p in rendered) == r.choices[0].message.content
 
 
 @pytest.mark.parametrize("stream", [False, True])

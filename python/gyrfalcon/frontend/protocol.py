@@ -5,17 +5,20 @@ plus the sampling extensions vLLM users expect (top_k, min_p,
 repetition_penalty, stop_token_ids, ignore_eos, skip_special_tokens). Response
 and stream-chunk models live in `protocol_responses.py`.
 
-Unknown fields are ignored (clients send fields we do not implement, such as
-`user` metadata); values outside their documented range are rejected. A JSON
-`null` for a field with a default means "use the default", as in OpenAI's API.
+Types are strict (`"8"` or `true` is not a number; OpenAI rejects them too);
+values outside their documented range are rejected. A JSON `null` for a field
+with a default means "use the default", as in OpenAI's API. Fields the server
+does not build yet are refused with a 400 naming them, and fields nobody
+defines are ignored and named in one log line per request (protocol_fields.py).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from gyrfalcon.frontend.protocol_fields import REFUSED, ParamError, check_refused, check_text
 from gyrfalcon.ipc.messages import SamplingParams
 
 MAX_N = 128  # choices per request (OpenAI's limit)
@@ -23,21 +26,20 @@ MAX_TOP_LOGPROBS = 20
 MAX_TEMPERATURE = 2.0
 MIN_PENALTY, MAX_PENALTY = -2.0, 2.0
 MAX_STOP_STRINGS = 64
+# NOTE: stop matching is linear in the output, but each held-back character is
+# re-examined per stop string: bound the work a single request can ask for.
+MAX_STOP_STRING_CHARS = 1024
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for each logit_bias value: [-100, 100]
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 TOP_K_DISABLED = -1
 
-
-class ParamError(ValueError):
-    """A semantically invalid request field; `param` names it for the error body."""
-
-    def __init__(self, param: str | None, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-        self.message = message
+__all__ = ["ParamError"]  # re-exported: the schemas' validation errors
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # NOTE: extra="allow" keeps unknown fields in `model_extra`, so that
+    # `unknown_fields()` can name them in a log line; they never reach the engine.
+    model_config = ConfigDict(extra="allow", strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -51,12 +53,38 @@ class _Request(BaseModel):
             if not (v is None and k in fields and fields[k].default is not None)
         }
 
+    def unknown_fields(self, prefix: str = "") -> list[str]:
+        """Paths of the fields this schema (and its nested ones) does not define."""
+        out = [f"{prefix}{k}" for k in self.model_extra or {} if k not in REFUSED]
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            items = value if isinstance(value, list) else [value]
+            for i, item in enumerate(items):
+                if isinstance(item, _Request):
+                    where = f"{name}[{i}]" if isinstance(value, list) else name
+                    out += item.unknown_fields(f"{prefix}{where}.")
+        return out
+
+
+class _Body(_Request):
+    """A whole request body: refused fields and invalid text are checked first."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_body(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            check_text(data)
+            check_refused(data)
+        return data
+
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    # vLLM's extension: every chunk carries the usage so far (with include_usage)
+    continuous_usage_stats: bool = False
 
 
-class SamplingRequest(_Request):
+class SamplingRequest(_Body):
     """Fields shared by chat and text completions."""
 
     model: str | None = None
@@ -64,20 +92,30 @@ class SamplingRequest(_Request):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_N)
     max_tokens: int | None = Field(None, ge=1)
-    stop: StrictStr | list[StrictStr] | None = None
+    stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     presence_penalty: float = Field(0.0, ge=MIN_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float = Field(0.0, ge=MIN_PENALTY, le=MAX_PENALTY)
+    # token id (a decimal string, as JSON object keys are) -> bias added to its logit
+    logit_bias: dict[str, float] | None = None
+    # OpenAI fields that do not change the output: accepted as they are
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None  # no tools are built yet: nothing to parallelize
     # vLLM-style extensions
     top_k: int = Field(TOP_K_DISABLED, ge=TOP_K_DISABLED)  # -1 or 0 = disabled
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
-    stop_token_ids: list[StrictInt] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    min_tokens: int = Field(0, ge=0)  # no EOS / stop id / stop string before this many
+    allowed_token_ids: list[int] | None = None  # sample only among these
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @model_validator(mode="after")
     def _check_shared(self) -> SamplingRequest:
@@ -85,9 +123,45 @@ class SamplingRequest(_Request):
             raise ParamError("stream_options", "stream_options is only allowed when stream is true")
         if len(self.stop_strings) > MAX_STOP_STRINGS:
             raise ParamError("stop", f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop_strings):
+            raise ParamError(
+                "stop", f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters"
+            )
         if any(t < 0 for t in self.stop_token_ids):
             raise ParamError("stop_token_ids", "stop_token_ids must be non-negative")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ParamError("allowed_token_ids", "allowed_token_ids must not be empty")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ParamError("min_tokens", "min_tokens must not exceed max_tokens")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ParamError("prompt_logprobs", "prompt_logprobs is not available when streaming")
+        _ = self.bias_by_id  # validates the keys and values
         return self
+
+    @property
+    def bias_by_id(self) -> dict[int, float]:
+        """`logit_bias` keyed by token id (ParamError on a bad key or value)."""
+        out: dict[int, float] = {}
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.strip().lstrip("-").isdigit():
+                raise ParamError("logit_bias", f"logit_bias key {key!r} is not a token id")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ParamError(
+                    "logit_bias",
+                    f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]; "
+                    f"got {bias} for token {key}",
+                )
+            out[int(key)] = bias
+        return out
+
+    @property
+    def token_id_params(self) -> dict[str, list[int]]:
+        """The token-id fields, by name, for the vocabulary check."""
+        return {
+            "stop_token_ids": self.stop_token_ids,
+            "logit_bias": list(self.bias_by_id),
+            "allowed_token_ids": self.allowed_token_ids or [],
+        }
 
     @property
     def stop_strings(self) -> list[str]:
@@ -101,18 +175,24 @@ class SamplingRequest(_Request):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Every stream chunk carries the usage so far (vLLM: needs include_usage too)."""
+        options = self.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
+
 
 # ---------------------------------------------------------------- chat
 
 
 class TextPart(_Request):
     type: Literal["text"]
-    text: StrictStr
+    text: str
 
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
+    content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
 
@@ -120,6 +200,8 @@ class ChatMessage(_Request):
     @classmethod
     def _only_text_parts(cls, data: Any) -> Any:
         content = data.get("content") if isinstance(data, dict) else None
+        if isinstance(data, dict) and data.get("tool_calls"):
+            raise ParamError("messages", "tool calls in messages are not supported yet")
         if isinstance(content, list):
             for part in content:
                 kind = part.get("type") if isinstance(part, dict) else None
@@ -179,7 +261,7 @@ class ChatCompletionRequest(SamplingRequest):
 
 # ---------------------------------------------------------------- completions
 
-Prompt = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+Prompt = str | list[str] | list[int] | list[list[int]]
 
 
 class CompletionRequest(SamplingRequest):
@@ -187,11 +269,14 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
 
     @model_validator(mode="after")
     def _check_prompt(self) -> CompletionRequest:
         if self.suffix:
             raise ParamError("suffix", "suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ParamError("best_of", "best_of other than n is not supported")
         if isinstance(self.prompt, list):
             if not self.prompt:
                 raise ParamError("prompt", "prompt must not be empty")
@@ -224,12 +309,13 @@ def to_sampling_params(
     `max_tokens` is the resolved budget (defaults and context clamping are the
     serving layer's job). Logprob counts follow each endpoint's convention.
     """
+    prompt_logprobs = req.prompt_logprobs
     if isinstance(req, ChatCompletionRequest):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        prompt_logprobs = None
     else:
         logprobs = req.logprobs
-        prompt_logprobs = req.logprobs if req.echo else None
+        if req.echo and req.logprobs is not None:  # echo reports the prompt's logprobs too
+            prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)
     return SamplingParams(
         temperature=req.temperature,
         top_p=req.top_p,
@@ -244,4 +330,7 @@ def to_sampling_params(
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        min_tokens=req.min_tokens,
+        logit_bias=req.bias_by_id,
+        allowed_token_ids=req.allowed_token_ids,
     )

@@ -33,6 +33,19 @@ class UsageInfo(BaseModel):
         )
 
 
+class PromptLogprob(BaseModel):
+    """One token of a prompt position in vLLM's `prompt_logprobs` shape."""
+
+    logprob: float
+    rank: int | None = None  # 1 = the most probable token
+    decoded_token: str | None = None
+
+
+# vLLM's `prompt_logprobs`: per prompt position (the first has none), the prompt's
+# token and the top-k tokens, keyed by token id.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 # ---------------------------------------------------------------- chat
 
 
@@ -69,6 +82,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension
 
 
 class ChatDelta(BaseModel):
@@ -107,6 +121,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension
 
 
 class CompletionResponse(BaseModel):

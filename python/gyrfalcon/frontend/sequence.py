@@ -1,9 +1,10 @@
 """One generated choice: engine outputs in, client-visible deltas out.
 
 `SequenceDecoder` applies, per output, the rules every endpoint shares:
-a token-based stop (eos or `stop_token_ids`) is counted but not rendered,
-text goes through the incremental detokenizer and then the stop-string
-matcher, and the held-back text is released when the sequence ends.
+a token-based stop (eos or `stop_token_ids`) is counted and keeps its logprob
+entry but its text is not rendered, text goes through the incremental
+detokenizer and then the stop-string matcher, and the held-back text is
+released when the sequence ends.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ FINISH_STOP = "stop"
 class ChoiceDelta:
     """What one engine output changed in one choice.
 
-    `token_ids`/`logprobs` are the rendered tokens of this output (a final stop
-    token is left out); `text` is what may be shown now, which can lag the
-    tokens (held-back stop-string prefixes, unfinished characters).
+    `token_ids`/`logprobs` are every token of this output, a final stop token
+    included (one logprob entry per counted token, as OpenAI and vLLM report
+    them); `text` is what may be shown now: never a stop token's text, and it
+    can lag the tokens (held-back stop-string prefixes, unfinished characters).
     """
 
     index: int
@@ -57,11 +59,15 @@ class SequenceDecoder:
         prompt_ids: Sequence[int],
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
     ) -> None:
         self.index = index
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
         self._stop = StopStringMatcher(stop)
         self._num_prompt_tokens = len(prompt_ids)
+        # NOTE: as in vLLM, the text of the first min_tokens tokens is not searched
+        # for stop strings; matching starts with the text of the tokens after them.
+        self._unmatched_tokens = min_tokens
         self._finished = False
 
     @property
@@ -75,16 +81,21 @@ class SequenceDecoder:
         if self._finished:
             raise RuntimeError(f"choice {self.index} already finished")
         ids, logprobs = out.token_ids, out.logprobs
+        rendered = ids
         if out.finish_reason == FINISH_STOP and ids:
             # NOTE: the engine's contract: on a token stop (eos / stop_token_ids)
-            # the last id of the final output is that token; count, don't render.
-            ids = ids[:-1]
-            logprobs = logprobs[: len(ids)] if logprobs is not None else None
+            # the last id of the final output is that token: counted and kept
+            # in the logprobs, but not rendered.
+            rendered = ids[:-1]
         ended = out.finish_reason is not None
-        text = self._detok.feed(ids)
+        free = min(self._unmatched_tokens, len(rendered))
+        self._unmatched_tokens -= free
+        text = self._detok.feed(rendered[:free])  # before min_tokens: never a stop string
+        tail = self._detok.feed(rendered[free:])
         if ended:
-            text += self._detok.flush()
-        text, matched = self._stop.feed(text)
+            tail += self._detok.flush()
+        tail, matched = self._stop.feed(tail)
+        text += tail
         finish_reason = out.finish_reason
         if matched:
             finish_reason = FINISH_STOP

@@ -24,6 +24,7 @@ import gyrfalcon
 from gyrfalcon.frontend.engine_client import EngineClient, EngineDeadError
 from gyrfalcon.frontend.protocol import ChatCompletionRequest, CompletionRequest, ParamError
 from gyrfalcon.frontend.protocol_responses import ModelCard, ModelList, now
+from gyrfalcon.frontend.protocol_tokenize import DetokenizeRequest
 from gyrfalcon.frontend.serving_chat import create_chat_completion
 from gyrfalcon.frontend.serving_common import (
     ClientDisconnected,
@@ -32,6 +33,7 @@ from gyrfalcon.frontend.serving_common import (
     error_body,
 )
 from gyrfalcon.frontend.serving_completions import create_completion
+from gyrfalcon.frontend.serving_tokenize import create_detokenize, create_tokenize
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -161,6 +163,14 @@ def create_app(
         card = ModelCard(id=model_name, created=created, max_model_len=ctx.max_model_len)
         return json_response(ModelList(data=[card]))
 
+    @app.get("/v1/models/{model:path}")  # `path`: model ids may hold a `/`
+    async def retrieve_model(model: str) -> Response:
+        ctx.check_model(model)
+        ctx.check_engine()
+        return json_response(
+            ModelCard(id=model_name, created=created, max_model_len=ctx.max_model_len)
+        )
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return _respond(await create_chat_completion(ctx, body, request))
@@ -168,6 +178,16 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return _respond(await create_completion(ctx, body, request))
+
+    @app.post("/tokenize")
+    @app.post("/v1/tokenize")
+    async def tokenize(body: dict[str, Any]) -> Response:
+        return json_response(create_tokenize(ctx, body))
+
+    @app.post("/detokenize")
+    @app.post("/v1/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        return json_response(create_detokenize(ctx, body))
 
     @app.get("/server_info")
     async def server_info() -> Response:

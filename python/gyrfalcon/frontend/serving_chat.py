@@ -9,17 +9,15 @@ from typing import TYPE_CHECKING
 import msgspec
 from starlette.requests import Request
 
+from gyrfalcon.frontend.logprob_formats import chat_logprobs, vllm_prompt_logprobs
 from gyrfalcon.frontend.protocol import ChatCompletionRequest, ChatMessage, to_sampling_params
 from gyrfalcon.frontend.protocol_responses import (
-    ChatChoiceLogprobs,
     ChatCompletionChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
     ChatDelta,
     ChatResponseMessage,
-    ChatTokenLogprob,
-    ChatTopLogprob,
     UsageInfo,
     new_id,
     now,
@@ -32,12 +30,10 @@ from gyrfalcon.frontend.serving_common import (
     RequestError,
     ServingContext,
     child_seed,
-    finite_logprob,
     raise_for_error,
     sse,
     stream_choices,
 )
-from gyrfalcon.ipc.messages import PositionLogprobs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -46,17 +42,23 @@ ID_PREFIX = "chatcmpl"
 
 
 def render_chat_prompt(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[ChatMessage]
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[ChatMessage],
+    chat_template_kwargs: dict[str, bool] | None = None,
 ) -> list[int]:
     """Apply the model's chat template (with the generation prompt) and tokenize.
 
+    `chat_template_kwargs` override `apply_chat_template`'s flags (by default
+    `add_generation_prompt=True`), e.g. `continue_final_message` for /tokenize.
     NOTE: the template already writes any BOS/special tokens, so encoding adds none.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("this model has no chat template; use /v1/completions", param="messages")
     try:
         text = tokenizer.apply_chat_template(
-            [m.to_template() for m in messages], add_generation_prompt=True, tokenize=False
+            [m.to_template() for m in messages],
+            tokenize=False,
+            **{"add_generation_prompt": True, **(chat_template_kwargs or {})},
         )
     except Exception as exc:  # templates reject bad conversations by raising
         raise RequestError(
@@ -75,9 +77,7 @@ async def create_chat_completion(
 
     All request errors (RequestError) are raised here, before any byte is sent.
     """
-    ctx.check_model(req.model)
-    ctx.check_engine()
-    ctx.check_token_ids(req.stop_token_ids, "stop_token_ids")
+    ctx.check_request(req, "/v1/chat/completions")
     prompt_ids = render_chat_prompt(ctx.tokenizer, req.messages)
     max_tokens = ctx.resolve_max_tokens(
         len(prompt_ids), req.requested_max_tokens, default=None, prompt_param="messages"
@@ -96,30 +96,6 @@ async def create_chat_completion(
     if req.stream:
         return _stream(ctx, req, request_id, children, raw)
     return await _collect(ctx, req, request_id, children, raw)
-
-
-def chat_logprobs(ctx: ServingContext, positions: Sequence[PositionLogprobs]) -> ChatChoiceLogprobs:
-    """OpenAI's chat shape: one entry per token, each with its top alternatives."""
-    texts = ctx.token_texts
-
-    return ChatChoiceLogprobs(
-        content=[
-            ChatTokenLogprob(
-                token=texts.text_of(p.token_id),
-                logprob=finite_logprob(p.logprob),
-                bytes=list(texts.bytes_of(p.token_id)),
-                top_logprobs=[
-                    ChatTopLogprob(
-                        token=texts.text_of(t.token_id),
-                        logprob=finite_logprob(t.logprob),
-                        bytes=list(texts.bytes_of(t.token_id)),
-                    )
-                    for t in p.top
-                ],
-            )
-            for p in positions
-        ]
-    )
 
 
 async def _collect(
@@ -144,12 +120,19 @@ async def _collect(
         )
         for r in results
     ]
+    prompt_ids = children[0].prompt_ids
+    prompt_logprobs = None
+    if req.prompt_logprobs is not None:
+        prompt_logprobs = vllm_prompt_logprobs(
+            ctx, prompt_ids, results[0].prompt_logprobs, req.prompt_logprobs
+        )
     return ChatCompletionResponse(
         id=request_id,
         created=now(),
         model=ctx.model_name,
         choices=choices,
-        usage=UsageInfo.of(len(children[0].prompt_ids), sum(r.num_output_tokens for r in results)),
+        usage=UsageInfo.of(len(prompt_ids), sum(r.num_output_tokens for r in results)),
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -162,7 +145,12 @@ async def _stream(
 ) -> AsyncIterator[str]:
     created = now()
 
+    completion_tokens = [0] * len(children)
+    num_prompt = len(children[0].prompt_ids)
+
     def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
+        if usage is None and choices and req.continuous_usage:
+            usage = UsageInfo.of(num_prompt, sum(completion_tokens))
         return sse(
             ChatCompletionChunk(
                 id=request_id, created=created, model=ctx.model_name, choices=choices, usage=usage
@@ -177,7 +165,6 @@ async def _stream(
                 )
             ]
         )
-    completion_tokens = [0] * len(children)
     deltas = stream_choices(ctx, children, req.stop_strings, req.skip_special_tokens, raw)
     try:
         async with aclosing(deltas):
@@ -204,5 +191,5 @@ async def _stream(
         yield SSE_DONE
         return
     if req.include_usage:
-        yield chunk([], UsageInfo.of(len(children[0].prompt_ids), sum(completion_tokens)))
+        yield chunk([], UsageInfo.of(num_prompt, sum(completion_tokens)))
     yield SSE_DONE

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -19,7 +18,11 @@ from starlette.requests import Request
 
 from gyrfalcon.frontend.detokenizer import TokenTexts
 from gyrfalcon.frontend.engine_client import FINISH_ERROR, EngineClient, EngineDeadError
-from gyrfalcon.frontend.protocol_responses import ErrorInfo, ErrorResponse
+from gyrfalcon.frontend.protocol import SamplingRequest
+from gyrfalcon.frontend.protocol_responses import (
+    ErrorInfo,
+    ErrorResponse,
+)
 from gyrfalcon.frontend.sequence import ChoiceDelta, SequenceDecoder
 from gyrfalcon.ipc.messages import PositionLogprobs, SamplingParams
 
@@ -35,8 +38,6 @@ ERROR_TYPES = {
     HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",
 }
 SSE_DONE = "data: [DONE]\n\n"
-# JSON has no -inf: a token with zero probability reports this (as OpenAI does).
-MIN_LOGPROB = -9999.0
 _UINT64 = 2**64
 _INT64_MIN = -(2**63)
 
@@ -63,13 +64,6 @@ class ClientDisconnected(Exception):
 def error_body(status: HTTPStatus, message: str, param: str | None = None) -> ErrorResponse:
     kind = ERROR_TYPES.get(status, "InternalServerError")
     return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=int(status)))
-
-
-def finite_logprob(logprob: float) -> float:
-    """`logprob` clamped into JSON-representable numbers (-inf and NaN -> MIN_LOGPROB)."""
-    if math.isnan(logprob) or logprob < MIN_LOGPROB:
-        return MIN_LOGPROB
-    return logprob
 
 
 def sse(payload: BaseModel) -> str:
@@ -124,6 +118,17 @@ class ServingContext:
             raise RequestError(
                 f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param=param
             )
+
+    def check_request(self, req: SamplingRequest, endpoint: str) -> None:
+        """What every generation request checks before its prompt is built: the model
+        name, the engine, token ids against the vocabulary; unknown fields are logged."""
+        self.check_model(req.model)
+        self.check_engine()
+        for param, ids in req.token_id_params.items():
+            self.check_token_ids(ids, param)
+        unknown = req.unknown_fields()
+        if unknown:
+            logger.warning("%s: ignoring fields no API defines: %s", endpoint, ", ".join(unknown))
 
     def resolve_max_tokens(
         self, prompt_len: int, requested: int | None, default: int | None, prompt_param: str
@@ -254,7 +259,12 @@ async def _run_child(
     queue: asyncio.Queue[ChoiceDelta | None],
 ) -> None:
     decoder = SequenceDecoder(
-        ctx.tokenizer, child.index, child.prompt_ids, stop, skip_special_tokens
+        ctx.tokenizer,
+        child.index,
+        child.prompt_ids,
+        stop,
+        skip_special_tokens,
+        child.sampling.min_tokens,
     )
     try:
         outputs = ctx.engine.generate(child.rid, child.prompt_ids, child.sampling)

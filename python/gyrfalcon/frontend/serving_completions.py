@@ -7,17 +7,17 @@ prompt_index * n + i. `echo` puts the prompt before the completion; with
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
 import msgspec
 from starlette.requests import Request
 
+from gyrfalcon.frontend.logprob_formats import CompletionLogprobsBuilder, vllm_prompt_logprobs
 from gyrfalcon.frontend.protocol import CompletionRequest, to_sampling_params
 from gyrfalcon.frontend.protocol_responses import (
     CompletionChoice,
-    CompletionLogprobs,
     CompletionResponse,
     UsageInfo,
     new_id,
@@ -31,12 +31,10 @@ from gyrfalcon.frontend.serving_common import (
     RequestError,
     ServingContext,
     child_seed,
-    finite_logprob,
     raise_for_error,
     sse,
     stream_choices,
 )
-from gyrfalcon.ipc.messages import PositionLogprobs
 
 ID_PREFIX = "cmpl"
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for text completions
@@ -70,9 +68,7 @@ async def create_completion(
 
     All request errors (RequestError) are raised here, before any byte is sent.
     """
-    ctx.check_model(req.model)
-    ctx.check_engine()
-    ctx.check_token_ids(req.stop_token_ids, "stop_token_ids")
+    ctx.check_request(req, "/v1/completions")
     prompts = _encode_prompts(ctx, req)
     request_id = new_id(ID_PREFIX)
     children = []
@@ -98,46 +94,6 @@ async def create_completion(
     return await _collect(ctx, req, request_id, children, texts, usage_prompt, raw)
 
 
-class _LogprobsBuilder:
-    """Builds OpenAI's legacy logprobs shape, keeping `text_offset` running."""
-
-    def __init__(self, ctx: ServingContext) -> None:
-        self._texts = ctx.token_texts
-        self.offset = 0
-
-    def build(
-        self,
-        prompt_ids: Sequence[int] = (),
-        prompt_logprobs: Sequence[PositionLogprobs | None] | None = None,
-        positions: Sequence[PositionLogprobs] = (),
-    ) -> CompletionLogprobs:
-        out = CompletionLogprobs()
-        for j, token_id in enumerate(prompt_ids):
-            entry = (
-                prompt_logprobs[j]
-                if prompt_logprobs is not None and j < len(prompt_logprobs)
-                else None
-            )
-            self._add(out, token_id, entry)
-        for p in positions:
-            self._add(out, p.token_id, p)
-        return out
-
-    def _add(self, out: CompletionLogprobs, token_id: int, entry: PositionLogprobs | None) -> None:
-        token = self._texts.text_of(token_id)
-        out.tokens.append(token)
-        out.text_offset.append(self.offset)
-        self.offset += len(token)
-        if entry is None:
-            out.token_logprobs.append(None)
-            out.top_logprobs.append(None)
-            return
-        out.token_logprobs.append(finite_logprob(entry.logprob))
-        out.top_logprobs.append(
-            {self._texts.text_of(t.token_id): finite_logprob(t.logprob) for t in entry.top}
-        )
-
-
 async def _collect(
     ctx: ServingContext,
     req: CompletionRequest,
@@ -155,15 +111,23 @@ async def _collect(
             results[delta.index].add(delta)
     choices = []
     for r, child, echo_text in zip(results, children, echo_texts):
-        logprobs = None
+        logprobs = prompt_logprobs = None
         if req.logprobs is not None:
-            logprobs = _LogprobsBuilder(ctx).build(
+            logprobs = CompletionLogprobsBuilder(ctx, req.logprobs).build(
                 child.prompt_ids if req.echo else (), r.prompt_logprobs, r.logprobs
+            )
+        if req.prompt_logprobs is not None:
+            prompt_logprobs = vllm_prompt_logprobs(
+                ctx, child.prompt_ids, r.prompt_logprobs, req.prompt_logprobs
             )
         text = echo_text + r.text if req.echo else r.text
         choices.append(
             CompletionChoice(
-                index=r.index, text=text, logprobs=logprobs, finish_reason=r.finish_reason
+                index=r.index,
+                text=text,
+                logprobs=logprobs,
+                finish_reason=r.finish_reason,
+                prompt_logprobs=prompt_logprobs,
             )
         )
     return CompletionResponse(
@@ -193,7 +157,7 @@ async def _stream(
             )
         )
 
-    builders = [_LogprobsBuilder(ctx) for _ in children]
+    builders = [CompletionLogprobsBuilder(ctx, req.logprobs or 0) for _ in children]
     started = [False] * len(children)
     completion_tokens = [0] * len(children)
     deltas = stream_choices(ctx, children, req.stop_strings, req.skip_special_tokens, raw)
@@ -215,12 +179,16 @@ async def _stream(
                     )
                 if not (text or (logprobs and logprobs.tokens) or delta.finished):
                     continue
+                usage = None
+                if req.continuous_usage:
+                    usage = UsageInfo.of(usage_prompt, sum(completion_tokens))
                 yield chunk(
                     [
                         CompletionChoice(
                             index=i, text=text, logprobs=logprobs, finish_reason=delta.finish_reason
                         )
-                    ]
+                    ],
+                    usage,
                 )
     except ClientDisconnected:
         return

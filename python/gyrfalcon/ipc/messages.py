@@ -40,6 +40,14 @@ class SamplingParams(msgspec.Struct, frozen=True):
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; k >= 0 = sampled token's logprob + top-k
     prompt_logprobs: int | None = None  # None = off; k >= 0 = per prompt token
+    min_tokens: int = 0  # eos and stop_token_ids cannot end the output before this many
+    logit_bias: dict[int, float] = {}  # added to the raw logits before sampling
+    allowed_token_ids: list[int] | None = None  # None = all; else only these are sampled
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether logits are changed before sampling (beyond penalties)."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or self.min_tokens > 0
 
     @property
     def greedy(self) -> bool:
@@ -80,6 +88,7 @@ class PositionLogprobs(msgspec.Struct, array_like=True):
     token_id: int
     logprob: float
     top: list[TokenLogprob] = []
+    rank: int | None = None  # 1 + tokens strictly more probable (prompt positions only)
 
 
 class RequestOutput(msgspec.Struct, array_like=True):

@@ -232,9 +232,12 @@ class Scheduler:
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         sp = req.sampling
-        if token in sp.stop_token_ids:
+        # NOTE: the sampler masks stop tokens under min_tokens; this keeps the rule
+        # even when nothing else could be sampled (allowed_token_ids = a stop id).
+        may_stop = len(req.output_ids) > sp.min_tokens
+        if may_stop and token in sp.stop_token_ids:
             return "stop"
-        if not sp.ignore_eos and token in self.cfg.eos_token_ids:
+        if may_stop and not sp.ignore_eos and token in self.cfg.eos_token_ids:
             return "stop"
         known = len(req.prompt_ids) + len(req.output_ids)  # NOTE: not counting tokens in flight
         if len(req.output_ids) >= sp.max_tokens or known >= self.cfg.max_model_len:

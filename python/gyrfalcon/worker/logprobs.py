@@ -105,7 +105,8 @@ def top_k_lowest_ids(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def prompt_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, k: int) -> list[PositionLogprobs]:
-    """Per prompt position i: logprob of next_ids[i] under log_softmax(logits[i]) + top-k.
+    """Per prompt position i: logprob of next_ids[i] under log_softmax(logits[i]), its
+    rank (1 + the number of tokens with a strictly larger logprob) and the top-k.
 
     logits: [n, vocab] any float dtype; next_ids: [n] int. Works in row chunks to
     bound memory; NOTE: one device->host sync per chunk (the result is Python).
@@ -120,10 +121,11 @@ def prompt_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, k: int) -> lis
         lp = torch.log_softmax(logits[start : start + chunk].float(), dim=-1)  # [c, vocab]
         ids = next_ids[start : start + chunk].to(device=lp.device, dtype=torch.int64)  # [c]
         chosen = lp.gather(1, ids[:, None]).squeeze(1)  # [c]
+        rank = (lp > chosen[:, None]).sum(-1) + 1  # [c]: 1 = the most probable token
         top_lp, top_ids = top_k_lowest_ids(lp, k)  # [c, k] each
-        for tok, c_lp, t_ids, t_lps in zip(
-            ids.tolist(), chosen.tolist(), top_ids.tolist(), top_lp.tolist()
+        for tok, c_lp, c_rank, t_ids, t_lps in zip(
+            ids.tolist(), chosen.tolist(), rank.tolist(), top_ids.tolist(), top_lp.tolist()
         ):
             top = [TokenLogprob(token_id=i, logprob=x) for i, x in zip(t_ids, t_lps)]
-            result.append(PositionLogprobs(token_id=tok, logprob=c_lp, top=top))
+            result.append(PositionLogprobs(token_id=tok, logprob=c_lp, top=top, rank=c_rank))
     return result

@@ -164,7 +164,9 @@ class ModelRunner:
 
     def _add(self, new: NewRequest) -> None:
         assert new.rid not in self.requests, f"request {new.rid} sent twice"
-        state = RequestSamplingState.create(new.sampling, list(new.prompt_ids), self.device)
+        state = RequestSamplingState.create(
+            new.sampling, list(new.prompt_ids), self.device, self.cfg.eos_token_ids
+        )
         if not self._free_slots:  # grow last_tokens (stream-ordered, no sync)
             n = self.last_tokens.shape[0]
             grown = torch.zeros(max(64, 2 * n), dtype=torch.int64, device=self.device)
@@ -262,7 +264,13 @@ class ModelRunner:
             # NOTE: penalties read output_ids on the host: earlier steps must be in.
             for earlier in self.pending:
                 earlier.resolve()
-        out = sample(logits, prepare(step.states, self.cfg.vocab_size, self.device), argmax)
+        # tokens generated before each sample: its row's end position minus the prompt
+        num_generated = [
+            rb.rows[i].start + len(rb.rows[i].input_ids) - len(reqs[i].prompt_ids)
+            for i in step.sample_rows
+        ]
+        batch = prepare(step.states, self.cfg.vocab_size, self.device, num_generated)
+        out = sample(logits, batch, argmax)
         self.last_tokens.index_copy_(0, slots, out.token_ids)
         step.copy = HostCopy(out)
         return step

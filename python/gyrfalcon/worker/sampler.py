@@ -1,12 +1,13 @@
 """Token sampler of the model-runner worker.
 
-Per step the worker calls `prepare(states, vocab, device)` once, then
-`sample(logits, batch)`. Pipeline per row (all in float32):
+Per step the worker calls `prepare(states, vocab, device, num_generated)` once,
+then `sample(logits, batch)`. Pipeline per row (all in float32):
 
-    penalties (raw logits) -> temperature -> top_k -> top_p -> min_p -> draw
+    logit_bias / allowed_token_ids / min_tokens (raw logits, logit_adjust.py)
+      -> penalties -> temperature -> top_k -> top_p -> min_p -> draw
 
-Greedy rows (temperature < 1e-5 or top_k == 1) take the argmax of the penalized
-logits and consume no RNG. Sampled rows draw with the Gumbel-max trick,
+Greedy rows (temperature < 1e-5 or top_k == 1) take the argmax of the adjusted
+and penalized logits and consume no RNG. Sampled rows draw with the Gumbel-max trick,
 argmax(logits / T - log(E)) with E ~ Exponential(1) per vocab entry, which is a
 draw from softmax(logits / T) without normalizing. Rows with a seed draw E from
 their own generator, one row at a time, so a seeded row's token depends only on
@@ -19,13 +20,13 @@ log_softmax of the raw logits in float32, before penalties and temperature.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from gyrfalcon.ipc.messages import SamplingParams
 from gyrfalcon.layers.dispatch import use_fused
 from gyrfalcon.worker.host_copy import upload
+from gyrfalcon.worker.logit_adjust import LogitAdjust, apply_logit_adjust, build_logit_adjust
 from gyrfalcon.worker.logprobs import (
     SampleOutput,
     prompt_logprobs,
@@ -33,10 +34,14 @@ from gyrfalcon.worker.logprobs import (
     top_k_lowest_ids,
 )
 from gyrfalcon.worker.penalties import (
-    DeviceTokenBuffer,
     PenaltyTensors,
     apply_penalty_tensors,
     build_penalty_tensors,
+)
+from gyrfalcon.worker.sampling_state import (
+    GREEDY_TEMPERATURE,
+    RequestSamplingState,
+    is_greedy,
 )
 
 __all__ = [
@@ -52,69 +57,9 @@ __all__ = [
     "to_position_logprobs",
 ]
 
-# NOTE: temperatures below this are greedy: dividing logits by them could overflow float32.
-GREEDY_TEMPERATURE = 1e-5
 # NOTE: top_p cut tolerance: a cumulative probability within this of top_p counts as having
 # reached it, so that e.g. probs [0.5, ...] with top_p=0.5 keeps one token despite rounding.
 _TOP_P_EPS = 1e-6
-
-
-def is_greedy(params: SamplingParams) -> bool:
-    """Whether a request decodes greedily (argmax, no RNG)."""
-    return params.temperature < GREEDY_TEMPERATURE or params.top_k == 1
-
-
-def _validate(params: SamplingParams) -> None:
-    if params.temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {params.temperature}")
-    if not 0.0 < params.top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
-    if params.top_k < -1:
-        raise ValueError(f"top_k must be -1 (off) or >= 0, got {params.top_k}")
-    if not 0.0 <= params.min_p <= 1.0:
-        raise ValueError(f"min_p must be in [0, 1], got {params.min_p}")
-    if params.repetition_penalty <= 0:
-        raise ValueError(f"repetition_penalty must be > 0, got {params.repetition_penalty}")
-    for name in ("logprobs", "prompt_logprobs"):
-        k = getattr(params, name)
-        if k is not None and k < 0:
-            raise ValueError(f"{name} must be None or >= 0, got {k}")
-
-
-@dataclass
-class RequestSamplingState:
-    """Sampling state of one live request, owned by the worker.
-
-    NOTE: `output_ids` must only grow by appending (the worker appends each sampled
-    token); penalties mirror it on the device incrementally.
-    """
-
-    params: SamplingParams
-    prompt_ids: list[int]
-    output_ids: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None  # on the logits' device; set iff params.seed
-    prompt_dev: DeviceTokenBuffer = field(default_factory=DeviceTokenBuffer, repr=False)
-    output_dev: DeviceTokenBuffer = field(default_factory=DeviceTokenBuffer, repr=False)
-
-    @classmethod
-    def create(
-        cls, params: SamplingParams, prompt_ids: list[int], device: torch.device | str
-    ) -> RequestSamplingState:
-        """Validate `params` (ValueError) and seed a generator on `device` if asked."""
-        _validate(params)
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=torch.device(device))
-            # NOTE: any Python int is a valid seed; fold it into the 64 bits torch accepts.
-            generator.manual_seed(params.seed & 0xFFFF_FFFF_FFFF_FFFF)
-        return cls(params=params, prompt_ids=list(prompt_ids), generator=generator)
-
-    @property
-    def has_penalty(self) -> bool:
-        p = self.params
-        return (
-            p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-        )
 
 
 @dataclass
@@ -128,6 +73,7 @@ class SamplingBatch:
     top_p: torch.Tensor | None  # [bs] float32 (1.0 = off)
     min_p: torch.Tensor | None  # [bs] float32 (0.0 = off)
     penalties: PenaltyTensors | None  # None when no row has a penalty
+    adjust: LogitAdjust | None  # None when no row has logit_bias / allowed ids / min_tokens
     generators: list[torch.Generator | None]  # per row
     seeded_rows: list[int]  # sampled (non-greedy) rows with a generator
     vocab_size: int
@@ -147,9 +93,16 @@ class SamplingBatch:
 
 
 def prepare(
-    states: list[RequestSamplingState], vocab_size: int, device: torch.device | str
+    states: list[RequestSamplingState],
+    vocab_size: int,
+    device: torch.device | str,
+    num_generated: list[int] | None = None,
 ) -> SamplingBatch:
-    """Build the step's `SamplingBatch` for `states` (row i = states[i])."""
+    """Build the step's `SamplingBatch` for `states` (row i = states[i]).
+
+    num_generated[i]: the tokens row i's request has generated before this sample
+    (for `min_tokens`); None = every request's `output_ids` so far.
+    """
     device = torch.device(device)
     greedy = [is_greedy(s.params) for s in states]
     temps, top_k, top_p, min_p = [], [], [], []
@@ -185,6 +138,18 @@ def prepare(
     trunc = [
         i for i in range(len(states)) if sampled[i] and (top_k[i] < vocab_size or top_p[i] < 1)
     ]
+    if num_generated is None:
+        num_generated = [len(s.output_ids) for s in states]
+    adj_rows, static, suppress = [], [], []
+    for i, s in enumerate(states):
+        if not s.adjusts_logits:
+            continue
+        held = s.stop_ids if num_generated[i] < s.params.min_tokens else []
+        row = s.static_row(vocab_size, device)
+        if row is not None or held:
+            adj_rows.append(i)
+            static.append(row)
+            suppress.append(held)
     asked = [s.params.logprobs for s in states if s.params.logprobs is not None]
     return SamplingBatch(
         temperatures=floats[0],
@@ -193,6 +158,9 @@ def prepare(
         top_p=floats[1],
         min_p=floats[2],
         penalties=penalties,
+        adjust=(
+            build_logit_adjust(adj_rows, static, suppress, vocab_size, device) if adj_rows else None
+        ),
         generators=[s.generator for s in states],
         seeded_rows=[i for i, s in enumerate(states) if sampled[i] and s.generator is not None],
         vocab_size=vocab_size,
@@ -208,8 +176,9 @@ def prepare(
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Penalized float32 copy of `logits` [bs, vocab] (see penalties.py for the formulas)."""
-    return apply_penalty_tensors(logits, batch.penalties)
+    """Adjusted and penalized float32 copy of `logits` [bs, vocab] (see logit_adjust.py
+    and penalties.py for the formulas)."""
+    return apply_penalty_tensors(apply_logit_adjust(logits, batch.adjust), batch.penalties)
 
 
 def _top_k_top_p_drop(
@@ -285,8 +254,8 @@ def sample(
     argmax: [bs] argmax of `logits` when already computed (the decode graph does):
     an all-greedy batch without penalties takes it as is.
 
-    Greedy rows: argmax of the penalized logits. Other rows: penalties ->
-    temperature -> top_k -> top_p -> min_p -> draw from the softmax.
+    Greedy rows: argmax of the adjusted, penalized logits. Other rows: logit
+    adjustments -> penalties -> temperature -> top_k -> top_p -> min_p -> draw.
     Reported logprobs are of the model's raw distribution (log_softmax of the raw
     logits in float32, before penalties and temperature): the chosen token's
     plus the top `batch.max_logprobs` tokens, descending.
@@ -298,7 +267,7 @@ def sample(
             f"logits {tuple(logits.shape)} do not match batch ({batch.batch_size}, "
             f"{batch.vocab_size})"
         )
-    if batch.all_greedy and batch.penalties is None and argmax is not None:
+    if batch.all_greedy and batch.penalties is None and batch.adjust is None and argmax is not None:
         token_ids = argmax  # NOTE: no float32 copy of the logits on this path
     else:
         penalized = apply_penalties(logits, batch)  # [bs, vocab] float32, a new tensor

@@ -179,7 +179,10 @@ class LiveServer:
 
 @asynccontextmanager
 async def live_server(
-    tokenizer, script_for: Callable[[GenerateRequest], Script], send_ready: bool = True
+    tokenizer,
+    script_for: Callable[[GenerateRequest], Script],
+    send_ready: bool = True,
+    model_name: str = MODEL_NAME,
 ) -> AsyncIterator[LiveServer]:
     """Fake scheduler + EngineClient + uvicorn on an ephemeral port, in this loop."""
     paths, root = IpcPaths.create()
@@ -190,7 +193,7 @@ async def live_server(
     if send_ready:
         await asyncio.wait_for(engine.ready.wait(), TEST_TIMEOUT_S)
     server = make_uvicorn_server(
-        create_app(engine, tokenizer, MODEL_NAME, MAX_MODEL_LEN), "127.0.0.1", 0, "warning"
+        create_app(engine, tokenizer, model_name, MAX_MODEL_LEN), "127.0.0.1", 0, "warning"
     )
     serving = asyncio.create_task(server.serve())
     while not server.started:
@@ -265,3 +268,34 @@ async def post(url: str, path: str, body: dict[str, Any] | str) -> httpx.Respons
                 path, content=body, headers={"content-type": "application/json"}
             )
         return await client.post(path, json=body)
+
+
+# ---------------------------------------------------------------- a tokenizer unlike SmolLM2's
+
+WORDS = ["<unk>", "<s>", "</s>", "system", "user", "assistant", "hi", "there", "sure", "here"]
+WORD_BOS_ID = 1
+
+
+def word_tokenizer():
+    """A tiny word-level tokenizer that, unlike SmolLM2's, adds a BOS when asked
+    for special tokens; its chat template writes the BOS too (as Llama's does)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", WORD_BOS_ID)]
+    )
+    backend.decoder = decoders.WordPiece()  # joins words with spaces
+    template = (
+        "{{ bos_token }}{% for m in messages %}{{ m['role'] }} {{ m['content'] }} </s> "
+        "{% endfor %}{% if add_generation_prompt %}assistant {% endif %}"
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        chat_template=template,
+    )

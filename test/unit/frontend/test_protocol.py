@@ -9,6 +9,7 @@ from pydantic import ValidationError
 
 from gyrfalcon.frontend.protocol import (
     MAX_N,
+    MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_TOP_LOGPROBS,
     TOP_K_DISABLED,
@@ -180,8 +181,178 @@ def test_completion_fields():
     assert completion(echo=True, logprobs=2).echo
 
 
-def test_unknown_fields_are_ignored():
-    assert chat(frobnicate=True, tools=None).n == 1
+def test_unknown_fields_are_ignored_and_named():
+    req = chat(
+        frobnicate=True,
+        tools=None,
+        messages=[{"role": "user", "content": "hi", "mood": "x"}],
+        stream=True,
+        stream_options={"include_usage": True, "shiny": 1},
+    )
+    assert req.n == 1
+    # named for the log line, nested ones by path; inactive refused fields are not unknown
+    assert sorted(req.unknown_fields()) == [
+        "frobnicate",
+        "messages[0].mood",
+        "stream_options.shiny",
+    ]
+    assert chat(user="u", metadata={"k": "v"}, store=False).unknown_fields() == []
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("response_format", {"type": "json_object"}),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("tool_choice", "auto"),
+        ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+        ("functions", [{"name": "f"}]),
+        ("regex", "[a-z]+"),
+        ("ebnf", "root ::= 'a'"),
+        ("json_schema", {"type": "object"}),
+        ("structured_outputs", {"regex": "a"}),
+        ("guided_json", {"type": "object"}),
+        ("guided_regex", "a+"),
+        ("guided_choice", ["a", "b"]),
+        ("guided_grammar", "root ::= 'a'"),
+        ("use_beam_search", True),
+        ("modalities", ["text", "audio"]),
+        ("prediction", {"type": "content", "content": "x"}),
+    ],
+)
+def test_fields_not_built_yet_are_refused_by_name(field: str, value: Any):
+    for make in (chat, completion):
+        with pytest.raises(ValidationError) as info:
+            make(**{field: value})
+        assert param_of(info.value) == field
+        assert field in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("response_format", {"type": "text"}),
+        ("tools", []),
+        ("tool_choice", "none"),
+        ("use_beam_search", False),
+        ("modalities", ["text"]),
+        ("regex", None),
+    ],
+)
+def test_refused_fields_with_values_that_change_nothing_are_accepted(field: str, value: Any):
+    assert chat(**{field: value}).n == 1
+
+
+def test_tool_calls_in_messages_are_refused():
+    calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    with pytest.raises(ValidationError) as info:
+        chat(messages=[*USER, {"role": "assistant", "content": None, "tool_calls": calls}])
+    assert param_of(info.value) == "messages"
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("max_tokens", "8"),
+        ("max_tokens", True),
+        ("max_tokens", 8.0),
+        ("n", True),
+        ("temperature", "0.5"),
+        ("temperature", False),
+        ("top_p", "1"),
+        ("seed", "7"),
+        ("stream", "true"),
+        ("stream", 1),
+        ("logprobs", 1),
+        ("top_k", 5.5),
+        ("stop_token_ids", [True]),
+        ("ignore_eos", "yes"),
+        ("logit_bias", {"5": "1"}),
+        ("min_tokens", "2"),
+    ],
+)
+def test_wrong_types_are_rejected(field: str, value: Any):
+    with pytest.raises(ValidationError) as info:
+        chat(**{field: value})
+    assert error_locs(info.value)[0][0] == field
+
+
+def test_numbers_keep_their_json_forms():
+    req = chat(temperature=1, top_p=1, max_tokens=8, seed=-3)  # an int is a valid float
+    assert (req.temperature, req.top_p, req.max_tokens, req.seed) == (1.0, 1.0, 8, -3)
+    with pytest.raises(ValidationError) as info:
+        completion(logprobs=True)
+    assert error_locs(info.value)[0][0] == "logprobs"
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages[0].content"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
+            "messages[0].content[0].text",
+        ),
+        ({"messages": USER, "stop": ["ok", "\ud83d"]}, "stop[1]"),
+    ],
+)
+def test_lone_surrogates_are_rejected_by_path(body: dict[str, Any], param: str):
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate(body)
+    assert param_of(info.value) == param
+    with pytest.raises(ValidationError) as info:
+        completion(prompt="x\ud800")
+    assert param_of(info.value) == "prompt"
+
+
+def test_stop_strings_are_bounded():
+    assert chat(stop=["x" * MAX_STOP_STRING_CHARS]).stop_strings
+    with pytest.raises(ValidationError) as info:
+        chat(stop="x" * (MAX_STOP_STRING_CHARS + 1))
+    assert param_of(info.value) == "stop"
+
+
+def test_logit_bias_validation():
+    assert chat(logit_bias={"5": 1.5, "7": -100}).bias_by_id == {5: 1.5, 7: -100.0}
+    for bad in ({"x": 1.0}, {"5": 100.5}, {"5": -101}, {"": 1.0}):
+        with pytest.raises(ValidationError) as info:
+            chat(logit_bias=bad)
+        assert param_of(info.value) == "logit_bias"
+
+
+def test_new_sampling_fields_validation():
+    with pytest.raises(ValidationError) as info:
+        chat(allowed_token_ids=[])
+    assert param_of(info.value) == "allowed_token_ids"
+    with pytest.raises(ValidationError) as info:
+        chat(min_tokens=5, max_tokens=4)
+    assert param_of(info.value) == "min_tokens"
+    assert chat(min_tokens=4, max_tokens=4).min_tokens == 4
+    with pytest.raises(ValidationError) as info:
+        chat(prompt_logprobs=2, stream=True)
+    assert param_of(info.value) == "prompt_logprobs"
+    with pytest.raises(ValidationError):
+        chat(prompt_logprobs=MAX_TOP_LOGPROBS + 1)
+    with pytest.raises(ValidationError) as info:
+        completion(best_of=3, n=2)
+    assert param_of(info.value) == "best_of"
+    assert completion(best_of=2, n=2).n == 2
+    req = chat(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    assert req.continuous_usage
+    req = chat(stream=True, stream_options={"continuous_usage_stats": True})
+    assert not req.continuous_usage  # vLLM: only together with include_usage
+
+
+def test_new_fields_reach_the_engine():
+    sp = to_sampling_params(
+        chat(min_tokens=2, logit_bias={"9": 3.0}, allowed_token_ids=[9, 10], prompt_logprobs=1),
+        8,
+    )
+    assert (sp.min_tokens, sp.logit_bias, sp.allowed_token_ids) == (2, {9: 3.0}, [9, 10])
+    assert sp.prompt_logprobs == 1 and sp.adjusts_logits
+    sp = to_sampling_params(completion(echo=True, logprobs=2, prompt_logprobs=4), 8)
+    assert sp.prompt_logprobs == 4  # the larger of the two asks
 
 
 def test_to_sampling_params_chat_mapping():

@@ -20,14 +20,16 @@ def out(ids: list[int], done: int, finish: str | None = None, lps: bool = False)
     )
 
 
-def test_stop_token_is_counted_but_not_rendered(tokenizer):
+def test_stop_token_is_counted_and_logged_but_not_rendered(tokenizer):
     ids = tokenizer.encode(" Paris")
     stop_id = tokenizer.encode(".")[0]  # an ordinary token used as a stop_token_id
     dec = SequenceDecoder(tokenizer, 0, [1, 2, 3])
     first = dec.feed(out(ids, len(ids), lps=True))
     last = dec.feed(out([stop_id], len(ids) + 1, "stop", lps=True))
     assert first.text + last.text == " Paris"
-    assert last.finish_reason == "stop" and last.token_ids == [] and last.logprobs == []
+    # one logprob entry per counted token: the stop token keeps its entry
+    assert last.finish_reason == "stop" and last.token_ids == [stop_id]
+    assert last.logprobs == [PositionLogprobs(stop_id, -0.1)]
     assert last.num_output_tokens == len(ids) + 1
     assert dec.finished
 

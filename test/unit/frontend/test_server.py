@@ -171,8 +171,10 @@ def test_chat_streaming_with_logprobs_and_usage(tokenizer):
                 assert all(m["finish_reason"] is None for m in mine[:-1])
                 tokens = [e for m in mine if m["logprobs"] for e in m["logprobs"]["content"]]
                 reply_ids = tokenizer.encode(REPLY)
-                assert len(tokens) == len(reply_ids)  # the EOS has no entry
-                assert bytes(b for e in tokens for b in e["bytes"]).decode() == REPLY
+                # one entry per counted token: the EOS keeps its entry, not its text
+                assert len(tokens) == len(reply_ids) + 1
+                assert tokens[-1]["token"] == "<|im_end|>"
+                assert bytes(b for e in tokens[:-1] for b in e["bytes"]).decode() == REPLY
                 assert tokens[0]["logprob"] == SAMPLED_LOGPROB
                 assert len(tokens[0]["top_logprobs"]) == 2
             usage = chunks[-1]

@@ -62,6 +62,40 @@ from .frontend_fakes import (
         ("/v1/completions", {"prompt": list(range(MAX_MODEL_LEN))}, 400, "prompt"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
         ("/v1/nothing", {}, 404, None),
+        # a lone surrogate: valid JSON, invalid Unicode (was a 500)
+        (
+            "/v1/chat/completions",
+            r'{"messages": [{"role": "user", "content": "a\ud800"}]}',
+            400,
+            "messages[0].content",
+        ),
+        ("/v1/completions", r'{"prompt": "\udfff"}', 400, "prompt"),
+        # wrong JSON types (were coerced)
+        ("/v1/chat/completions", {"messages": USER, "max_tokens": "8"}, 400, "max_tokens"),
+        ("/v1/chat/completions", {"messages": USER, "max_tokens": True}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "temperature": "0"}, 400, "temperature"),
+        ("/v1/completions", {"prompt": "hi", "stream": "false"}, 400, "stream"),
+        # not built yet: refused by name
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "response_format": {"type": "json_object"}},
+            400,
+            "response_format",
+        ),
+        ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools"),
+        ("/v1/chat/completions", {"messages": USER, "tool_choice": "required"}, 400, "tool_choice"),
+        ("/v1/completions", {"prompt": "hi", "regex": "a+"}, 400, "regex"),
+        ("/v1/completions", {"prompt": "hi", "structured_outputs": {}}, 400, "structured_outputs"),
+        ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, 400, "use_beam_search"),
+        # token ids of the new sampling fields are checked against the vocabulary
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999999": 1}}, 400, "logit_bias"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "allowed_token_ids": [1, 10**9]},
+            400,
+            "allowed_token_ids",
+        ),
+        ("/v1/completions", {"prompt": "hi", "stop": "x" * 5000}, 400, "stop"),
     ],
 )
 def test_bad_requests_get_openai_errors(tokenizer, path, body, status, param):
@@ -129,3 +163,21 @@ def test_engine_rejection_and_death(tokenizer):
             assert r.status_code == 503 and "worker exited" in r.json()["error"]["message"]
 
     run(body)
+
+
+def test_unknown_fields_are_ignored_with_one_log_line(tokenizer, caplog):
+    async def run_it():
+        async with live_server(tokenizer, replying(tokenizer)) as srv:
+            body = {"messages": [{**USER[0], "mood": "x"}], "frobnicate": 1, "user": "u"}
+            r = await post(srv.url, "/v1/chat/completions", body)
+            assert r.status_code == 200, r.text
+            r = await post(srv.url, "/v1/chat/completions", {"messages": USER, "user": "u"})
+            assert r.status_code == 200, r.text
+
+    with caplog.at_level("WARNING", logger="gyrfalcon.frontend.serving_common"):
+        run(run_it)
+    lines = [r.getMessage() for r in caplog.records if "ignoring fields" in r.getMessage()]
+    # one line for the first request, naming both; none for the second (`user` is OpenAI's)
+    assert lines == [
+        "/v1/chat/completions: ignoring fields no API defines: frobnicate, messages[0].mood"
+    ]

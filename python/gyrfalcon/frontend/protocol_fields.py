@@ -1,0 +1,109 @@
+"""Which request fields the server honours, refuses or ignores, and the checks
+that run on a raw request body before the schemas see it.
+
+Every field a client may send falls in one of four groups:
+
+- a declared field of the request schema: honoured (or, for the few OpenAI
+  fields that do not change the output, such as `user`, accepted as is);
+- REFUSED: defined by OpenAI, SGLang or vLLM, not built here yet; a value that
+  would change the output is a 400 naming the field;
+- anything else: ignored, and named in one log line per request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+
+class ParamError(ValueError):
+    """A semantically invalid request field; `param` names it for the error body."""
+
+    def __init__(self, param: str | None, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+def _set(value: Any) -> bool:
+    return value is not None
+
+
+def _non_empty(value: Any) -> bool:
+    return value is not None and value != [] and value != {}
+
+
+def _true(value: Any) -> bool:
+    return value is True
+
+
+def _not_none_choice(value: Any) -> bool:
+    return value is not None and value != "none"
+
+
+def _not_text_format(value: Any) -> bool:
+    return value is not None and not (isinstance(value, dict) and value.get("type") == "text")
+
+
+def _not_text_only(value: Any) -> bool:
+    return value is not None and value != ["text"]
+
+
+# field -> (is the value one that would change the output?, what to tell the client)
+_STRUCTURED = "structured output is not supported yet"
+_TOOLS = "tool calling is not supported yet"
+REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "response_format": (_not_text_format, f"{_STRUCTURED} (only {{'type': 'text'}})"),
+    "tools": (_non_empty, _TOOLS),
+    "tool_choice": (_not_none_choice, _TOOLS),
+    "functions": (_non_empty, _TOOLS),
+    "function_call": (_not_none_choice, _TOOLS),
+    # SGLang's and vLLM's grammar parameters
+    "regex": (_set, _STRUCTURED),
+    "ebnf": (_set, _STRUCTURED),
+    "json_schema": (_set, _STRUCTURED),
+    "structured_outputs": (_set, _STRUCTURED),
+    "guided_json": (_set, _STRUCTURED),
+    "guided_regex": (_set, _STRUCTURED),
+    "guided_choice": (_set, _STRUCTURED),
+    "guided_grammar": (_set, _STRUCTURED),
+    "use_beam_search": (_true, "beam search is not supported"),
+    "audio": (_set, "audio output is not supported"),
+    "modalities": (_not_text_only, "only the 'text' modality is supported"),
+    "prediction": (_set, "predicted outputs are not supported"),
+    "web_search_options": (_set, "web search is not supported"),
+}
+
+
+def check_refused(data: dict[str, Any]) -> None:
+    """400 (ParamError) for the first refused field whose value would change the output."""
+    for name, (active, why) in REFUSED.items():
+        if name in data and active(data[name]):
+            raise ParamError(name, f"`{name}` is not supported by this server: {why}")
+
+
+def check_text(value: Any, path: str = "") -> None:
+    """400 for a string holding a lone UTF-16 surrogate (JSON allows `"\\ud800"`;
+    no tokenizer can encode it), anywhere in a parsed JSON body."""
+    for where, text in _strings(value, path):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ParamError(
+                where or None,
+                f"{where or 'the request'} holds a lone UTF-16 surrogate at character "
+                f"{exc.start}; send valid Unicode",
+            ) from None
+
+
+def _strings(value: Any, path: str) -> Iterator[tuple[str, str]]:
+    if isinstance(value, str):
+        yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str):
+                yield from _strings(key, path)
+            yield from _strings(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _strings(item, f"{path}[{i}]")

@@ -1,0 +1,86 @@
+"""vLLM's tokenizer routes: the bodies and replies of POST /tokenize and /detokenize.
+
+A tokenize body has one of two shapes, as in vLLM: completion-style (`prompt`)
+or chat-style (`messages`, rendered through the chat template exactly as
+/v1/chat/completions renders them). Whether `messages` is present picks the
+shape. The defaults are vLLM's: special tokens are added to a prompt, but not
+to a rendered chat, whose template writes its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field, model_validator
+
+from gyrfalcon.frontend.protocol import ChatMessage, ParamError, _Body
+
+
+class TokenizeCompletionRequest(_Body):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Body):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    # leave the last message open, so that the model continues it (HF's flag)
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # on top of what the template writes
+    return_token_strs: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_shape(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("prompt") is not None:
+            raise ParamError("prompt", "send either `prompt` or `messages`, not both")
+        return data
+
+    @model_validator(mode="after")
+    def _check_flags(self) -> TokenizeChatRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ParamError(
+                "continue_final_message",
+                "continue_final_message and add_generation_prompt cannot both be true "
+                "(add_generation_prompt defaults to true: set it to false)",
+            )
+        return self
+
+    @property
+    def chat_template_kwargs(self) -> dict[str, bool]:
+        return {
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+        }
+
+
+TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
+
+
+def parse_tokenize_request(body: dict[str, Any]) -> TokenizeRequest:
+    """The body as the shape it has (pydantic's ValidationError if it is invalid).
+
+    NOTE: not a pydantic union: a union reports each member's errors under the
+    member's class name, and the error body would name no field of the request.
+    """
+    shape = TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest
+    return shape.model_validate(body)
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None  # the tokenizer's token strings, when asked
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
