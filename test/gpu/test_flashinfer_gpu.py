@@ -3,11 +3,11 @@
 import pytest
 import torch
 
+from gyrfalcon.forward.batch import ForwardBatch
+from gyrfalcon.forward.kv_cache import KVCache
+from gyrfalcon.forward.metadata import RowInput, build_batch_tensors
 from gyrfalcon.ipc.messages import ForwardMode
 from gyrfalcon.layers.attention.registry import create_backend
-from gyrfalcon.worker.forward_batch import ForwardBatch
-from gyrfalcon.worker.kv_cache import KVCache
-from gyrfalcon.worker.metadata import RowInput, build_batch_tensors
 
 pytestmark = pytest.mark.gpu
 

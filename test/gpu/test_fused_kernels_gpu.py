@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from gyrfalcon.kernels.dispatch import torch_reference_ops
 from gyrfalcon.layers import activation as ref_act
-from gyrfalcon.layers.dispatch import torch_reference_ops
 from gyrfalcon.layers.norm import RMSNorm
 from gyrfalcon.layers.rotary import RotaryEmbedding
 

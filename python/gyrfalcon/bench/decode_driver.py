@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from gyrfalcon.ipc import messages as msg
-from gyrfalcon.scheduler.request import PLACEHOLDER
+from gyrfalcon.ipc.contract import PLACEHOLDER
 from gyrfalcon.worker.model_runner import ModelRunner
 
 GREEDY = msg.SamplingParams(temperature=0.0, max_tokens=1 << 30, ignore_eos=True)

@@ -181,6 +181,8 @@ class ServerArgs:
         backend = self.attention_backend
         fp8_kv = self.kv_cache_dtype == "fp8_e4m3"
         if backend == "auto":
+            from gyrfalcon.layers.attention.registry import default_attention_backend
+
             backend = default_attention_backend(device, dtype, head_dim)
             if fp8_kv and backend == "flashinfer":
                 backend = "triton"  # NOTE: our flashinfer path reads 16-bit caches only
@@ -300,19 +302,3 @@ def parse_size(text: str) -> int:
         if s.endswith(suffix):
             return int(float(s[: -len(suffix)]) * units[suffix])
     return int(float(s))
-
-
-FLASHINFER_HEAD_DIMS = (64, 128, 256)
-
-
-def default_attention_backend(device: str, dtype: str, head_dim: int | None = None) -> str:
-    """flashinfer on CUDA when importable and it has kernels for the model (16-bit
-    dtypes; head dims 64/128/256), else triton on CUDA, else torch_ref."""
-    if not device.startswith("cuda"):
-        return "torch_ref"
-    import importlib.util
-
-    fits = dtype != "float32" and (head_dim is None or head_dim in FLASHINFER_HEAD_DIMS)
-    if fits and importlib.util.find_spec("flashinfer") is not None:
-        return "flashinfer"
-    return "triton"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gyrfalcon.layers.dispatch import use_fused
+from gyrfalcon.kernels.dispatch import use_fused
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

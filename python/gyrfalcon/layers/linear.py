@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gyrfalcon.kernels.dispatch import use_norm_skinny_gemm, use_skinny_gemm
 from gyrfalcon.layers.activation import silu_and_mul
-from gyrfalcon.layers.dispatch import use_norm_skinny_gemm, use_skinny_gemm
 from gyrfalcon.layers.norm import RMSNorm
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gyrfalcon.layers.dispatch import use_fused
+from gyrfalcon.kernels.dispatch import use_fused
 
 
 class RMSNorm(nn.Module):

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gyrfalcon.layers.dispatch import use_fused
+from gyrfalcon.kernels.dispatch import use_fused
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

@@ -12,12 +12,12 @@ import torch
 from torch import nn
 
 from gyrfalcon.config.model_config import ModelConfig
-from gyrfalcon.layers.dispatch import use_fused
+from gyrfalcon.forward.batch import ForwardBatch
+from gyrfalcon.kernels.dispatch import use_fused
 from gyrfalcon.layers.embedding import LMHead, VocabEmbedding
 from gyrfalcon.layers.linear import ColumnParallelLinear, RowParallelLinear
 from gyrfalcon.layers.norm import RMSNorm
 from gyrfalcon.layers.rotary import RotaryEmbedding
-from gyrfalcon.worker.forward_batch import ForwardBatch
 
 
 class LlamaAttention(nn.Module):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-DUMMY_PAGE = 0
+from gyrfalcon.ipc.contract import DUMMY_PAGE
 
 
 class OutOfPages(Exception):

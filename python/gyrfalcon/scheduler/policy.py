@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from gyrfalcon.ipc.contract import pages_needed
 from gyrfalcon.scheduler.page_allocator import PageAllocator
 from gyrfalcon.scheduler.request import Request, Status
 
@@ -57,11 +58,6 @@ class Decision:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.rows)
-
-
-def pages_needed(pages_held: int, end: int, page_size: int) -> int:
-    """Extra pages for KV positions [0, end) given pages already held."""
-    return max(0, -(-end // page_size) - pages_held)
 
 
 def max_tokens_fitting(req: Request, free_pages: int, page_size: int) -> int:

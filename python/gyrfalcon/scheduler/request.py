@@ -16,10 +16,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from gyrfalcon.ipc.contract import PLACEHOLDER
 from gyrfalcon.ipc.messages import PositionLogprobs, SamplingParams
-
-# Input id of a position whose token is still being sampled by a step in flight.
-PLACEHOLDER = -1
 
 
 class Status(enum.Enum):

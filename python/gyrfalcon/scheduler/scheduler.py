@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gyrfalcon.config.server_args import ServerArgs
+from gyrfalcon.ipc.contract import pages_needed
 from gyrfalcon.ipc.messages import (
     ForwardMode,
     GenerateRequest,
@@ -30,7 +31,7 @@ from gyrfalcon.ipc.messages import (
     StepResult,
 )
 from gyrfalcon.scheduler.page_allocator import PageAllocator
-from gyrfalcon.scheduler.policy import Decision, Limits, ReserveRatio, pages_needed, schedule
+from gyrfalcon.scheduler.policy import Decision, Limits, ReserveRatio, schedule
 from gyrfalcon.scheduler.request import Request, Status
 from gyrfalcon.scheduler.step_log import StepCounters, is_decode_row
 

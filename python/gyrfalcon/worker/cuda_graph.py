@@ -26,12 +26,12 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from gyrfalcon.forward.batch import ForwardBatch
+from gyrfalcon.forward.kv_cache import KVCache
+from gyrfalcon.forward.metadata import BatchTensors
+from gyrfalcon.ipc.contract import DUMMY_PAGE
 from gyrfalcon.ipc.messages import ForwardMode
 from gyrfalcon.layers.attention.base import AttentionBackend
-from gyrfalcon.scheduler.page_allocator import DUMMY_PAGE
-from gyrfalcon.worker.forward_batch import ForwardBatch
-from gyrfalcon.worker.kv_cache import KVCache
-from gyrfalcon.worker.metadata import BatchTensors
 
 logger = logging.getLogger(__name__)
 

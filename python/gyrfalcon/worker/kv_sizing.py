@@ -8,7 +8,7 @@ import torch
 
 from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs, parse_size
-from gyrfalcon.worker.kv_cache import KVCache
+from gyrfalcon.forward.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from gyrfalcon.forward.host_copy import upload
 from gyrfalcon.ipc.messages import SamplingParams
-from gyrfalcon.worker.host_copy import upload
 
 
 def static_row(params: SamplingParams, vocab_size: int, device: torch.device) -> torch.Tensor:

@@ -22,6 +22,11 @@ import torch
 
 from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs
+from gyrfalcon.forward.batch import ForwardBatch
+from gyrfalcon.forward.host_copy import upload
+from gyrfalcon.forward.kv_cache import KVCache
+from gyrfalcon.forward.metadata import BatchTensors, RowInput, build_batch_tensors
+from gyrfalcon.ipc.contract import PLACEHOLDER
 from gyrfalcon.ipc.messages import (
     ForwardMode,
     NewRequest,
@@ -33,14 +38,9 @@ from gyrfalcon.ipc.messages import (
 from gyrfalcon.kernels.device import set_launch_pdl
 from gyrfalcon.layers.attention.registry import create_backend
 from gyrfalcon.models.registry import build_model
-from gyrfalcon.scheduler.request import PLACEHOLDER
 from gyrfalcon.worker.cuda_graph import GraphRunner
-from gyrfalcon.worker.forward_batch import ForwardBatch
-from gyrfalcon.worker.host_copy import upload
-from gyrfalcon.worker.kv_cache import KVCache
 from gyrfalcon.worker.kv_sizing import max_model_len, num_kv_pages
 from gyrfalcon.worker.logprobs import HostCopy
-from gyrfalcon.worker.metadata import BatchTensors, RowInput, build_batch_tensors
 from gyrfalcon.worker.sampler import (
     RequestSamplingState,
     argmax_rows,

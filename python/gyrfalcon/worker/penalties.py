@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gyrfalcon.worker.host_copy import host_tensor, upload
+from gyrfalcon.forward.host_copy import host_tensor, upload
 
 
 class DeviceTokenBuffer:

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gyrfalcon.layers.dispatch import use_fused
-from gyrfalcon.worker.host_copy import upload
+from gyrfalcon.forward.host_copy import upload
+from gyrfalcon.kernels.dispatch import use_fused
 from gyrfalcon.worker.logit_adjust import LogitAdjust, apply_logit_adjust, build_logit_adjust
 from gyrfalcon.worker.logprobs import (
     SampleOutput,

@@ -8,6 +8,7 @@ dummy page (which padding rows already write), so nothing else is touched.
 
 from __future__ import annotations
 
+from gyrfalcon.ipc.contract import DUMMY_PAGE, PLACEHOLDER, pages_needed
 from gyrfalcon.ipc.messages import (
     ForwardMode,
     NewRequest,
@@ -16,9 +17,6 @@ from gyrfalcon.ipc.messages import (
     ScheduledRow,
     StepPlan,
 )
-from gyrfalcon.scheduler.page_allocator import DUMMY_PAGE
-from gyrfalcon.scheduler.policy import pages_needed
-from gyrfalcon.scheduler.request import PLACEHOLDER
 
 WARMUP_RIDS = ("warmup-greedy", "warmup-sampled")
 TOKEN = 1  # any id the vocabulary has

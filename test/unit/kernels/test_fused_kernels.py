@@ -253,7 +253,7 @@ def test_store_kv_casts_to_cache_dtype():
 
 
 def test_store_kv_saturates_into_an_fp8_cache():
-    from gyrfalcon.worker.kv_cache import FP8_MAX, KVCache
+    from gyrfalcon.forward.kv_cache import FP8_MAX, KVCache
 
     fp8 = torch.float8_e4m3fn
     T, KVH, D, S = 4, 2, 64, 16

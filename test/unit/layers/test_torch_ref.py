@@ -2,11 +2,11 @@
 
 import torch
 
+from gyrfalcon.forward.batch import ForwardBatch
+from gyrfalcon.forward.kv_cache import KVCache
+from gyrfalcon.forward.metadata import RowInput, build_batch_tensors
 from gyrfalcon.ipc.messages import ForwardMode
 from gyrfalcon.layers.attention.torch_ref import TorchRefBackend
-from gyrfalcon.worker.forward_batch import ForwardBatch
-from gyrfalcon.worker.kv_cache import KVCache
-from gyrfalcon.worker.metadata import RowInput, build_batch_tensors
 
 
 def dense_attention(q, k, v, prefix):

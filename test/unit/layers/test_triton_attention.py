@@ -18,6 +18,9 @@ if torch.cuda.is_available():
     pytest.skip("CPU interpreter tests; test/gpu covers CUDA", allow_module_level=True)
 pytest.importorskip("triton")
 
+from gyrfalcon.forward.batch import ForwardBatch  # noqa: E402
+from gyrfalcon.forward.kv_cache import KVCache  # noqa: E402
+from gyrfalcon.forward.metadata import RowInput, build_batch_tensors  # noqa: E402
 from gyrfalcon.ipc.messages import ForwardMode  # noqa: E402
 from gyrfalcon.kernels import attention_decode  # noqa: E402
 from gyrfalcon.layers.attention.registry import create_backend  # noqa: E402
@@ -27,9 +30,6 @@ from gyrfalcon.layers.attention.triton_backend import (  # noqa: E402
     TritonBackend,
     decode_kv_splits,
 )
-from gyrfalcon.worker.forward_batch import ForwardBatch  # noqa: E402
-from gyrfalcon.worker.kv_cache import KVCache  # noqa: E402
-from gyrfalcon.worker.metadata import RowInput, build_batch_tensors  # noqa: E402
 
 if type(attention_decode._decode_split_kernel).__name__ != "InterpretedFunction":
     pytest.skip(

@@ -9,8 +9,8 @@ two plans in flight must equal those with one, whatever stops a request.
 
 import pytest
 
+from gyrfalcon.ipc.contract import PLACEHOLDER
 from gyrfalcon.ipc.messages import GenerateRequest, RowResult, SamplingParams, StepResult
-from gyrfalcon.scheduler.request import PLACEHOLDER
 from gyrfalcon.scheduler.scheduler import Scheduler, SchedulerConfig
 
 EOS = 99

@@ -1,6 +1,7 @@
 import pytest
 
-from gyrfalcon.scheduler.page_allocator import DUMMY_PAGE, OutOfPages, PageAllocator
+from gyrfalcon.ipc.contract import DUMMY_PAGE
+from gyrfalcon.scheduler.page_allocator import OutOfPages, PageAllocator
 
 
 def test_alloc_free_roundtrip_keeps_integrity():

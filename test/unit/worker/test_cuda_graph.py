@@ -6,9 +6,9 @@ import torch
 
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.engine import LocalEngine
+from gyrfalcon.forward.metadata import RowInput, build_batch_tensors
 from gyrfalcon.ipc.messages import SamplingParams
 from gyrfalcon.worker.cuda_graph import StaticBuffers, capture_batch_sizes, padded_batch_size
-from gyrfalcon.worker.metadata import RowInput, build_batch_tensors
 
 
 def test_capture_sizes():

@@ -6,8 +6,8 @@ import torch
 
 from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs
+from gyrfalcon.ipc.contract import DUMMY_PAGE
 from gyrfalcon.ipc.messages import ForwardMode
-from gyrfalcon.scheduler.page_allocator import DUMMY_PAGE
 from gyrfalcon.worker.model_runner import build_runner
 from gyrfalcon.worker.warmup import WARMUP_RIDS, warmup_plans
 

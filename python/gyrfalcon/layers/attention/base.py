@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from gyrfalcon.worker.forward_batch import ForwardBatch
+from gyrfalcon.forward.batch import ForwardBatch
 
 
 class AttentionBackend(ABC):

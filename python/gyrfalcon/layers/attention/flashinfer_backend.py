@@ -22,12 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
-from gyrfalcon.config.server_args import FLASHINFER_HEAD_DIMS
+from gyrfalcon.forward.batch import ForwardBatch
+from gyrfalcon.forward.host_copy import upload
 from gyrfalcon.layers.attention.base import AttentionBackend
-from gyrfalcon.worker.forward_batch import ForwardBatch
-from gyrfalcon.worker.host_copy import upload
 
 WORKSPACE_BYTES = 256 << 20
+FLASHINFER_HEAD_DIMS = (64, 128, 256)  # the head dims flashinfer has kernels for
 
 
 @dataclass

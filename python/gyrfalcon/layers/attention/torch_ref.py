@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from gyrfalcon.forward.batch import ForwardBatch
 from gyrfalcon.layers.attention.base import AttentionBackend
-from gyrfalcon.worker.forward_batch import ForwardBatch
 
 
 def kv_slots(page_table_row: torch.Tensor, length: int, page_size: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gyrfalcon.forward.batch import ForwardBatch
 from gyrfalcon.kernels.attention_decode import (
     DecodeRope,
     DecodeScratch,
@@ -36,7 +37,6 @@ from gyrfalcon.kernels.attention_decode import (
 from gyrfalcon.kernels.attention_extend import extend_attention
 from gyrfalcon.kernels.device import num_sms
 from gyrfalcon.layers.attention.base import AttentionBackend
-from gyrfalcon.worker.forward_batch import ForwardBatch
 
 
 @dataclass

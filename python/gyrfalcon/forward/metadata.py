@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gyrfalcon.worker.host_copy import upload
+from gyrfalcon.forward.host_copy import upload
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from gyrfalcon.layers.dispatch import use_fused
+from gyrfalcon.kernels.dispatch import use_fused
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 

@@ -14,9 +14,9 @@ import torch
 from gyrfalcon.ipc.messages import ForwardMode
 
 if TYPE_CHECKING:
+    from gyrfalcon.forward.kv_cache import KVCache
+    from gyrfalcon.forward.metadata import BatchTensors
     from gyrfalcon.layers.attention.base import AttentionBackend
-    from gyrfalcon.worker.kv_cache import KVCache
-    from gyrfalcon.worker.metadata import BatchTensors
 
 
 @dataclass

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from gyrfalcon.worker.metadata import RowInput, build_batch_tensors, slot_of
+from gyrfalcon.forward.metadata import RowInput, build_batch_tensors, slot_of
 
 
 def test_slots_positions_and_padding():
