@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Decode step latency and tokens/s of the model runner, against the bandwidth roofline.
 
-The runner is built once (``worker.model_runner.build_runner``, as the server does)
+The runner is built once (``worker.step_worker.build_worker``, as the server does)
 with KV pages for the largest batch. Per batch size: random prompts of
 --context tokens are prefilled (plans of at most --prefill-tokens tokens),
 --warmup decode steps run, then --steps decode steps are timed as the server
@@ -47,7 +47,7 @@ from gyrfalcon.bench.roofline import kv_read_bytes, roofline_step_ms, tokens_per
 from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs, parse_size
 from gyrfalcon.loader.resolve import default_model_name, resolve_model
-from gyrfalcon.worker.model_runner import build_runner
+from gyrfalcon.worker.step_worker import build_worker
 
 
 def bench_batch(
@@ -63,7 +63,7 @@ def bench_batch(
         sync(device)
         prefill_s = time.perf_counter() - t0
         driver.decode_overlapped(ns.warmup)
-        graphs = driver.runner.graphs
+        graphs = driver.runner.executor.graphs
         runs0 = graphs.num_runs if graphs is not None else 0
         sync(device)
         t0 = time.perf_counter()
@@ -224,9 +224,9 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
     print(f"bandwidth {bandwidth / 1e9:.1f} GB/s ({bw_source})", flush=True)
 
-    runner = build_runner(args, model_dir, cfg, rank=0)[0]
-    graphs = getattr(runner, "graphs", None)
-    dtype_bytes = torch.empty((), dtype=runner.dtype).element_size()
+    runner = build_worker(args, model_dir, cfg, rank=0)[0]
+    graphs = runner.executor.graphs
+    dtype_bytes = torch.empty((), dtype=runner.executor.dtype).element_size()
     wbytes = weight_bytes(cfg, dtype_bytes)
     driver = Driver(
         runner, args.page_size, args.num_kv_pages, ns.seed if ns.shuffle_pages else None
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"batch {bs}: {row['error']}", flush=True)
             continue
-        kv = kv_read_bytes(cfg, bs, 1, runner.kv_cache.k.element_size()) * mean_kv
+        kv = kv_read_bytes(cfg, bs, 1, runner.executor.kv_cache.k.element_size()) * mean_kv
         roof = roofline_step_ms(wbytes, kv, bandwidth)
         row.update(t)
         row.update(

@@ -1,7 +1,7 @@
-"""In-process engine: the scheduler and one model runner without processes or IPC.
+"""In-process engine: the scheduler and one step worker without processes or IPC.
 
 For offline batch generation and for tests that drive the exact code paths of
-the server (same Scheduler, same ModelRunner, same messages) step by step.
+the server (same Scheduler, same StepWorker, same messages) step by step.
 """
 
 from __future__ import annotations
@@ -14,19 +14,19 @@ from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.ipc.messages import GenerateRequest, RequestOutput, SamplingParams
 from gyrfalcon.scheduler.scheduler import Scheduler, SchedulerConfig
-from gyrfalcon.worker.model_runner import build_runner
+from gyrfalcon.worker.step_worker import build_worker
 
 
 class LocalEngine:
     def __init__(self, args: ServerArgs, model_dir: str):
         self.model_cfg = ModelConfig.from_dir(model_dir)
         self.args = args = args.resolved(self.model_cfg.head_dim)
-        self.runner, context_len = build_runner(args, model_dir, self.model_cfg, rank=0)
-        assert self.runner.kv_cache is not None
+        self.worker, context_len = build_worker(args, model_dir, self.model_cfg, rank=0)
+        assert self.worker.executor.kv_cache is not None
         self.scheduler = Scheduler(
             SchedulerConfig.from_args(
                 args,
-                self.runner.kv_cache.num_pages,
+                self.worker.executor.kv_cache.num_pages,
                 context_len,
                 self.model_cfg.eos_token_ids,
                 check_invariants=True,  # NOTE: tests drive this engine; always check
@@ -41,7 +41,7 @@ class LocalEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns the outputs the frontend would receive."""
-        return self.scheduler.pump(self.runner.submit, self.runner.take)
+        return self.scheduler.pump(self.worker.submit, self.worker.take)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

@@ -34,9 +34,9 @@ def test_graph_replay_matches_eager_every_size(tiny_gpu_dir, gpu_engine, backend
         ]
         eager = engine(tiny_dir, backend, dtype, enforce_eager=True).generate(prompts, sp)
         g = engine(tiny_dir, backend, dtype, cuda_graph_max_bs=16)
-        assert g.runner.graphs is not None and g.runner.graphs.mode == "cuda"
+        assert g.worker.executor.graphs is not None and g.worker.executor.graphs.mode == "cuda"
         replay = g.generate(prompts, sp)
-        assert g.runner.graphs.num_runs > 0
+        assert g.worker.executor.graphs.num_runs > 0
         if dtype == "float32":
             assert replay == eager, n
         else:  # bf16: graph and eager kernels differ in split-KV choices; near-identical
@@ -78,7 +78,7 @@ def test_programmatic_dependent_launch_changes_no_token(tiny_gpu_dir, gpu_engine
         outs = {}
         for pdl in (False, True):
             e = gpu_engine(tiny_gpu_dir, "triton", dtype, cuda_graph_max_bs=8, disable_pdl=not pdl)
-            assert e.runner.graphs is not None and e.runner.graphs.mode == "cuda"
+            assert e.worker.executor.graphs is not None and e.worker.executor.graphs.mode == "cuda"
             outs[pdl] = [e.generate([p], sp)[0] for p in prompts[:1]] + e.generate(prompts, sp)
             e.check_integrity()
         assert outs[True] == outs[False]

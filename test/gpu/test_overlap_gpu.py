@@ -37,7 +37,10 @@ def test_steps_launch_without_host_sync(tiny_gpu_dir, gpu_engine, backend, decod
         cuda_graph_max_bs=16,
         decode_attention_backend=decode,
     )
-    assert (eng.runner.attn.name, eng.runner.decode_attn.name) == (backend, decode)
+    assert (eng.worker.executor.attn.name, eng.worker.executor.decode_attn.name) == (
+        backend,
+        decode,
+    )
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     eng.generate(prompts(3), sp)  # warm-up: lazy inits, autotuning
     torch.cuda.synchronize()
@@ -51,7 +54,7 @@ def test_steps_launch_without_host_sync(tiny_gpu_dir, gpu_engine, backend, decod
         torch.cuda.set_sync_debug_mode("default")
     assert eng.scheduler.cfg.max_inflight == 2
     if not eager:
-        assert eng.runner.graphs is not None and eng.runner.graphs.num_runs > 0
+        assert eng.worker.executor.graphs is not None and eng.worker.executor.graphs.num_runs > 0
     eng.check_integrity()
 
 
@@ -81,7 +84,7 @@ def test_overlap_gives_the_same_tokens_with_graphs(tiny_gpu_dir, gpu_engine):
             for out in eng.step():
                 got[out.rid].extend(out.token_ids)
         eng.check_integrity()
-        assert eng.runner.graphs.num_runs > 0 and not eng.runner.pending
+        assert eng.worker.executor.graphs.num_runs > 0 and not eng.worker.pending
         return got
 
     assert run(True) == run(False)

@@ -1,4 +1,4 @@
-"""Drives a ModelRunner with hand-built step plans, for decode benchmarks.
+"""Drives a StepWorker with hand-built step plans, for decode benchmarks.
 
 The Driver plays the scheduler's part for a fixed set of sequences: it hands
 out KV pages, prefills prompts in plans of a token cap, and runs decode steps,
@@ -16,7 +16,7 @@ import torch
 
 from gyrfalcon.ipc import messages as msg
 from gyrfalcon.ipc.contract import PLACEHOLDER
-from gyrfalcon.worker.model_runner import ModelRunner
+from gyrfalcon.worker.step_worker import StepWorker
 
 GREEDY = msg.SamplingParams(temperature=0.0, max_tokens=1 << 30, ignore_eos=True)
 
@@ -36,10 +36,10 @@ class Seq:
 
 
 class Driver:
-    """Feeds hand-built StepPlans to a ModelRunner and tracks pages like a scheduler."""
+    """Feeds hand-built StepPlans to a StepWorker and tracks pages like a scheduler."""
 
     def __init__(
-        self, runner: ModelRunner, page_size: int, num_pages: int, shuffle_seed: int | None = None
+        self, runner: StepWorker, page_size: int, num_pages: int, shuffle_seed: int | None = None
     ):
         """shuffle_seed: hand pages out in a seeded random order (a server's cache after
         many requests) instead of in ascending order."""

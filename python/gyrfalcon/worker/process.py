@@ -14,7 +14,7 @@ from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.ipc.messages import SchedulerToWorker, Shutdown, StepPlan, WorkerError, WorkerReady
 from gyrfalcon.ipc.sockets import Channel, IpcPaths
 from gyrfalcon.utils import set_torch_threads, setup_child
-from gyrfalcon.worker.model_runner import build_runner
+from gyrfalcon.worker.step_worker import build_worker
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +36,8 @@ def run_worker(
     inbox = Channel(ctx, zmq.PULL, paths.scheduler_to_worker, False, SchedulerToWorker)
     outbox = Channel(ctx, zmq.PUSH, paths.worker_to_scheduler, False)
     try:
-        runner, context_len = build_runner(args, model_dir, cfg, rank)
-        outbox.send(WorkerReady(rank, runner.kv_cache.num_pages, context_len))
+        runner, context_len = build_worker(args, model_dir, cfg, rank)
+        outbox.send(WorkerReady(rank, runner.executor.kv_cache.num_pages, context_len))
         stop.serving()
         while not stop.requested:
             if runner.pending:

@@ -19,7 +19,7 @@ from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.engine import LocalEngine
 from gyrfalcon.ipc.messages import SamplingParams
-from gyrfalcon.worker.model_runner import build_runner
+from gyrfalcon.worker.step_worker import build_worker
 
 ROOT = Path(__file__).resolve().parents[3]
 SMOL = ROOT / "benchmarks" / "models" / "smollm2-135m"
@@ -119,7 +119,7 @@ def test_driver_plans_match_local_engine(tmp_path: Path) -> None:
     prompts = [torch.randint(0, 90, (n,), generator=gen).tolist() for n in (9, 3, 6)]
     steps = 5
     cfg = ModelConfig.from_dir(str(tmp_path))
-    runner = build_runner(args, str(tmp_path), cfg, rank=0)[0]
+    runner = build_worker(args, str(tmp_path), cfg, rank=0)[0]
     driver = Driver(runner, args.page_size, args.num_kv_pages)
     free_before = sorted(driver.free_pages)
     driver.prefill(prompts, token_cap=4)  # chunks split prompts across plans

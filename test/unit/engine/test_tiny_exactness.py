@@ -113,7 +113,7 @@ def test_fp8_kv_cache_on_cpu_stays_close_and_holds_more_pages(tiny_model_dirs):
     d = tiny_model_dirs["llama"]
     kw = dict(max_cpu_kv_memory="2MiB", chunked_prefill_size=4)  # later chunks read the cache
     full, fp8 = engine(d, **kw), engine(d, kv_cache_dtype="fp8_e4m3", **kw)
-    assert fp8.runner.kv_cache.k.dtype == torch.float8_e4m3fn
+    assert fp8.worker.executor.kv_cache.k.dtype == torch.float8_e4m3fn
     assert fp8.scheduler.cfg.num_pages == 4 * full.scheduler.cfg.num_pages
     prompt = prompts(3, [30])[0]
     ref, got = prompt_logprobs(full, prompt), prompt_logprobs(fp8, prompt)
@@ -153,7 +153,7 @@ def test_overlap_keeps_sampled_and_stopped_outputs(tiny_model_dirs):
         while eng.has_work():
             for out in eng.step():
                 got[out.rid].extend(out.token_ids)
-        assert not eng.runner.requests and not eng.runner.pending
+        assert not eng.worker.requests and not eng.worker.pending
         eng.check_integrity()
         return [got[str(i)] for i in range(len(ps))]
 

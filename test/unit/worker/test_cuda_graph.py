@@ -70,8 +70,8 @@ def test_static_replay_equals_eager_for_every_padding(tiny_model_dirs, arch):
         cuda_graph_max_bs=8,
         cuda_graph_bs="2,4",
     )
-    assert eng.runner.graphs is not None and eng.runner.graphs.sizes == [2, 4, 8]
-    assert eng.runner.graphs.num_runs >= 9  # every decode step went through it
+    assert eng.worker.executor.graphs is not None and eng.worker.executor.graphs.sizes == [2, 4, 8]
+    assert eng.worker.executor.graphs.num_runs >= 9  # every decode step went through it
     assert replay == eager
     # the dummy page absorbed every padding write; no real page was touched by padding
     assert eng.scheduler.alloc.num_free == eng.scheduler.alloc.num_usable

@@ -8,7 +8,7 @@ from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.ipc.contract import DUMMY_PAGE
 from gyrfalcon.ipc.messages import ForwardMode
-from gyrfalcon.worker.model_runner import build_runner
+from gyrfalcon.worker.step_worker import build_worker
 from gyrfalcon.worker.warmup import WARMUP_RIDS, warmup_plans
 
 
@@ -40,8 +40,8 @@ def test_warm_up_touches_only_the_dummy_page(tiny_model_dirs, static):
         model=d, device="cpu", dtype="float32", page_size=4, num_kv_pages=32,
         static_graph_replay=static,
     ).resolved()  # fmt: skip
-    runner, _ = build_runner(args, d, ModelConfig.from_dir(d), rank=0)  # warms up
-    kv = runner.kv_cache
+    runner, _ = build_worker(args, d, ModelConfig.from_dir(d), rank=0)  # warms up
+    kv = runner.executor.kv_cache
     ps = args.page_size
     dummy = slice(DUMMY_PAGE * ps, (DUMMY_PAGE + 1) * ps)
     assert kv.k[:, dummy].abs().sum() > 0 and kv.v[:, dummy].abs().sum() > 0  # the steps ran
@@ -49,7 +49,7 @@ def test_warm_up_touches_only_the_dummy_page(tiny_model_dirs, static):
     rest[dummy] = False
     assert not kv.k[:, rest].any() and not kv.v[:, rest].any()
     assert not runner.requests and not runner.pending
-    assert len(runner._free_slots) == runner.last_tokens.shape[0]  # every slot back
+    assert runner.requests.num_free_slots == runner.requests.last_tokens.shape[0]  # every slot back
 
 
 def test_plans_stay_within_2_chunks_plus_2_positions():
@@ -69,9 +69,9 @@ def test_warm_up_fits_a_short_context(tiny_model_dirs, context, runs):
         model=d, device="cpu", dtype="float32", page_size=4, num_kv_pages=32,
         max_model_len=context, static_graph_replay=True,
     ).resolved()  # fmt: skip
-    runner, ctx = build_runner(args, d, ModelConfig.from_dir(d), rank=0)
+    runner, ctx = build_worker(args, d, ModelConfig.from_dir(d), rank=0)
     assert ctx == context
-    assert runner.graphs.num_runs == int(runs)  # its decode step replays; too short: none
+    assert runner.executor.graphs.num_runs == int(runs)  # its decode step replays; too short: none
     assert not runner.requests
 
 
@@ -83,4 +83,4 @@ def test_context_longer_than_the_model_is_refused(tiny_model_dirs):
         max_model_len=cfg.max_position_embeddings + 1,
     ).resolved()  # fmt: skip
     with pytest.raises(ValueError, match="exceeds the model's"):
-        build_runner(args, d, cfg, rank=0)
+        build_worker(args, d, cfg, rank=0)

@@ -1,0 +1,82 @@
+"""The worker's request table: per-request state the plan sends only as deltas.
+
+A request lives here from the step that first schedules it (`NewRequest`) until
+a plan lists it in `finished_rids`: its prompt, its sampling state (outputs for
+penalties, seeded generator), its page table, and a slot in `last_tokens`, the
+device tensor where every step scatters the token each request sampled last, so
+the next plan's PLACEHOLDER inputs are filled on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gyrfalcon.ipc.messages import NewRequest, ScheduledRow
+from gyrfalcon.worker.sampling_state import RequestSamplingState
+
+MIN_SLOTS = 64  # last_tokens grows by doubling from this many slots
+
+
+@dataclass
+class WorkerRequest:
+    prompt_ids: list[int]
+    sampling: RequestSamplingState
+    pages: list[int]
+    slot: int  # row of RequestTable.last_tokens
+
+
+class RequestTable:
+    def __init__(self, device: torch.device, eos_token_ids: tuple[int, ...] = ()):
+        self.device = device
+        self.eos_token_ids = eos_token_ids
+        self._requests: dict[str, WorkerRequest] = {}
+        self._free_slots: list[int] = []
+        self.last_tokens = torch.zeros(0, dtype=torch.int64, device=device)  # [slots]
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._requests
+
+    def __getitem__(self, rid: str) -> WorkerRequest:
+        return self._requests[rid]
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def add(self, new: NewRequest) -> WorkerRequest:
+        """Validate the request's sampling parameters (ValueError) and give it a slot."""
+        assert new.rid not in self._requests, f"request {new.rid} sent twice"
+        state = RequestSamplingState.create(
+            new.sampling, list(new.prompt_ids), self.device, self.eos_token_ids
+        )
+        if not self._free_slots:  # grow last_tokens (stream-ordered, no sync)
+            n = self.last_tokens.shape[0]
+            grown = torch.zeros(max(MIN_SLOTS, 2 * n), dtype=torch.int64, device=self.device)
+            grown[:n].copy_(self.last_tokens)
+            self.last_tokens = grown
+            self._free_slots = list(range(grown.shape[0] - 1, n - 1, -1))
+        req = WorkerRequest(list(new.prompt_ids), state, [], self._free_slots.pop())
+        self._requests[new.rid] = req
+        return req
+
+    def drop(self, rid: str) -> None:
+        req = self._requests.pop(rid, None)
+        if req is not None:
+            self._free_slots.append(req.slot)
+
+    def apply(self, row: ScheduledRow) -> WorkerRequest:
+        """The row's request with the row's page-table delta applied."""
+        req = self._requests[row.rid]
+        if row.reset:
+            req.pages = []
+        req.pages.extend(row.new_pages)
+        return req
+
+    def record_last(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Scatter each sampled row's last token into its request's slot (on the device)."""
+        self.last_tokens.index_copy_(0, slots, token_ids)
