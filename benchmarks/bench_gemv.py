@@ -142,9 +142,10 @@ class Case:
 
 
 def engine_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    from gyrfalcon.kernels.dispatch import DEFAULT_KERNELS
     from gyrfalcon.layers.activation import silu_and_mul
 
-    return silu_and_mul(x)
+    return silu_and_mul(x, DEFAULT_KERNELS)
 
 
 def torch_silu_and_mul(x: torch.Tensor) -> torch.Tensor:

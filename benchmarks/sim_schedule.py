@@ -77,7 +77,7 @@ def main() -> None:
                 t += flops / a.flops
         seconds += t
         steps += 1
-        rows = [RowResult(r.rid, 7 if r.sample else -1) for r in plan.batches[0].rows]
+        rows = [RowResult(r.rid, [7] if r.sample else []) for r in plan.batches[0].rows]
         queue.append(StepResult(plan.step_id, rows))
 
     while s.has_work():

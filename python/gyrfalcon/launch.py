@@ -1,4 +1,5 @@
-"""Start the server: frontend in this process, scheduler and worker as children.
+"""Start the server: frontend in this process, the scheduler and one worker per rank
+as children.
 
 Shutdown is ordered here: SIGINT/SIGTERM (to this process or its whole group)
 stop uvicorn, which lets requests in flight finish; then the children are told
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING
 from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.frontend.engine_client import EngineClient
+from gyrfalcon.ipc.contract import RankLayout
 from gyrfalcon.ipc.sockets import IpcPaths
 from gyrfalcon.utils import (
     CHILD_START_BLOCKED,
@@ -111,19 +113,23 @@ def serve(args: ServerArgs) -> int:
         name, args.dtype, args.attention_backend, model_dir, args.device,
     )  # fmt: skip
 
-    paths, ipc_root = IpcPaths.create()
+    # NOTE: one worker rank until the parallelism flags set the DP and TP sizes; all
+    # below (sockets, processes, readiness, results) is written for layout.world_size.
+    layout = RankLayout()
+    paths, ipc_root = IpcPaths.create(layout.world_size)
     engine = EngineClient(paths)
     app = create_app(engine, tokenizer, name)
     server = make_uvicorn_server(app, args.host, args.port, args.log_level)
     ctx = mp.get_context("spawn")
     # NOTE: no lock: the children read it inside a signal handler.
     stopping = ctx.RawValue(ctypes.c_bool, False)
-    scheduler_args = (args, paths, model_cfg, stopping)
-    worker_args = (args, paths, model_dir, model_cfg, 0, stopping)
+    scheduler_args = (args, paths, model_cfg, layout, stopping)
     procs: list[BaseProcess] = [
-        ctx.Process(target=run_scheduler, args=scheduler_args, name="scheduler"),
-        ctx.Process(target=run_worker, args=worker_args, name="worker0"),
+        ctx.Process(target=run_scheduler, args=scheduler_args, name="scheduler")
     ]
+    for rank in range(layout.world_size):
+        worker_args = (args, paths, model_dir, model_cfg, rank, layout, stopping)
+        procs.append(ctx.Process(target=run_worker, args=worker_args, name=f"worker{rank}"))
     state = {"code": 0}
 
     async def main() -> None:

@@ -78,7 +78,7 @@ def test_one_batch_matches_hf(smollm2_dir, chat_prompts, hf_outputs):
     eng = make_engine(smollm2_dir, num_kv_pages=256)
     assert eng.generate(chat_prompts, GREEDY) == hf_outputs
     eng.check_integrity()
-    assert eng.scheduler.alloc.num_free == eng.scheduler.alloc.num_usable
+    assert eng.scheduler.num_free_pages == eng.scheduler.num_usable_pages
 
 
 def test_mid_flight_arrivals_and_chunked_prefill_match_hf(smollm2_dir, chat_prompts, hf_outputs):
@@ -98,7 +98,7 @@ def test_mid_flight_arrivals_and_chunked_prefill_match_hf(smollm2_dir, chat_prom
         step += 1
     assert [got[str(i)] for i in range(len(chat_prompts))] == hf_outputs
     eng.check_integrity()
-    assert eng.scheduler.alloc.num_free == eng.scheduler.alloc.num_usable
+    assert eng.scheduler.num_free_pages == eng.scheduler.num_usable_pages
 
 
 def test_bf16_prompt_argmax_matches_hf_bf16_ties_included(smollm2_dir, chat_prompts, hf_outputs):

@@ -10,8 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gyrfalcon.kernels.dispatch import torch_reference_ops
+from gyrfalcon.kernels.dispatch import TORCH_REFERENCE
 from gyrfalcon.layers import activation as ref_act
+from gyrfalcon.layers.context import LayerContext
 from gyrfalcon.layers.norm import RMSNorm
 from gyrfalcon.layers.rotary import RotaryEmbedding
 
@@ -22,13 +23,8 @@ DTYPES = [torch.bfloat16, torch.float32]
 # bf16: every intermediate is rounded like torch's, so an approximate rsqrt/exp can
 # flip at most a rounding or two (a bf16 ulp is 2**-8..2**-7 relative).
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=2**-6)}
-
-
-@pytest.fixture(autouse=True)
-def _reference_layers():
-    """The layers below are the references: keep them on their torch code on CUDA."""
-    with torch_reference_ops():
-        yield
+# The layers below are the references: built to run their torch code on CUDA too.
+REF = LayerContext(kernels=TORCH_REFERENCE)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +55,7 @@ def kern():
 
 
 def ref_norm(hidden, dtype, eps=1e-5):
-    norm = RMSNorm(hidden, eps)
+    norm = RMSNorm(hidden, eps, REF)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(hidden) * 0.5 + 1.0)
     return norm.to(device="cuda", dtype=dtype)
@@ -113,7 +109,7 @@ def test_fused_add_rmsnorm(kern, dtype, T, block):
 def test_rotary_on_split_qkv(kern, dtype, T, Hq, Hk, D):
     torch.manual_seed(3)
     max_pos = 32768
-    rope = RotaryEmbedding(D, 500000.0, None, 32768).cuda()
+    rope = RotaryEmbedding(D, 500000.0, None, 32768, REF).cuda()
     cache = kern.rotary.build_cos_sin_cache(rope.inv_freq, max_pos)
     qkv = torch.randn(T, (Hq + 2 * Hk) * D, device="cuda").to(dtype)
     q, k, v = qkv.split([Hq * D, Hk * D, Hk * D], dim=-1)
@@ -134,7 +130,7 @@ def test_silu_and_mul(kern, dtype, T, inter):
     torch.manual_seed(4)
     x = (torch.randn(T, 2 * inter, device="cuda") * 4).to(dtype)
     out = kern.activation.silu_and_mul(x)
-    torch.testing.assert_close(out, ref_act.silu_and_mul(x), **TOL[dtype])
+    torch.testing.assert_close(out, ref_act.silu_and_mul(x, TORCH_REFERENCE), **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -167,7 +163,7 @@ def test_kernels_capture_in_cuda_graph(kern):
     torch.manual_seed(6)
     T, H, Hq, Hk, D, inter, dt = 64, 4096, 32, 8, 128, 14336, torch.bfloat16
     norm = ref_norm(H, dt)
-    rope = RotaryEmbedding(D, 10000.0, None, 4096).cuda()
+    rope = RotaryEmbedding(D, 10000.0, None, 4096, REF).cuda()
     cache = kern.rotary.build_cos_sin_cache(rope.inv_freq, 4096)
     x = torch.randn(T, H, device="cuda").to(dt)
     qkv = torch.randn(T, (Hq + 2 * Hk) * D, device="cuda").to(dt)
@@ -197,7 +193,7 @@ def test_kernels_capture_in_cuda_graph(kern):
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(n, norm(x), **TOL[dt])
-    torch.testing.assert_close(act, ref_act.silu_and_mul(gu), **TOL[dt])
+    torch.testing.assert_close(act, ref_act.silu_and_mul(gu, TORCH_REFERENCE), **TOL[dt])
     torch.testing.assert_close(q, want_q, **TOL[dt])
     assert torch.equal(kc[loc], k)
 
@@ -207,7 +203,7 @@ def test_kernels_capture_in_cuda_graph(kern):
 def test_rotary_and_store_equals_rotary_then_store(kern, cache_dtype, T):
     torch.manual_seed(7)
     Hq, Hk, D, S = 32, 8, 128, 65536
-    rope = RotaryEmbedding(D, 500000.0, None, 4096).cuda()
+    rope = RotaryEmbedding(D, 500000.0, None, 4096, REF).cuda()
     cos_sin = kern.rotary.build_cos_sin_cache(rope.inv_freq, 4096)
     qkv = (torch.randn(T, (Hq + 2 * Hk) * D, device="cuda") * 100).to(torch.bfloat16)
     qkv[:, -1] = -1000.0  # the last v element of every token: past e4m3's range

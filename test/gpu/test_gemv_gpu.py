@@ -57,11 +57,13 @@ def test_fused_silu_mul_down_projection(gemv, n, k):
 
 
 def test_linear_layers_route_decode_batches_and_replay_in_a_graph(gemv):
+    from gyrfalcon.layers.context import LayerContext
     from gyrfalcon.layers.linear import ColumnParallelLinear, RowParallelLinear
 
     torch.manual_seed(3)
-    col = ColumnParallelLinear(576, [576, 192, 192]).cuda().to(torch.bfloat16)
-    down = RowParallelLinear(1536, 576).cuda().to(torch.bfloat16)
+    ctx = LayerContext()  # fused kernels, PDL where supported (the production default)
+    col = ColumnParallelLinear(576, [576, 192, 192], ctx).cuda().to(torch.bfloat16)
+    down = RowParallelLinear(1536, 576, ctx).cuda().to(torch.bfloat16)
     for p in (col.weight, down.weight):
         p.data.normal_(std=0.05)
     x = torch.randn(16, 576, device="cuda").to(torch.bfloat16)

@@ -68,19 +68,16 @@ def test_capture_with_tiny_kv_pool(tiny_gpu_dir, gpu_engine):
 def test_programmatic_dependent_launch_changes_no_token(tiny_gpu_dir, gpu_engine, dtype):
     """Programmatic dependent launch (the default; --disable-pdl turns it off): the
     kernels may start while the previous one ends and wait for it inside; graphs
-    captured with it give the same tokens as without."""
-    from gyrfalcon.kernels.device import set_launch_pdl
-
+    captured with it give the same tokens as without. NOTE: each engine's executor
+    carries its own kernel policy: nothing process-wide to restore."""
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (2, 17, 33, 9, 5)]
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    try:
-        outs = {}
-        for pdl in (False, True):
-            e = gpu_engine(tiny_gpu_dir, "triton", dtype, cuda_graph_max_bs=8, disable_pdl=not pdl)
-            assert e.worker.executor.graphs is not None and e.worker.executor.graphs.mode == "cuda"
-            outs[pdl] = [e.generate([p], sp)[0] for p in prompts[:1]] + e.generate(prompts, sp)
-            e.check_integrity()
-        assert outs[True] == outs[False]
-    finally:
-        set_launch_pdl(True)  # NOTE: process-wide; back to the default
+    outs = {}
+    for pdl in (False, True):
+        e = gpu_engine(tiny_gpu_dir, "triton", dtype, cuda_graph_max_bs=8, disable_pdl=not pdl)
+        assert e.worker.executor.graphs is not None and e.worker.executor.graphs.mode == "cuda"
+        assert e.worker.executor.ctx.kernels.pdl == pdl
+        outs[pdl] = [e.generate([p], sp)[0] for p in prompts[:1]] + e.generate(prompts, sp)
+        e.check_integrity()
+    assert outs[True] == outs[False]

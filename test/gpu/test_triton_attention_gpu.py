@@ -18,7 +18,7 @@ from gyrfalcon.forward.kv_cache import KVCache
 from gyrfalcon.forward.metadata import RowInput, build_batch_tensors
 from gyrfalcon.ipc.messages import ForwardMode
 from gyrfalcon.layers.attention.torch_ref import TorchRefBackend
-from gyrfalcon.worker.cuda_graph import StaticBuffers
+from gyrfalcon.worker.cuda_graph import GraphKey, StaticBuffers
 
 pytestmark = pytest.mark.gpu
 
@@ -144,6 +144,7 @@ def test_decode_with_rope_in_the_kernel_equals_rotary_then_attend(
     kernel) gives the same bits as rotary_and_store followed by attend: outputs and
     the cache slots written, bf16 and fp8 caches, with padded rows."""
     from gyrfalcon.kernels.rotary import build_cos_sin_cache, rotary_and_store
+    from gyrfalcon.layers.context import LayerContext
     from gyrfalcon.layers.rotary import RotaryEmbedding
 
     gen = torch.Generator().manual_seed(4)
@@ -161,7 +162,7 @@ def test_decode_with_rope_in_the_kernel_equals_rotary_then_attend(
     T = len(rows)
     qkv = (torch.randn(T, (heads + 2 * kv_heads) * head_dim, device="cuda") * 4).to(torch.bfloat16)
     split = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
-    rope = RotaryEmbedding(head_dim, 500000.0, None, 8192).cuda()
+    rope = RotaryEmbedding(head_dim, 500000.0, None, 8192, LayerContext()).cuda()
     cos_sin = build_cos_sin_cache(rope.inv_freq, 8192)
     q, k, v = (t.view(T, -1, head_dim) for t in qkv.clone().split(split, dim=-1))
     fused = tri.attend_rope(q, k, v, tb.positions, cos_sin, LAYER, tb)
@@ -245,8 +246,9 @@ def test_decode_cuda_graph_replay(triton_backend_cls):
         "v": torch.zeros(padded, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16),
     }
     # the graph runner's static batch: capture on padding rows only, replay on real ones
-    buf = StaticBuffers.allocate(padded, max_pages, cache.k.device)
-    dummy = buf.forward_batch(padded, buf.fill(None, padded), PS, cache, tri)
+    buf = StaticBuffers.allocate(padded, max_pages, PS, cache.k.device)
+    key = GraphKey(ForwardMode.DECODE, padded, 1)
+    dummy = buf.forward_batch(key, buf.fill(None, key), cache, tri)
     dummy.attn_meta = tri.prepare_replay(dummy)
     run = lambda: tri.forward(static["q"], static["k"], static["v"], LAYER, dummy)
     stream = torch.cuda.Stream()
@@ -258,7 +260,7 @@ def test_decode_cuda_graph_replay(triton_backend_cls):
     with torch.cuda.graph(graph):
         static_out = run()
 
-    buf.fill(build_batch_tensors(rows, PS, cache.k.device), padded)  # 5 real rows, 3 padding
+    buf.fill(build_batch_tensors(rows, PS, cache.k.device), key)  # 5 real rows, 3 padding
     for name in static:
         static[name].normal_()
     graph.replay()

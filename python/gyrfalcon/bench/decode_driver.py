@@ -21,6 +21,11 @@ from gyrfalcon.worker.step_worker import StepWorker
 GREEDY = msg.SamplingParams(temperature=0.0, max_tokens=1 << 30, ignore_eos=True)
 
 
+def last_tokens(result: msg.StepResult) -> dict[str, int]:
+    """The last token each sampling row emitted (the next step's input), by rid."""
+    return {r.rid: r.token_ids[-1] for r in result.rows if r.token_ids}
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -66,11 +71,11 @@ class Driver:
         new: Sequence[msg.NewRequest] = (),
         finished: Sequence[str] = (),
     ) -> dict[str, int]:
-        """Execute one plan; returns the sampled token of each row by rid."""
-        plan = msg.StepPlan(self.step_id, list(new), list(finished), [msg.RankBatch(mode, rows)])
+        """Execute one plan; returns the last emitted token of each sampling row by rid."""
+        batch = msg.RankBatch(mode, rows, list(new), list(finished))
+        plan = msg.StepPlan(self.step_id, [batch])
         self.step_id += 1
-        result = self.runner.execute(plan)
-        return {r.rid: r.token_id for r in result.rows}
+        return last_tokens(self.runner.execute(plan))
 
     def prefill(self, prompts: list[list[int]], token_cap: int) -> None:
         """Add requests and compute their prompts in plans of at most `token_cap` tokens."""
@@ -122,7 +127,7 @@ class Driver:
             )
             for s in self.seqs
         ]
-        plan = msg.StepPlan(self.step_id, [], [], [msg.RankBatch(msg.ForwardMode.DECODE, rows)])
+        plan = msg.StepPlan(self.step_id, [msg.RankBatch(msg.ForwardMode.DECODE, rows)])
         self.step_id += 1
         self.runner.submit(plan)
         for s in self.seqs:
@@ -130,7 +135,7 @@ class Driver:
 
     def take(self) -> None:
         """Read the oldest submitted decode step's tokens."""
-        out = {r.rid: r.token_id for r in self.runner.take().rows}
+        out = last_tokens(self.runner.take())
         for s in self.seqs:
             s.last = out[s.rid]
 
@@ -152,7 +157,7 @@ class Driver:
         """Free every sequence on the worker (finished_rids) and return its pages."""
         while self.runner.pending:  # a step cut short by an error
             self.runner.take()
-        self._run(msg.ForwardMode.DECODE, [], finished=[s.rid for s in self.seqs])
+        self._run(msg.ForwardMode.IDLE, [], finished=[s.rid for s in self.seqs])
         for s in self.seqs:
             self.free_pages.extend(reversed(s.pages))
         self.seqs = []

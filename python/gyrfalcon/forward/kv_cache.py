@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from gyrfalcon.kernels.dispatch import use_fused
+from gyrfalcon.kernels.dispatch import DEFAULT_KERNELS, KernelPolicy
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -34,15 +34,19 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        kernels: KernelPolicy = DEFAULT_KERNELS,
     ):
+        """num_kv_heads: the KV heads this rank holds. kernels: whether `write` may run
+        the fused store kernel on CUDA."""
         self.num_pages, self.page_size = num_pages, page_size
+        self.kernels = kernels
         shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
     def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # loc: [T] slots; k, v: [T, KVH, D]
-        if use_fused(k):
+        if self.kernels.use_fused(k):
             from gyrfalcon.kernels.kv_store import store_kv
 
             store_kv(k, v, self.k[layer], self.v[layer], loc)

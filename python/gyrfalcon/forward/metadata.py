@@ -4,6 +4,9 @@ Pure index math, so it is unit-tested on its own:
   positions of row r:   start_r .. start_r + n_r - 1
   KV slot of position p: page_table_r[p // page_size] * page_size + p % page_size
   seq_len of row r:     start_r + n_r   (KV valid after this step)
+  leading single rows:  the longest prefix of rows with n_r == 1 (the scheduler
+                        puts decodes first; `ForwardBatch.from_tensors` decides
+                        by the mode which of them attend as decodes)
 """
 
 from __future__ import annotations
@@ -37,6 +40,17 @@ class BatchTensors:
     q_starts_cpu: list[int]
     extra: list[torch.Tensor]  # the caller's `extra` int lists, uploaded with the rest
     token_rows: torch.Tensor  # [3, T] view: input_ids, positions, out_cache_loc
+    leading_single_rows: int  # rows [0, n) have one new token each (host value)
+
+
+def leading_single_token_rows(q_lens: list[int]) -> int:
+    """How many rows at the start of the batch have exactly one new token."""
+    if q_lens.count(1) == len(q_lens):  # NOTE: decode batches, without a Python loop
+        return len(q_lens)
+    n = 0
+    while n < len(q_lens) and q_lens[n] == 1:
+        n += 1
+    return n
 
 
 def slot_of(pages: list[int], pos: int, page_size: int) -> int:
@@ -97,6 +111,7 @@ def build_batch_tensors(
         q_starts_cpu=q_starts,
         extra=t_extra,
         token_rows=packed[: 3 * len(ids)].view(3, len(ids)),
+        leading_single_rows=leading_single_token_rows(q_lens),
     )
     assert bt.input_ids.shape == bt.positions.shape == bt.out_cache_loc.shape
     assert bt.seq_lens.shape[0] == bt.q_lens.shape[0] == bt.page_table.shape[0] == len(rows)

@@ -6,6 +6,8 @@ imports the other, so they live here, beside the messages they describe.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 # Input id of a position whose token is still being sampled by a step in flight:
 # the worker substitutes the id it sampled, on the device.
 PLACEHOLDER = -1
@@ -18,3 +20,32 @@ DUMMY_PAGE = 0
 def pages_needed(pages_held: int, end: int, page_size: int) -> int:
     """Extra pages for KV positions [0, end) given pages already held."""
     return max(0, -(-end // page_size) - pages_held)
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """The worker ranks and the DP groups they form.
+
+    Rank r is TP rank `r % tp_size` of DP group `r // tp_size`. Every rank receives
+    every plan and runs its DP group's `RankBatch`; the group's TP rank 0 alone
+    returns the group's `StepResult`. Until the parallelism flags exist, both sizes
+    are 1: one worker, which runs batch 0 and reports.
+    """
+
+    dp_size: int = 1
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        assert self.dp_size >= 1 and self.tp_size >= 1, self
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_size * self.tp_size
+
+    def dp_rank(self, rank: int) -> int:
+        assert 0 <= rank < self.world_size, (rank, self)
+        return rank // self.tp_size
+
+    def reports(self, rank: int) -> bool:
+        """Whether `rank` returns its DP group's results."""
+        return rank % self.tp_size == 0

@@ -146,6 +146,10 @@ class ScheduledRow(msgspec.Struct, array_like=True):
     `sample` is False for a prefill chunk that does not reach the prompt's end.
     `reset` drops the worker's page table for the request (it was preempted and
     is recomputed from position 0); its sampled outputs and seeded generator stay.
+    `num_draft` (speculative decoding; 0 without it): the worker appends that many
+    draft tokens of its own after the input and verifies them in this row; the
+    row's pages hold their KV positions too. The draft tokens never leave the
+    worker; the row emits 1 .. num_draft + 1 tokens (`RowResult`).
     """
 
     rid: str
@@ -154,18 +158,26 @@ class ScheduledRow(msgspec.Struct, array_like=True):
     new_pages: list[int]
     sample: bool
     reset: bool = False
+    num_draft: int = 0
 
 
 class RankBatch(msgspec.Struct, array_like=True):
+    """One DP rank's share of a step; the workers of that rank's DP group run it.
+
+    Before the rows run, the worker drops the state of `finished_rids` and adds
+    `new_requests`. A batch without rows is IDLE: its workers still run one padded
+    dummy row on the dummy page (collectives need every rank in every step).
+    """
+
     forward_mode: ForwardMode
     rows: list[ScheduledRow]
+    new_requests: list[NewRequest] = []
+    finished_rids: list[str] = []
 
 
 class StepPlan(msgspec.Struct, tag=True):
     step_id: int
-    new_requests: list[NewRequest]
-    finished_rids: list[str]  # worker drops their state before running this step
-    batches: list[RankBatch]  # one per DP rank
+    batches: list[RankBatch]  # one per DP rank, indexed by DP rank
 
 
 class Shutdown(msgspec.Struct, tag=True):
@@ -173,21 +185,35 @@ class Shutdown(msgspec.Struct, tag=True):
 
 
 class WorkerReady(msgspec.Struct, tag=True):
+    """Sent once by every worker rank; the engine is ready when all ranks are."""
+
     rank: int
     num_kv_pages: int
     max_model_len: int
 
 
 class RowResult(msgspec.Struct, array_like=True):
+    """What one row emitted.
+
+    A sampling row emits `num_accepted + 1` tokens, in order: the worker's draft
+    tokens it accepted, then one token of the target (0 drafts without speculative
+    decoding: one token). A row that does not sample emits none. Draft tokens the
+    worker proposed but rejected never leave it.
+    """
+
     rid: str
-    token_id: int  # -1 when the row did not sample
-    logprobs: PositionLogprobs | None = None
+    token_ids: list[int] = []  # emitted tokens; empty when the row did not sample
+    num_accepted: int = 0  # draft tokens accepted (always 0 without speculation)
+    logprobs: list[PositionLogprobs] | None = None  # one per emitted token, when asked
     prompt_logprobs: list[PositionLogprobs] | None = None  # for positions start+1 .. end
 
 
 class StepResult(msgspec.Struct, tag=True):
+    """One DP rank's rows of a step, sent by the first TP rank of its DP group."""
+
     step_id: int
     rows: list[RowResult]
+    dp_rank: int = 0
 
 
 class WorkerError(msgspec.Struct, tag=True):

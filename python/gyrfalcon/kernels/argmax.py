@@ -74,9 +74,10 @@ def _row_argmax_kernel(
     tl.store(out_ptr + row, tl.sum(tl.where(offs == first_chunk, idx, 0), 0).to(tl.int64))
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+def argmax_rows(x: torch.Tensor, *, pdl: bool = True) -> torch.Tensor:
     """torch.argmax(x, dim=-1) for x [bs, vocab] (last dim contiguous), in two launches
-    and no host sync; returns [bs] int64."""
+    and no host sync; returns [bs] int64. pdl: may launch with programmatic dependent
+    launch (where the device supports it)."""
     assert x.dim() == 2 and x.stride(-1) == 1, (x.shape, x.stride())
     bs, vocab = x.shape
     assert vocab >= 1 and vocab < 2**31, vocab
@@ -86,13 +87,13 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     num_chunks = triton.cdiv(vocab, CHUNK)
     vals = torch.empty((bs, num_chunks), dtype=torch.float32, device=x.device)
     idxs = torch.empty((bs, num_chunks), dtype=torch.int32, device=x.device)
-    pdl = launch_pdl(x)
+    launch = launch_pdl(x, pdl)
     _chunk_max_kernel[(bs, num_chunks)](
         x, vals, idxs, vocab, x.stride(0), num_chunks, CHUNK=CHUNK, num_warps=8,
-        PDL=pdl, launch_pdl=pdl,
+        PDL=launch, launch_pdl=launch,
     )  # fmt: skip
     _row_argmax_kernel[(bs,)](
         vals, idxs, out, num_chunks, BLOCK_C=max(2, triton.next_power_of_2(num_chunks)),
-        PDL=pdl, launch_pdl=pdl,
+        PDL=launch, launch_pdl=launch,
     )  # fmt: skip
     return out

@@ -279,6 +279,7 @@ def decode_attention(
     rope: DecodeRope | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
+    pdl: bool = True,
 ) -> None:
     """Paged decode attention, written into `o` in place.
 
@@ -290,6 +291,7 @@ def decode_attention(
     with the roundings of `rotary_and_store`.
     The launch grid depends only on bs, KVH, H and scratch.num_kv_splits.
     block_n, num_stages: None = `decode_block_params`.
+    pdl: may launch with programmatic dependent launch (where the device supports it).
     An fp8 cache with a 16-bit q does its dots in float16: q (pre-scaled) and the keys
     and values are converted to it. e4m3 -> float16 is one instruction per two values,
     exact; -> bfloat16 takes more, and with half the bytes per key an fp8 cache leaves
@@ -333,7 +335,7 @@ def decode_attention(
     direct = splits == 1
     mo = o if direct else mid_o
     mo_strides = (o.stride(0), o.stride(1), 0) if direct else mid_o.stride()[:3]
-    pdl = launch_pdl(q)
+    launch = launch_pdl(q, pdl)
     _decode_split_kernel[(bs, num_kv_heads, splits)](
         q, k_cache, v_cache, page_table, seq_lens, mo, mid_lse, scratch.counts, o,
         r.k, r.v, r.positions, r.cos_sin, r.loc,
@@ -349,5 +351,5 @@ def decode_attention(
         BLOCK_S=triton.next_power_of_2(splits),
         PRECISION=dot_precision(q.dtype),
         ROPE=rope is not None, F16_MATH=fp8 and q.element_size() == 2,
-        num_warps=num_warps, num_stages=num_stages, PDL=pdl, launch_pdl=pdl,
+        num_warps=num_warps, num_stages=num_stages, PDL=launch, launch_pdl=launch,
     )  # fmt: skip

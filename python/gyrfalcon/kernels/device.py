@@ -16,23 +16,15 @@ def num_sms(device: torch.device) -> int:
     return 8
 
 
-_pdl_enabled = True  # the default; `--disable-pdl` turns it off
-
-
-def set_launch_pdl(enabled: bool) -> None:
-    """Process-wide: launch the Triton kernels with programmatic dependent launch where
-    the device supports it (unless `--disable-pdl`). Set once, by the worker, at start."""
-    global _pdl_enabled
-    _pdl_enabled = enabled
-
-
 @functools.cache
-def _pdl_supported(device: torch.device) -> bool:
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on `device` can launch with programmatic dependent launch: they
+    may start while the previous kernel finishes, and wait (`gdc_wait`) before they
+    touch anything but weights. Hopper and later only; never under the CPU interpreter."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def launch_pdl(x: torch.Tensor) -> bool:
-    """Whether a kernel on x's device launches with programmatic dependent launch: it may
-    start while the previous kernel finishes, and waits (`gdc_wait`) before it touches
-    anything but weights. Hopper and later only; never under the CPU interpreter."""
-    return _pdl_enabled and _pdl_supported(x.device)
+def launch_pdl(x: torch.Tensor, allowed: bool) -> bool:
+    """Whether a kernel on x's device launches with PDL: when the caller allows it (its
+    `KernelPolicy.pdl`) and the device supports it."""
+    return allowed and pdl_supported(x.device)

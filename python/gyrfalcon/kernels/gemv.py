@@ -199,6 +199,7 @@ def skinny_linear(
     config: GemvConfig | None = None,
     act_silu_mul: bool = False,
     out: torch.Tensor | None = None,
+    pdl: bool = True,
 ) -> torch.Tensor:
     """x @ w.T for a few rows of x, in one kernel launch; returns [M, N] in x.dtype.
 
@@ -210,6 +211,7 @@ def skinny_linear(
     M <= FUSED_SILU_MUL_MAX_M). config: None picks `gemv_config(M, N, K, #SMs,
     act_silu_mul=act_silu_mul)`.
     out ([M, N], last dim contiguous, x.dtype) is written instead of allocating.
+    pdl: may launch with programmatic dependent launch (where the device supports it).
     """
     assert x.dim() == 2 and w.dim() == 2, (x.shape, w.shape)
     assert x.stride(-1) == 1, "x: last dim must be contiguous"
@@ -232,13 +234,13 @@ def skinny_linear(
     # their raw uint16 bits, so off the GPU the tensor-core path upcasts them to
     # float32 first (bf16 x bf16 products are exact in float32 either way).
     block_m = _DOT_MIN if cfg.use_dot else triton.next_power_of_2(m)
-    pdl = launch_pdl(x)
+    launch = launch_pdl(x, pdl)
     _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, w, out, m, n, k, x.stride(0), out.stride(0),
         ACT_SILU_MUL=act_silu_mul, USE_DOT=cfg.use_dot,
         DOT_F32=x.dtype == torch.float32 or not x.is_cuda,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=pdl, launch_pdl=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=launch, launch_pdl=launch,
     )  # fmt: skip
     return out
 
@@ -294,6 +296,8 @@ def norm_skinny_linear(
     gamma: torch.Tensor,
     eps: float,
     w: torch.Tensor,
+    *,
+    pdl: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(h + residual) @ w.T, h + residual) for ONE row, in one launch.
 
@@ -302,7 +306,7 @@ def norm_skinny_linear(
     (K <= NORM_FUSED_MAX_K) from registers with the norm kernel's roundings, then
     multiplies its BLOCK_N weight rows. h, residual: [1, K]; gamma: [K]; w: [N, K]
     contiguous, all one dtype. The new residual is a fresh tensor (program 0 writes it
-    while the others still read the inputs).
+    while the others still read the inputs). pdl: as in `skinny_linear`.
     """
     assert h.dim() == 2 and h.shape[0] == 1 and h.stride(-1) == 1, h.shape
     k, n = h.shape[1], w.shape[0]
@@ -318,10 +322,10 @@ def norm_skinny_linear(
     y = torch.empty((1, n), dtype=h.dtype, device=h.device)
     cfg = gemv_config(1, n, k, num_sms(h.device))
     assert cfg.block_k >= k  # one K step (gemv_config: block_k = next_pow2(k) <= 1024)
-    pdl = launch_pdl(h)
+    launch = launch_pdl(h, pdl)
     _norm_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         h, h if residual is None else residual, gamma, w, y, res_out, n, k, eps,
         HAS_RES=residual is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, PDL=pdl, launch_pdl=pdl,
+        num_warps=cfg.num_warps, PDL=launch, launch_pdl=launch,
     )  # fmt: skip
     return y, res_out

@@ -115,6 +115,8 @@ def rmsnorm(
     eps: float,
     out: torch.Tensor | None = None,
     block_size: int | None = None,
+    *,
+    pdl: bool = True,
 ) -> torch.Tensor:
     """RMSNorm over the last dim of x: [T, H] or [T, N, H] (e.g. per-head q/k norm).
 
@@ -122,7 +124,8 @@ def rmsnorm(
     of a fused qkv output works). Returns a new contiguous tensor in x.dtype unless
     `out` (same shape, last dim contiguous; it may be x itself, to normalize in
     place) is given. `block_size` (a power of two) forces the chunked path; it
-    exists for tests.
+    exists for tests. pdl: may launch with programmatic dependent launch (where the
+    device supports it).
     """
     assert x.dim() in (2, 3) and x.stride(-1) == 1, "rmsnorm wants [T, H] or [T, N, H] rows"
     hidden = x.shape[-1]
@@ -134,7 +137,7 @@ def rmsnorm(
         return out
     x3, o3 = _as_3d(x), _as_3d(out)
     block, chunks, warps = _launch_params(hidden, block_size)
-    pdl = launch_pdl(x)
+    launch = launch_pdl(x, pdl)
     grid = (x3.shape[0], x3.shape[1])
     _rmsnorm_kernel[grid](
         x3, x3, weight, o3, o3,
@@ -142,7 +145,7 @@ def rmsnorm(
         o3.stride(0), o3.stride(1), o3.stride(0), o3.stride(1),
         hidden, eps,
         HAS_RESIDUAL=False, BLOCK=block, NUM_CHUNKS=chunks, num_warps=warps,
-        PDL=pdl, launch_pdl=pdl,
+        PDL=launch, launch_pdl=launch,
     )  # fmt: skip
     return out
 
@@ -154,6 +157,8 @@ def fused_add_rmsnorm(
     eps: float,
     inplace: bool = True,
     block_size: int | None = None,
+    *,
+    pdl: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual), x + residual) for x, residual: [T, H] of one dtype.
 
@@ -161,7 +166,7 @@ def fused_add_rmsnorm(
     `x` and the new residual into `residual`, and returns those same tensors; no
     memory is allocated. With `inplace=False` both results are fresh tensors and
     the inputs are untouched. The sum is rounded to x.dtype before normalizing,
-    matching `h = h + attn_out; norm(h)` in torch.
+    matching `h = h + attn_out; norm(h)` in torch. pdl: as in `rmsnorm`.
     """
     assert x.dim() == 2 and x.shape == residual.shape and x.dtype == residual.dtype
     assert x.stride(-1) == 1 and residual.stride(-1) == 1, "rows must be contiguous"
@@ -174,7 +179,7 @@ def fused_add_rmsnorm(
     if x.numel() == 0:
         return out, res_out
     block, chunks, warps = _launch_params(hidden, block_size)
-    pdl = launch_pdl(x)
+    launch = launch_pdl(x, pdl)
     # NOTE: in place, each program reads its whole row (x and residual) before the
     # stores that overwrite it in the single-pass path; in the chunked path it only
     # overwrites chunks it has already consumed. Rows never overlap between programs.
@@ -184,6 +189,6 @@ def fused_add_rmsnorm(
         out.stride(0), 0, res_out.stride(0), 0,
         hidden, eps,
         HAS_RESIDUAL=True, BLOCK=block, NUM_CHUNKS=chunks, num_warps=warps,
-        PDL=pdl, launch_pdl=pdl,
+        PDL=launch, launch_pdl=launch,
     )  # fmt: skip
     return out, res_out

@@ -1,4 +1,8 @@
-"""Token embedding and LM head."""
+"""Token embedding and LM head.
+
+NOTE: replicated on every TP rank for now; the vocab-parallel split comes with the
+parallelism work, which is why they take the layer context already (unused today).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gyrfalcon.layers.context import LayerContext
+
 
 class VocabEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int):
+    def __init__(self, vocab_size: int, hidden_size: int, ctx: LayerContext):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
 
@@ -16,13 +22,20 @@ class VocabEmbedding(nn.Module):
         self.weight.data.copy_(loaded)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # ids: [T] -> [T, hidden]
         return F.embedding(ids, self.weight)
 
 
 class LMHead(nn.Module):
     """Projects hidden states to vocabulary logits; may share the embedding weight."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, tied: VocabEmbedding | None = None):
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        ctx: LayerContext,
+        tied: VocabEmbedding | None = None,
+    ):
         super().__init__()
         self.tied = tied
         if tied is None:

@@ -1,9 +1,10 @@
 """Linear layers that carry their own weight loaders (TP-aware by construction).
 
 A packed layer (qkv, gate_up) owns one fused weight; HF checkpoints store the
-parts separately, so each part is loaded by shard id into its row range.
-With tp_size > 1 each rank keeps its slice: column layers split output rows,
-row layers split input columns (the caller all-reduces their output).
+parts separately, so each part is loaded by shard id into its row range. Every
+rank loads the full HF tensors and keeps its slice: column layers keep output
+rows (each part split on its own), row layers keep input columns and all-reduce
+their output through the layer context, so each returns the full result.
 """
 
 from __future__ import annotations
@@ -12,63 +13,68 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gyrfalcon.kernels.dispatch import use_norm_skinny_gemm, use_skinny_gemm
+from gyrfalcon.kernels.dispatch import KernelPolicy
 from gyrfalcon.layers.activation import silu_and_mul
+from gyrfalcon.layers.context import LayerContext
 from gyrfalcon.layers.norm import RMSNorm
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: KernelPolicy
+) -> torch.Tensor:
     """x W^T (+ b): our skinny GEMM for decode-sized batches on CUDA (one launch, no
     split-K reduce), cuBLAS otherwise."""
-    if bias is None and use_skinny_gemm(x):
+    if bias is None and kernels.use_skinny_gemm(x):
         from gyrfalcon.kernels.gemv import skinny_linear
 
-        return skinny_linear(x, weight)
+        return skinny_linear(x, weight, pdl=kernels.pdl)
     return F.linear(x, weight, bias)
 
 
 class ColumnParallelLinear(nn.Module):
     """y = x W^T (+ b) with W split by output rows over TP ranks.
 
-    `output_sizes` lists the full (unsharded) sizes of the packed parts, in order.
+    `output_sizes` lists the full (unsharded) sizes of the packed parts, in order;
+    each part splits evenly unless `shards` gives, per part, the (start, length) of
+    the rows of the full part this rank holds.
     """
 
     def __init__(
         self,
         input_size: int,
         output_sizes: list[int],
+        ctx: LayerContext,
         bias: bool = False,
-        tp_rank: int = 0,
-        tp_size: int = 1,
         shard_ids: list[str] | None = None,
+        shards: list[tuple[int, int]] | None = None,
     ):
         super().__init__()
-        for size in output_sizes:
-            assert size % tp_size == 0, f"output size {size} not divisible by tp {tp_size}"
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.local_sizes = [s // tp_size for s in output_sizes]
+        self.kernels = ctx.kernels
+        self.output_sizes = list(output_sizes)
+        self.shards = shards or [ctx.parallel.even_shard(size) for size in output_sizes]
+        assert len(self.shards) == len(output_sizes), (self.shards, output_sizes)
+        for (start, size), full in zip(self.shards, output_sizes):
+            assert 0 <= start and start + size <= full, (start, size, full)
+        self.local_sizes = [size for _, size in self.shards]
         self.shard_ids = shard_ids or [str(i) for i in range(len(output_sizes))]
         out = sum(self.local_sizes)
         self.weight = nn.Parameter(torch.empty(out, input_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
 
-    def _rows(self, shard_id: str | None) -> tuple[int, int]:
-        if shard_id is None:
-            return 0, sum(self.local_sizes)
-        idx = self.shard_ids.index(shard_id)
-        start = sum(self.local_sizes[:idx])
-        return start, self.local_sizes[idx]
-
     def load(self, name: str, loaded: torch.Tensor, shard_id: str | None = None) -> None:
-        """Copy a full HF tensor (weight or bias) into this rank's slice."""
+        """Copy this rank's rows of a full HF tensor (weight or bias): of one part
+        (shard_id), or of every part when the tensor holds them all, packed."""
         param = self.weight if name == "weight" else self.bias
         assert param is not None, f"layer has no {name}"
-        start, size = self._rows(shard_id)
-        part = loaded.narrow(0, self.tp_rank * size, size)
-        param.data.narrow(0, start, size).copy_(part)
+        parts = range(len(self.shards)) if shard_id is None else [self.shard_ids.index(shard_id)]
+        for idx in parts:
+            src = sum(self.output_sizes[:idx]) if shard_id is None else 0
+            start, size = self.shards[idx]
+            dst = sum(self.local_sizes[:idx])
+            param.data.narrow(0, dst, size).copy_(loaded.narrow(0, src + start, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.kernels)
 
     def forward_normed(
         self, h: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
@@ -76,38 +82,72 @@ class ColumnParallelLinear(nn.Module):
         """(forward(norm(h + residual)), h + residual); residual None means h alone is
         normalized and is the residual. One launch for a batch-1 decode row of a small
         model on CUDA (`norm_skinny_linear`); the norm, then forward, otherwise."""
-        if self.bias is None and use_norm_skinny_gemm(h):
+        if self.bias is None and self.kernels.use_norm_skinny_gemm(h):
             from gyrfalcon.kernels.gemv import norm_skinny_linear
 
-            return norm_skinny_linear(h, residual, norm.weight, norm.eps, self.weight)
+            return norm_skinny_linear(
+                h, residual, norm.weight, norm.eps, self.weight, pdl=self.kernels.pdl
+            )
         if residual is None:
             return self(norm(h)), h
         x, residual = norm.add_and_norm(h, residual)
         return self(x), residual
 
 
-class RowParallelLinear(nn.Module):
-    """y = x W^T with W split by input columns; the caller reduces over TP."""
+class QKVParallelLinear(ColumnParallelLinear):
+    """The packed q, k, v projection, split by attention heads (`ParallelContext.heads`):
+    each rank holds its query heads and its KV heads, one replicated KV head when tp
+    exceeds the KV heads. Shard ids "q", "k", "v"."""
 
-    def __init__(self, input_size: int, output_size: int, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        ctx: LayerContext,
+        bias: bool = False,
+    ):
+        heads = ctx.parallel.heads(num_heads, num_kv_heads)
+        q = (heads.head_start * head_dim, heads.num_heads * head_dim)
+        kv = (heads.kv_head_start * head_dim, heads.num_kv_heads * head_dim)
+        full_q, full_kv = num_heads * head_dim, num_kv_heads * head_dim
+        super().__init__(
+            hidden_size,
+            [full_q, full_kv, full_kv],
+            ctx,
+            bias=bias,
+            shard_ids=["q", "k", "v"],
+            shards=[q, kv, kv],
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W split by input columns over TP ranks: each rank multiplies its
+    slice of x and the partial products are all-reduced, so every rank gets all of y."""
+
+    def __init__(self, input_size: int, output_size: int, ctx: LayerContext):
         super().__init__()
-        assert input_size % tp_size == 0
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.local_in = input_size // tp_size
+        self.kernels, self.parallel = ctx.kernels, ctx.parallel
+        self.in_start, self.local_in = ctx.parallel.even_shard(input_size)
         self.weight = nn.Parameter(torch.empty(output_size, self.local_in), requires_grad=False)
 
     def load(self, name: str, loaded: torch.Tensor, shard_id: str | None = None) -> None:
         assert name == "weight" and shard_id is None
-        self.weight.data.copy_(loaded.narrow(1, self.tp_rank * self.local_in, self.local_in))
+        self.weight.data.copy_(loaded.narrow(1, self.in_start, self.local_in))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, None)
+        # x: [T, local_in] -> [T, output_size], reduced over TP
+        return self.parallel.all_reduce(linear(x, self.weight, None, self.kernels))
 
     def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """forward(silu_and_mul(gate_up)); one kernel for a single row on CUDA."""
-        if use_skinny_gemm(gate_up):
+        if self.kernels.use_skinny_gemm(gate_up):
             from gyrfalcon.kernels.gemv import FUSED_SILU_MUL_MAX_M, skinny_linear
 
             if gate_up.shape[0] <= FUSED_SILU_MUL_MAX_M:
-                return skinny_linear(gate_up, self.weight, act_silu_mul=True)
-        return self(silu_and_mul(gate_up))
+                partial = skinny_linear(
+                    gate_up, self.weight, act_silu_mul=True, pdl=self.kernels.pdl
+                )
+                return self.parallel.all_reduce(partial)
+        return self(silu_and_mul(gate_up, self.kernels))

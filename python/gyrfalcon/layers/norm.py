@@ -5,21 +5,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gyrfalcon.kernels.dispatch import use_fused
+from gyrfalcon.layers.context import LayerContext
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float):
+    def __init__(self, hidden_size: int, eps: float, ctx: LayerContext):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.kernels = ctx.kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., hidden]
-        if use_fused(x):
+        if self.kernels.use_fused(x):
             from gyrfalcon.kernels.norm import rmsnorm
 
-            return rmsnorm(x, self.weight, self.eps)
+            return rmsnorm(x, self.weight, self.eps, pdl=self.kernels.pdl)
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -29,9 +30,9 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual); fused and in place on CUDA."""
-        if use_fused(x):
+        if self.kernels.use_fused(x):
             from gyrfalcon.kernels.norm import fused_add_rmsnorm
 
-            return fused_add_rmsnorm(x, residual, self.weight, self.eps)
+            return fused_add_rmsnorm(x, residual, self.weight, self.eps, pdl=self.kernels.pdl)
         h = x + residual
         return self.forward(h), h

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gyrfalcon.kernels.dispatch import use_fused
+from gyrfalcon.layers.context import LayerContext
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -42,10 +42,16 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class RotaryEmbedding(nn.Module):
     def __init__(
-        self, head_dim: int, theta: float, scaling: dict[str, Any] | None, max_positions: int
+        self,
+        head_dim: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        max_positions: int,
+        ctx: LayerContext,
     ):
         super().__init__()
         self.max_positions = max_positions
+        self.kernels = ctx.kernels
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
         self.cos_sin_cache: torch.Tensor | None = None  # [max_positions, D] fp32, CUDA only
 
@@ -53,7 +59,7 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T]; q: [T, H, D]; k: [T, KVH, D]
-        if use_fused(q):
+        if self.kernels.use_fused(q):
             from gyrfalcon.kernels.rotary import rotary_inplace
 
             return rotary_inplace(q, k, positions, self.cos_sin_table())

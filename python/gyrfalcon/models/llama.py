@@ -1,51 +1,56 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2 qkv-bias, Qwen3 qk-norm).
 
-TP-agnostic: parallel layers carry their own loaders; `packed_modules` maps
-HF checkpoint names onto our fused layers.
+TP-agnostic: parallel layers carry their own loaders and reduces (the layer context
+says which rank this is); `packed_modules` maps HF checkpoint names onto our fused
+layers. For a drafter (EAGLE3) the model exposes its embedding (`embed`, and
+`embed_tokens` to share), its LM head (`compute_logits`) and the residual stream
+entering chosen layers (`forward_aux`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
 
 from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.forward.batch import ForwardBatch
-from gyrfalcon.kernels.dispatch import use_fused
+from gyrfalcon.layers.context import LayerContext
 from gyrfalcon.layers.embedding import LMHead, VocabEmbedding
-from gyrfalcon.layers.linear import ColumnParallelLinear, RowParallelLinear
+from gyrfalcon.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from gyrfalcon.layers.norm import RMSNorm
 from gyrfalcon.layers.rotary import RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int):
+    """Attention over this rank's heads (all of them at tp 1)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, ctx: LayerContext):
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
+        self.kernels = ctx.kernels
+        heads = ctx.parallel.heads(cfg.num_heads, cfg.num_kv_heads)
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = heads.num_heads * cfg.head_dim
+        self.kv_size = heads.num_kv_heads * cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, ctx, bias=cfg.qkv_bias
         )
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.q_size, self.kv_size = q, kv
-        self.qkv_proj = ColumnParallelLinear(
-            cfg.hidden_size, [q, kv, kv], bias=cfg.qkv_bias, shard_ids=["q", "k", "v"]
-        )
-        self.o_proj = RowParallelLinear(q, cfg.hidden_size)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, ctx)
         self.rotary = RotaryEmbedding(
-            cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
+            cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, ctx
         )
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ctx) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ctx) if cfg.qk_norm else None
 
     def forward(
         self, positions: torch.Tensor, qkv: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
         """Attention from the qkv projection (the decoder layer runs qkv_proj, with the
-        input norm folded in where it pays): [T, q + 2 kv] -> [T, hidden]."""
+        input norm folded in where it pays): [T, q + 2 kv] of this rank's heads ->
+        [T, hidden], reduced over TP by o_proj."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -53,7 +58,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         backend, layer = batch.attn_backend, self.layer_id
-        if not use_fused(q):
+        if not self.kernels.use_fused(q):
             q, k = self.rotary(positions, q, k)
             out = backend.forward(q, k, v, layer, batch)
         elif backend.fuses_rope(batch):  # NOTE: RoPE inside the attention kernel
@@ -69,22 +74,22 @@ class LlamaMLP(nn.Module):
     """The gated MLP's projections; the decoder layer runs them (gate_up with the
     post-attention norm folded in where it pays, down with SiLU-and-mul)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ctx: LayerContext):
         super().__init__()
         size = cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(
-            cfg.hidden_size, [size, size], shard_ids=["gate", "up"]
+            cfg.hidden_size, [size, size], ctx, shard_ids=["gate", "up"]
         )
-        self.down_proj = RowParallelLinear(size, cfg.hidden_size)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, ctx)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int):
+    def __init__(self, cfg: ModelConfig, layer_id: int, ctx: LayerContext):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, layer_id)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx)
+        self.self_attn = LlamaAttention(cfg, layer_id, ctx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx)
+        self.mlp = LlamaMLP(cfg, ctx)
 
     def forward(
         self,
@@ -108,6 +113,14 @@ class LlamaDecoderLayer(nn.Module):
         return mlp.down_proj.forward_silu_mul(gate_up), residual
 
 
+def eagle3_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """The layers whose inputs an EAGLE3 drafter reads: (2, N // 2, N - 3), as in
+    SGLang and vLLM (`forward_aux`)."""
+    if num_layers < 3:
+        raise ValueError(f"EAGLE3 needs at least 3 target layers, not {num_layers}")
+    return 2, num_layers // 2, num_layers - 3
+
+
 class LlamaForCausalLM(nn.Module):
     # HF checkpoint name fragment -> (our module name fragment, shard id)
     packed_modules = {
@@ -118,22 +131,59 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", "up"),
     }
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(
+        self, cfg: ModelConfig, ctx: LayerContext, embed_tokens: VocabEmbedding | None = None
+    ):
+        """embed_tokens: another model's embedding to share (a drafter shares its
+        target's): neither built nor loaded here."""
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.shares_embedding = embed_tokens is not None
+        if embed_tokens is None:
+            embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx)
+        self.embed_tokens = embed_tokens
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, ctx) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx)
         tied = self.embed_tokens if cfg.tie_word_embeddings else None
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, ctx, tied)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states after the final norm: [T, hidden]."""
-        h = self.embed_tokens(batch.input_ids)
-        residual = None
-        for layer in self.layers:
+        return self._run(batch, ())[0]
+
+    def forward_aux(
+        self, batch: ForwardBatch, aux_layers: Sequence[int]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(forward(batch), aux) where aux[j] [T, hidden] is the residual stream entering
+        layer aux_layers[j]: the embedding output for layer 0, else the previous layer's
+        input plus its attention and MLP outputs, before this layer's input norm.
+        That is HF's `output_hidden_states` hidden_states[i] for i < num_layers (what
+        EAGLE3 reads, at layers `eagle3_aux_layers(num_layers)`).
+
+        NOTE: each is a fresh tensor (the fused add+norm kernels later overwrite the
+        residual buffers in place); `forward` computes none of them.
+        """
+        for i in aux_layers:
+            if not 0 <= i < len(self.layers):
+                raise ValueError(f"aux layer {i} is not in [0, {len(self.layers)})")
+        return self._run(batch, aux_layers)
+
+    def _run(
+        self, batch: ForwardBatch, aux_layers: Sequence[int]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        h = self.embed(batch.input_ids)
+        residual: torch.Tensor | None = None
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                captured[i] = h.clone() if residual is None else h + residual
             h, residual = layer(batch.positions, h, residual, batch)
-        return self.norm.add_and_norm(h, residual)[0]
+        hidden = self.norm.add_and_norm(h, residual)[0]
+        return hidden, [captured[i] for i in aux_layers]
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings: ids [T] -> [T, hidden]."""
+        return self.embed_tokens(ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> [N, vocab] in the model dtype (HF rounds the LM head's
@@ -147,6 +197,8 @@ class LlamaForCausalLM(nn.Module):
         expected = {n for n, _ in self.named_parameters()}
         if self.cfg.tie_word_embeddings:
             expected.discard("lm_head.weight")
+        if self.shares_embedding:
+            expected.discard("embed_tokens.weight")
         loaded: set[str] = set()  # "param" or "param:shard" for packed layers
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
@@ -154,6 +206,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue
+            if name == "embed_tokens.weight" and self.shares_embedding:
+                continue  # NOTE: the owner of the shared embedding loads it
             shard_id = None
             for frag, (ours, sid) in self.packed_modules.items():
                 if f".{frag}." in name:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from gyrfalcon.config.model_config import ModelConfig
+from gyrfalcon.layers.context import LayerContext
 
 
 @contextlib.contextmanager
@@ -34,14 +35,16 @@ def build_model(
     model_dir: str,
     dtype: torch.dtype,
     device: torch.device,
+    ctx: LayerContext,
     load_format: str = "auto",
     show_progress: bool = True,
 ) -> nn.Module:
-    """Construct the model on `device` in `dtype` and load its weights."""
+    """Construct the model on `device` in `dtype`, its layers built with `ctx` (this
+    rank's share of the weights, its kernel policy), and load its weights."""
     cls = model_class(cfg)
     # NOTE: rotary inv_freq is built explicitly in float32 and stays float32.
     with _default_dtype(dtype), torch.device(device):
-        model = cls(cfg)
+        model = cls(cfg, ctx)
     if load_format == "dummy":
         gen = torch.Generator(device=device).manual_seed(0)
         for p in model.parameters():

@@ -5,9 +5,13 @@ requests, then new requests FCFS. Limits: a token budget per step
 (max_num_batched_tokens), a prefill-token budget per step (chunked_prefill_size),
 max_num_seqs running requests, and free KV pages. A request with a sampled token
 still in flight (overlap scheduling) only advances as a decode, and not past
-max_tokens or the context length counting that token. When a decode needs a page
-and none is free, the most recently admitted running request is preempted
-(its pages freed, recomputed later from position 0).
+max_tokens or the context length counting that token. A request whose row in
+flight may emit more than one token (it has draft slots) is not planned at all
+until that result is in: where its next row starts depends on how many drafts
+are accepted (request.py). Today no row has draft slots unless `num_draft` is set,
+so overlap keeps every decode going. When a decode needs a page and none is free,
+the most recently admitted running request is preempted (its pages freed,
+recomputed later from position 0).
 
 Admission keeps room for the output still to come: a new request is admitted only
 if its prompt fits beside a reserve of `reserve_ratio` x (tokens each running
@@ -23,7 +27,7 @@ from dataclasses import dataclass, field
 
 from gyrfalcon.ipc.contract import pages_needed
 from gyrfalcon.scheduler.page_allocator import PageAllocator
-from gyrfalcon.scheduler.request import Request, Status
+from gyrfalcon.scheduler.request import Request, Status, draft_slots, kv_end
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,7 @@ class Limits:
     max_num_seqs: int
     page_size: int
     max_model_len: int = 1 << 62
+    num_draft: int = 0  # draft slots per decode row (speculative decoding; 0 = off)
 
 
 # Output tokens counted per request in the admission reserve, at most: a request
@@ -48,6 +53,7 @@ class Scheduled:
     reset: bool  # request was preempted since the worker last saw it
     samples: bool  # the step reaches the last token, so it samples the next
     start: int  # first position computed (req.num_computed when planned)
+    num_draft: int = 0  # draft tokens the worker appends and verifies (KV held for them)
 
 
 @dataclass
@@ -81,12 +87,14 @@ def preempt(
     waiting.insert(idx, req)
 
 
-def _take(req: Request, n: int, alloc: PageAllocator, ps: int) -> Scheduled:
-    new_pages = alloc.alloc(pages_needed(len(req.pages), req.num_computed + n, ps))
+def _take(req: Request, n: int, alloc: PageAllocator, ps: int, num_draft: int = 0) -> Scheduled:
+    start = req.num_computed
+    new_pages = alloc.alloc(pages_needed(len(req.pages), kv_end(start, n, num_draft), ps))
     req.pages.extend(new_pages)
     reset, req.needs_reset = req.needs_reset, False
-    end = req.num_computed + n
-    return Scheduled(req, n, new_pages, reset, end == req.num_tokens, req.num_computed)
+    samples = start + n == req.num_tokens
+    assert samples or not num_draft, "only a sampling row verifies drafts"
+    return Scheduled(req, n, new_pages, reset, samples, start, num_draft)
 
 
 def reserved_tokens(req: Request, ratio: float) -> int:
@@ -126,11 +134,6 @@ class ReserveRatio:
             self.value = max(self.floor, self.value - self.decay)
 
 
-def may_decode(req: Request, max_model_len: int) -> bool:
-    """Whether one more token may be sampled, counting tokens in flight."""
-    return req.num_generated < req.sampling.max_tokens and req.num_tokens < max_model_len
-
-
 def schedule(
     running: list[Request],
     waiting: deque[Request],
@@ -151,13 +154,17 @@ def schedule(
 
     # 1) decodes, oldest first; preempt the newest when pages run out
     for req in sorted(running, key=lambda r: r.arrival):
-        if budget == 0:
+        if budget <= 0:
             break
         if req.remaining != 1 or req.status is not Status.RUNNING:
             continue
-        if not may_decode(req, limits.max_model_len):
+        if req.num_pending_drafts:
+            continue  # NOTE: its row in flight may emit 1..d+1 tokens: next position unknown
+        left = req.tokens_left(limits.max_model_len)
+        if left <= 0:
             continue  # its last token is in flight; the result finishes it
-        while pages_needed(len(req.pages), req.num_computed + 1, ps) > alloc.num_free:
+        d = draft_slots(limits.num_draft, left) if limits.num_draft else 0
+        while pages_needed(len(req.pages), kv_end(req.num_computed, 1, d), ps) > alloc.num_free:
             victims = [r for r in running if r.rid not in picked]
             victim = max(victims, key=lambda r: r.arrival)
             preempt(victim, alloc, running, waiting)
@@ -166,9 +173,9 @@ def schedule(
                 break
         if req.status is not Status.RUNNING:
             continue
-        out.rows.append(_take(req, 1, alloc, ps))
+        out.rows.append(_take(req, 1, alloc, ps, d))
         picked.add(req.rid)
-        budget -= 1
+        budget -= 1 + d  # the forward computes the input and the d drafts
 
     # 2) running requests still in (chunked) prefill
     for req in sorted(running, key=lambda r: r.arrival):

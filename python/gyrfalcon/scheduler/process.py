@@ -1,4 +1,10 @@
-"""The scheduler process: frontend messages in, step plans to the worker, outputs back."""
+"""The scheduler process: frontend messages in, step plans to the workers, outputs back.
+
+Written for N worker ranks (`RankLayout`): every plan goes to every rank (one
+PUSH socket each, encoded once), every rank's `WorkerReady` is collected before
+the engine reports ready (the smallest KV pool and context win), and each DP
+group's results come from its first TP rank over one shared PULL socket.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ import zmq
 
 from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs
+from gyrfalcon.ipc.contract import RankLayout
 from gyrfalcon.ipc.messages import (
     AbortRequest,
     BatchOutput,
@@ -25,7 +32,7 @@ from gyrfalcon.ipc.messages import (
     WorkerReady,
     WorkerToScheduler,
 )
-from gyrfalcon.ipc.sockets import Channel, IpcPaths
+from gyrfalcon.ipc.sockets import Channel, Fanout, IpcPaths
 from gyrfalcon.scheduler.scheduler import Scheduler, SchedulerConfig
 from gyrfalcon.scheduler.step_log import ThroughputLog
 from gyrfalcon.utils import ChildStop, set_torch_threads, setup_child
@@ -33,7 +40,7 @@ from gyrfalcon.utils import ChildStop, set_torch_threads, setup_child
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 50  # wait for frontend input when there is no work
-WORKER_POLL_MS = 1000  # liveness check period while waiting for the worker
+WORKER_POLL_MS = 1000  # liveness check period while waiting for the workers
 
 
 class WorkerFailed(Exception):
@@ -45,16 +52,24 @@ class StopRequested(Exception):
 
 
 class SchedulerLoop:
-    def __init__(self, args: ServerArgs, paths: IpcPaths, model_cfg: ModelConfig, stop: ChildStop):
-        self.args, self.model_cfg = args, model_cfg
+    def __init__(
+        self,
+        args: ServerArgs,
+        paths: IpcPaths,
+        model_cfg: ModelConfig,
+        stop: ChildStop,
+        layout: RankLayout,
+    ):
+        assert len(paths.scheduler_to_workers) == layout.world_size, "one endpoint per rank"
+        self.args, self.model_cfg, self.layout = args, model_cfg, layout
         self.stop = stop
         ctx = zmq.Context()
         self.from_frontend = Channel(
             ctx, zmq.PULL, paths.frontend_to_scheduler, True, FrontendToScheduler
         )
         self.to_frontend = Channel(ctx, zmq.PUSH, paths.scheduler_to_frontend, True)
-        self.to_worker = Channel(ctx, zmq.PUSH, paths.scheduler_to_worker, True)
-        self.from_worker = Channel(
+        self.to_workers = Fanout(ctx, paths.scheduler_to_workers)
+        self.from_workers = Channel(
             ctx, zmq.PULL, paths.worker_to_scheduler, True, WorkerToScheduler
         )
         self.sched: Scheduler | None = None
@@ -62,7 +77,7 @@ class SchedulerLoop:
 
     def _recv_worker(self) -> WorkerReady | StepResult:
         while True:
-            msg = self.from_worker.recv(WORKER_POLL_MS)
+            msg = self.from_workers.recv(WORKER_POLL_MS)
             if msg is None:
                 if self.stop.requested or self.stop.parent_gone():
                     raise StopRequested
@@ -77,20 +92,26 @@ class SchedulerLoop:
         return result
 
     def start(self) -> None:
-        ready = self._recv_worker()
-        assert isinstance(ready, WorkerReady)
+        """Wait for every rank's WorkerReady; size the scheduler by the smallest."""
+        ready: dict[int, WorkerReady] = {}
+        while len(ready) < self.layout.world_size:
+            msg = self._recv_worker()
+            assert isinstance(msg, WorkerReady), f"expected WorkerReady, got {msg}"
+            assert msg.rank not in ready, f"rank {msg.rank} reported ready twice"
+            ready[msg.rank] = msg
+        num_pages = min(r.num_kv_pages for r in ready.values())
+        context = min(r.max_model_len for r in ready.values())
         a = self.args
-        self.sched = Scheduler(
-            SchedulerConfig.from_args(
-                a, ready.num_kv_pages, ready.max_model_len, self.model_cfg.eos_token_ids
-            )
-        )
-        self.to_frontend.send(EngineReady(ready.max_model_len, ready.num_kv_pages, a.page_size))
+        eos = self.model_cfg.eos_token_ids
+        cfg = SchedulerConfig.from_args(a, num_pages, context, eos, dp_size=self.layout.dp_size)
+        self.sched = Scheduler(cfg)
+        self.to_frontend.send(EngineReady(context, num_pages, a.page_size))
         logger.info(
-            "engine ready: %d KV pages of %d tokens, context %d",
-            ready.num_kv_pages,
+            "engine ready: %d worker rank(s), %d KV pages of %d tokens per DP rank, context %d",
+            self.layout.world_size,
+            num_pages,
             a.page_size,
-            ready.max_model_len,
+            context,
         )
 
     def _handle(self, msg: object) -> None:
@@ -110,22 +131,21 @@ class SchedulerLoop:
         while msg is not None:
             self._handle(msg)
             msg = self.from_frontend.recv(0)
-        outputs: list[RequestOutput] = sched.pump(self.to_worker.send, self._recv_result)
+        outputs: list[RequestOutput] = sched.pump(self.to_workers.send, self._recv_result)
         if outputs:
             self.to_frontend.send(BatchOutput(outputs))
-        alloc = sched.alloc
         line = self.throughput_log.line(
             sched.counters,
             len(sched.running),
             len(sched.waiting),
-            alloc.num_usable - alloc.num_free,
-            alloc.num_usable,
+            sched.num_usable_pages - sched.num_free_pages,
+            sched.num_usable_pages,
         )
         if line is not None:
             logger.info("%s", line)
 
     def run(self) -> None:
-        """Serve until the launcher stops us (or is gone); exits 1 if the worker fails."""
+        """Serve until the launcher stops us (or is gone); exits 1 if a worker fails."""
         try:
             self.start()
             self.stop.serving()
@@ -141,18 +161,18 @@ class SchedulerLoop:
             sys.exit(1)
         finally:
             # NOTE: a PUSH send blocks while no worker is connected (not started yet, or
-            # dead): give up at once then.
-            self.to_worker.sock.setsockopt(zmq.SNDTIMEO, 0)
-            try:
-                self.to_worker.send(Shutdown())
-            except zmq.Again:
-                pass
+            # dead): skip such a rank.
+            self.to_workers.send_nowait(Shutdown())
 
 
 def run_scheduler(
-    args: ServerArgs, paths: IpcPaths, model_cfg: ModelConfig, stopping: ctypes.c_bool
+    args: ServerArgs,
+    paths: IpcPaths,
+    model_cfg: ModelConfig,
+    layout: RankLayout,
+    stopping: ctypes.c_bool,
 ) -> None:
     """Entry point of the scheduler process."""
     stop = setup_child("scheduler", args.log_level, stopping)
     set_torch_threads(1)  # no tensor math here
-    SchedulerLoop(args, paths, model_cfg, stop).run()
+    SchedulerLoop(args, paths, model_cfg, stop, layout).run()

@@ -1,19 +1,45 @@
 """Scheduler-side request state and the one token-accounting rule.
 
 tokens       = prompt_ids + output_ids + num_pending placeholders
-num_pending  = tokens sampled by steps in flight whose value is not back yet
+num_pending  = sampling rows in flight (each will emit at least one token; only
+               that first token is counted, as a PLACEHOLDER, until it is back)
 num_computed = tokens whose KV is written (or will be, by a step in flight)
 a request is in decode when num_computed == len(tokens) - 1
 
-With overlap scheduling the next step is planned before the previous one's
-result arrives: a planned step advances num_computed at once, and a sampling
-row adds a pending token. A pending token is fed to the next step as
-PLACEHOLDER; the worker substitutes the id it sampled, on the device.
+A step only decides how far each request advances. A row starts at
+s = num_computed with n input tokens; planning it applies its effect at once
+(overlap scheduling plans the next step before this one's result is back):
+
+    num_computed += n;  num_pending += 1 if the row samples
+
+A sampling row may also carry d draft slots (speculative decoding; d = 0 without
+it): the worker appends d draft tokens of its own after the input and writes
+their KV, so the row holds pages for positions [s, kv_end(s, n, d)). The draft
+tokens never reach the scheduler. The row emits a + 1 tokens (0 <= a <= d): the
+a drafts the target accepted and one token of the target, at positions
+s + n .. s + n + a. When the result arrives:
+
+    num_pending -= 1;  output_ids += the emitted tokens, cut at a finish;
+    num_computed += a  (the accepted drafts' KV is valid; rejected slots are
+                        simply overwritten later)
+
+so the request is in decode again: its last emitted token, at
+next_start(s, n, a) == num_computed, is the next row's input. Emitted tokens are
+checked in order (stop ids, EOS, max_tokens, min_tokens, context length); the
+output ends at the first one that finishes the request and the tokens after it
+are dropped, never counted (`cut_at_finish`).
+
+A pending token is fed to the next step as PLACEHOLDER; the worker substitutes
+the last token it emitted for that request, on the device. That is only right
+while the row in flight emits exactly one token, so a request whose row in
+flight may emit more (num_pending_drafts > 0) is not planned again before its
+result is in: its next position is not known (policy.py).
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gyrfalcon.ipc.contract import PLACEHOLDER
@@ -32,9 +58,11 @@ class Request:
     prompt_ids: list[int]
     sampling: SamplingParams
     arrival: int  # monotonically increasing admission order
+    dp_rank: int = 0  # the DP rank that runs it, fixed when it arrives
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
-    num_pending: int = 0  # sampled tokens in flight (see the module docstring)
+    num_pending: int = 0  # sampling rows in flight (see the module docstring)
+    num_pending_drafts: int = 0  # draft slots of those rows: > 0 = next position unknown
     pages: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
@@ -70,3 +98,68 @@ class Request:
     @property
     def in_decode(self) -> bool:
         return self.remaining == 1 and self.num_generated > 0
+
+    def tokens_left(self, max_model_len: int) -> int:
+        """Output tokens it may still get, counting tokens in flight."""
+        return min(self.sampling.max_tokens - self.num_generated, max_model_len - self.num_tokens)
+
+
+# ---------------------------------------------------------------- index math
+
+
+def kv_end(start: int, num_tokens: int, num_draft: int = 0) -> int:
+    """End of the KV positions a row writes: its inputs [start, start + num_tokens),
+    then the worker's num_draft draft tokens after them."""
+    return start + num_tokens + num_draft
+
+
+def next_start(start: int, num_tokens: int, num_accepted: int) -> int:
+    """Where the request's next row starts after this row's result (== num_computed
+    then): the row's inputs and its accepted drafts are computed; the last emitted
+    token, at this position, is not yet."""
+    return start + num_tokens + num_accepted
+
+
+def draft_slots(num_draft: int, tokens_left: int) -> int:
+    """Draft slots of a decode row: the configured count, but none whose token could
+    not be kept (a row emits at most drafts + 1 tokens; tokens_left >= 1)."""
+    return max(0, min(num_draft, tokens_left - 1))
+
+
+def stop_reason(
+    sp: SamplingParams,
+    token: int,
+    num_output: int,
+    num_known: int,
+    eos_token_ids: Sequence[int],
+    max_model_len: int,
+) -> str | None:
+    """Why the output ends at `token`, its num_output-th output token, which makes
+    the sequence num_known tokens long; None if it goes on."""
+    # NOTE: the sampler masks stop tokens under min_tokens; this keeps the rule
+    # even when nothing else could be sampled (allowed_token_ids = a stop id).
+    may_stop = num_output > sp.min_tokens
+    if may_stop and token in sp.stop_token_ids:
+        return "stop"
+    if may_stop and not sp.ignore_eos and token in eos_token_ids:
+        return "stop"
+    if num_output >= sp.max_tokens or num_known >= max_model_len:
+        return "length"
+    return None
+
+
+def cut_at_finish(
+    req: Request, emitted: Sequence[int], eos_token_ids: Sequence[int], max_model_len: int
+) -> tuple[int, str | None]:
+    """How many of a row's emitted tokens join req's output, and the finish reason
+    if one of them ends it: tokens are checked in order and the output is cut after
+    the first that finishes the request."""
+    num_output = len(req.output_ids)
+    num_known = len(req.prompt_ids) + num_output  # NOTE: not counting tokens in flight
+    for i, token in enumerate(emitted, 1):
+        reason = stop_reason(
+            req.sampling, token, num_output + i, num_known + i, eos_token_ids, max_model_len
+        )
+        if reason is not None:
+            return i, reason
+    return len(emitted), None

@@ -1,44 +1,43 @@
 """Scheduler: request lifecycle, step plans, results -> outputs.
 
-A composition of small parts: the page allocator, the step policy, and the
-request table. It never touches tensors.
+A composition of small parts: the step policy, the request table and, per DP
+rank, a page allocator and queues (`ranks.RankState`). It never touches tensors.
 
 Overlap scheduling: up to `max_inflight` plans are out at once. A plan applies
-its decision when it is built (see request.py); results come back in plan
-order. A request that finishes on a result may still have a row in a later
-plan in flight: that row's result is dropped, and its pages, freed at once,
-are only reused by plans the worker runs after it.
+its decision when it is built (see request.py); each rank's results come back
+in plan order. A request that finishes on a result may still have a row in a
+later plan in flight: that row's result is dropped, and its pages, freed at
+once, are only reused by plans the worker runs after it.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.ipc.contract import pages_needed
 from gyrfalcon.ipc.messages import (
-    ForwardMode,
     GenerateRequest,
-    NewRequest,
-    RankBatch,
     RequestOutput,
-    ScheduledRow,
+    RowResult,
     StatsReply,
     StepPlan,
     StepResult,
 )
+from gyrfalcon.scheduler.outputs import delta_output, final_output
 from gyrfalcon.scheduler.page_allocator import PageAllocator
-from gyrfalcon.scheduler.policy import Decision, Limits, ReserveRatio, schedule
-from gyrfalcon.scheduler.request import Request, Status
-from gyrfalcon.scheduler.step_log import StepCounters, is_decode_row
+from gyrfalcon.scheduler.plan import rank_batch
+from gyrfalcon.scheduler.policy import Limits, ReserveRatio, Scheduled, schedule
+from gyrfalcon.scheduler.ranks import RankState, pick_rank
+from gyrfalcon.scheduler.request import Request, Status, cut_at_finish, kv_end, next_start
+from gyrfalcon.scheduler.step_log import StepCounters
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    num_pages: int
+    num_pages: int  # per DP rank
     page_size: int
     max_model_len: int
     max_num_seqs: int
@@ -48,6 +47,8 @@ class SchedulerConfig:
     check_invariants: bool = False
     max_inflight: int = 1  # plans out at once; 2 overlaps planning with execution
     conservativeness: float = 1.0  # scales the admission reserve (ReserveRatio.scaled)
+    dp_size: int = 1  # DP ranks: one RankBatch, page pool and running set each
+    num_draft_tokens: int = 0  # draft slots per decode row (speculative decoding; 0 = off)
 
     @classmethod
     def from_args(
@@ -57,8 +58,9 @@ class SchedulerConfig:
         max_model_len: int,
         eos_token_ids: tuple[int, ...],
         check_invariants: bool | None = None,
+        dp_size: int = 1,
     ) -> SchedulerConfig:
-        """The scheduler's limits from resolved server args and what the worker sized."""
+        """The scheduler's limits from resolved server args and what the workers sized."""
         check = args.check_invariants if check_invariants is None else check_invariants
         if args.schedule_conservativeness < 0:
             raise ValueError("--schedule-conservativeness must be >= 0")
@@ -73,55 +75,67 @@ class SchedulerConfig:
             check_invariants=check,
             max_inflight=1 if args.disable_overlap_schedule else 2,
             conservativeness=args.schedule_conservativeness,
+            dp_size=dp_size,
         )
-
-
-def forward_mode(decision: Decision) -> ForwardMode:
-    decodes = sum(1 for s in decision.rows if is_decode_row(s.num_tokens, s.req.num_generated))
-    if decodes == len(decision.rows):
-        return ForwardMode.DECODE
-    return ForwardMode.PREFILL if decodes == 0 else ForwardMode.MIXED
 
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig):
         self.cfg = cfg
-        self.alloc = PageAllocator(cfg.num_pages)
         self.limits = Limits(
             cfg.max_num_batched_tokens,
             cfg.chunked_prefill_size,
             cfg.max_num_seqs,
             cfg.page_size,
             cfg.max_model_len,
+            cfg.num_draft_tokens,
         )
-        self.reserve = ReserveRatio.scaled(cfg.conservativeness)
+        self.ranks = [
+            RankState(r, PageAllocator(cfg.num_pages), ReserveRatio.scaled(cfg.conservativeness))
+            for r in range(cfg.dp_size)
+        ]
         self.requests: dict[str, Request] = {}
-        self.running: list[Request] = []
-        self.waiting: deque[Request] = deque()
         self._arrivals = itertools.count()
         self._steps = itertools.count()
-        self._finished_for_worker: list[str] = []
         self._outputs: list[RequestOutput] = []
-        self._inflight: deque[tuple[int, Decision]] = deque()  # (step_id, decision), in order
         self.counters = StepCounters()
+
+    @property
+    def running(self) -> list[Request]:
+        """Running requests of every rank."""
+        return [req for rs in self.ranks for req in rs.running]
+
+    @property
+    def waiting(self) -> list[Request]:
+        """Waiting requests of every rank."""
+        return [req for rs in self.ranks for req in rs.waiting]
+
+    @property
+    def num_usable_pages(self) -> int:
+        return sum(rs.alloc.num_usable for rs in self.ranks)
+
+    @property
+    def num_free_pages(self) -> int:
+        return sum(rs.alloc.num_free for rs in self.ranks)
 
     # ------------------------------------------------------------ inputs
 
     def add_request(self, msg: GenerateRequest) -> None:
         req = Request(msg.rid, list(msg.prompt_ids), msg.sampling, next(self._arrivals))
         if msg.rid in self.requests:
-            self._outputs.append(self._final(req, "error", "duplicate request id"))
+            self._outputs.append(final_output(req, "error", "duplicate request id"))
             return
         n = len(req.prompt_ids)
         if n == 0:
-            self._outputs.append(self._final(req, "error", "empty prompt"))
+            self._outputs.append(final_output(req, "error", "empty prompt"))
             return
         if n >= self.cfg.max_model_len:
             err = f"prompt has {n} tokens; the context length is {self.cfg.max_model_len}"
-            self._outputs.append(self._final(req, "error", err))
+            self._outputs.append(final_output(req, "error", err))
             return
+        req.dp_rank = pick_rank(self.ranks)
         self.requests[req.rid] = req
-        self.waiting.append(req)
+        self.ranks[req.dp_rank].waiting.append(req)
 
     def abort(self, rid: str) -> None:
         req = self.requests.get(rid)
@@ -131,71 +145,68 @@ class Scheduler:
     # ------------------------------------------------------------ steps
 
     def has_work(self) -> bool:
-        """Requests to run, results to wait for, or finished requests the worker holds."""
-        return bool(self.running or self.waiting or self._inflight or self._finished_for_worker)
+        """Requests to run, results to wait for, or finished requests a worker holds."""
+        return any(rs.has_work() for rs in self.ranks)
 
     @property
     def num_inflight(self) -> int:
-        return len(self._inflight)
+        """Plans out whose results are not all back (every plan has a batch per rank)."""
+        return max(len(rs.inflight) for rs in self.ranks)
 
     def may_plan(self) -> bool:
         """Whether another plan may go out before the oldest result is back."""
-        return len(self._inflight) < self.cfg.max_inflight
+        return self.num_inflight < self.cfg.max_inflight
 
     def build_plan(self) -> StepPlan | None:
-        """Plan the next step and apply it to request state; None if nothing to send."""
+        """Plan the next step of every rank and apply it to request state; None if
+        nothing to send. A rank without rows gets an IDLE batch (its workers still
+        run a dummy row: collectives need every rank)."""
         assert self.may_plan(), "too many plans in flight"
-        decision = schedule(self.running, self.waiting, self.alloc, self.limits, self.reserve.value)
-        self.reserve.update(decision)
-        if not decision.rows and not self._finished_for_worker:
+        decisions = []
+        for rs in self.ranks:
+            decision = schedule(rs.running, rs.waiting, rs.alloc, self.limits, rs.reserve.value)
+            rs.reserve.update(decision)
+            decisions.append(decision)
+        to_drop = any(rs.finished_for_worker for rs in self.ranks)
+        if not to_drop and not any(d.rows for d in decisions):
             return None
-        new_requests, rows = [], []
-        for s in decision.rows:
-            req = s.req
-            if not req.sent_to_worker:
-                new_requests.append(NewRequest(req.rid, req.prompt_ids, req.sampling))
-                req.sent_to_worker = True
-            start = req.num_computed
-            rows.append(
-                ScheduledRow(
-                    rid=req.rid,
-                    start=start,
-                    input_ids=req.tokens_slice(start, start + s.num_tokens),
-                    new_pages=s.new_pages,
-                    sample=s.samples,
-                    reset=s.reset,
-                )
-            )
-        mode = forward_mode(decision)
-        self.counters.add(decision)
-        for s in decision.rows:  # the plan's effect, applied now (see request.py)
-            s.req.num_computed += s.num_tokens
-            s.req.num_pending += s.samples
-        batches = [RankBatch(mode, rows)] if rows else [RankBatch(ForwardMode.IDLE, [])]
-        plan = StepPlan(next(self._steps), new_requests, self._finished_for_worker, batches)
-        self._finished_for_worker = []
-        self._inflight.append((plan.step_id, decision))
-        return plan
+        step_id = next(self._steps)
+        batches = []
+        for rs, decision in zip(self.ranks, decisions):
+            batches.append(rank_batch(decision, rs.finished_for_worker))
+            rs.finished_for_worker = []
+            rs.inflight.append((step_id, decision))
+        self.counters.add(decisions)
+        for decision in decisions:
+            for s in decision.rows:  # the plan's effect, applied now (see request.py)
+                s.req.num_computed += s.num_tokens
+                s.req.num_pending += s.samples
+                s.req.num_pending_drafts += s.num_draft
+        return StepPlan(step_id, batches)
 
     def pump(
         self, submit: Callable[[StepPlan], None], receive: Callable[[], StepResult]
     ) -> list[RequestOutput]:
         """One turn of the step pipeline; returns outputs for the frontend.
 
-        Sends a plan if one may go out and there is one; then waits for the oldest
-        result if no further plan may go out, or if there was nothing to plan.
+        Sends a plan if one may go out and there is one; then, if no further plan
+        may go out or there was nothing to plan, takes results until the oldest plan
+        has every rank's.
         """
         outputs = self.take_outputs()
         plan = self.build_plan() if self.may_plan() else None
         if plan is not None:
             submit(plan)
-        if self._inflight and (plan is None or not self.may_plan()):
-            outputs += self.process_result(receive())
+        if self.num_inflight and (plan is None or not self.may_plan()):
+            out = self.num_inflight
+            while self.num_inflight == out:
+                outputs += self.process_result(receive())
         return outputs
 
     def process_result(self, result: StepResult) -> list[RequestOutput]:
-        """Apply the oldest plan's result; return outputs for the frontend."""
-        step_id, decision = self._inflight.popleft()
+        """Apply one rank's result of its oldest plan; return outputs for the frontend."""
+        rs = self.ranks[result.dp_rank]
+        step_id, decision = rs.inflight.popleft()
         assert result.step_id == step_id, f"result of step {result.step_id}, expected {step_id}"
         by_rid = {r.rid: r for r in result.rows}
         for s in decision.rows:
@@ -209,21 +220,36 @@ class Scheduler:
                 # NOTE: a recompute after preemption repeats positions already held
                 if len(req.prompt_logprobs) == s.start + 1:
                     req.prompt_logprobs.extend(row.prompt_logprobs)
-            if not s.samples:
-                continue
-            assert row.token_id >= 0, f"row {req.rid} should have sampled"
-            req.num_pending -= 1
-            req.output_ids.append(row.token_id)
-            if row.logprobs is not None:
-                req.pending_logprobs.append(row.logprobs)
-            reason = self._stop_reason(req, row.token_id)
-            if reason is not None:
-                self._finish(req, reason)
-            else:
-                self._outputs.append(self._delta(req))
+            if s.samples:
+                self._take_emitted(req, s, row)
         if self.cfg.check_invariants:
             self.check_integrity()
         return self.take_outputs()
+
+    def _take_emitted(self, req: Request, s: Scheduled, row: RowResult) -> None:
+        """A sampling row's emitted tokens join the output, cut at a finish; the
+        accepted drafts' KV counts as computed (request.py)."""
+        a = row.num_accepted
+        assert 0 <= a <= s.num_draft, f"row {req.rid}: {a} accepted of {s.num_draft} drafts"
+        assert len(row.token_ids) == a + 1, f"row {req.rid} emitted {row.token_ids}, {a} accepted"
+        req.num_pending -= 1
+        req.num_pending_drafts -= s.num_draft
+        n, reason = cut_at_finish(
+            req, row.token_ids, self.cfg.eos_token_ids, self.cfg.max_model_len
+        )
+        req.output_ids.extend(row.token_ids[:n])
+        if row.logprobs is not None:
+            req.pending_logprobs.extend(row.logprobs[:n])
+        if n > 1:
+            self.counters.add_kept(n)
+        if reason is not None:
+            self._finish(req, reason)
+            return
+        # NOTE: a preempted request (WAITING) recomputes from position 0 instead
+        if a and req.status is Status.RUNNING:
+            assert req.num_computed == kv_end(s.start, s.num_tokens), "a row of it is in flight"
+            req.num_computed = next_start(s.start, s.num_tokens, a)
+        self._outputs.append(delta_output(req))
 
     def take_outputs(self) -> list[RequestOutput]:
         out, self._outputs = self._outputs, []
@@ -231,68 +257,22 @@ class Scheduler:
 
     # ------------------------------------------------------------ finishing
 
-    def _stop_reason(self, req: Request, token: int) -> str | None:
-        sp = req.sampling
-        # NOTE: the sampler masks stop tokens under min_tokens; this keeps the rule
-        # even when nothing else could be sampled (allowed_token_ids = a stop id).
-        may_stop = len(req.output_ids) > sp.min_tokens
-        if may_stop and token in sp.stop_token_ids:
-            return "stop"
-        if may_stop and not sp.ignore_eos and token in self.cfg.eos_token_ids:
-            return "stop"
-        known = len(req.prompt_ids) + len(req.output_ids)  # NOTE: not counting tokens in flight
-        if len(req.output_ids) >= sp.max_tokens or known >= self.cfg.max_model_len:
-            return "length"
-        return None
-
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        rs = self.ranks[req.dp_rank]
         if req.status is Status.RUNNING:
-            self.running.remove(req)
+            rs.running.remove(req)
         elif req.status is Status.WAITING:
-            self.waiting.remove(req)
-        self.alloc.free(req.pages)
+            rs.waiting.remove(req)
+        rs.alloc.free(req.pages)
         req.pages = []
         req.status = Status.FINISHED
         req.finish_reason = reason
         if req.sent_to_worker:
-            self._finished_for_worker.append(req.rid)
+            rs.finished_for_worker.append(req.rid)
         del self.requests[req.rid]
-        out = self._delta(req)
+        out = delta_output(req)
         out.error = error
         self._outputs.append(out)
-
-    def _final(self, req: Request, reason: str, error: str) -> RequestOutput:
-        return RequestOutput(
-            rid=req.rid,
-            token_ids=[],
-            finish_reason=reason,
-            num_prompt_tokens=len(req.prompt_ids),
-            error=error,
-        )
-
-    def _delta(self, req: Request) -> RequestOutput:
-        new = req.output_ids[req.num_sent :]
-        req.num_sent = len(req.output_ids)
-        logprobs = None
-        if req.sampling.logprobs is not None:
-            logprobs, req.pending_logprobs = req.pending_logprobs, []
-        prompt_lp = None
-        if (
-            req.sampling.prompt_logprobs is not None
-            and not req.prompt_logprobs_sent
-            and (req.output_ids or req.finish_reason)
-        ):
-            prompt_lp = req.prompt_logprobs or [None]
-            req.prompt_logprobs_sent = True
-        return RequestOutput(
-            rid=req.rid,
-            token_ids=new,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_lp,
-            finish_reason=req.finish_reason,
-            num_prompt_tokens=len(req.prompt_ids),
-            num_output_tokens=len(req.output_ids),
-        )
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         for req in list(self.requests.values()):
@@ -302,10 +282,15 @@ class Scheduler:
     # ------------------------------------------------------------ introspection
 
     def check_integrity(self) -> None:
-        self.alloc.check_integrity(r.pages for r in self.requests.values())
-        for req in self.running:
-            assert req.status is Status.RUNNING
-            assert pages_needed(len(req.pages), req.num_computed, self.cfg.page_size) == 0
+        for rs in self.ranks:
+            rs.alloc.check_integrity(
+                r.pages for r in self.requests.values() if r.dp_rank == rs.dp_rank
+            )
+            for req in rs.running:
+                assert req.status is Status.RUNNING and req.dp_rank == rs.dp_rank
+                assert pages_needed(len(req.pages), req.num_computed, self.cfg.page_size) == 0
+            for req in rs.waiting:
+                assert req.status is Status.WAITING and req.dp_rank == rs.dp_rank
 
     def stats(self, nonce: int) -> StatsReply:
         ok, err = True, None
@@ -315,8 +300,8 @@ class Scheduler:
             ok, err = False, str(e) or "integrity check failed"
         return StatsReply(
             nonce=nonce,
-            num_total_pages=self.alloc.num_usable,
-            num_free_pages=self.alloc.num_free,
+            num_total_pages=self.num_usable_pages,
+            num_free_pages=self.num_free_pages,
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             integrity_ok=ok,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from gyrfalcon.scheduler.policy import Decision
@@ -16,21 +16,27 @@ def is_decode_row(num_tokens: int, num_generated: int) -> bool:
 
 @dataclass
 class StepCounters:
-    """Totals since start-up, counted when plans are built."""
+    """Totals since start-up, counted when plans are built (and, for tokens beyond a
+    row's first, when its result is in)."""
 
     steps: int = 0
     prompt_tokens: int = 0  # tokens of prefill rows (recomputed prompts included)
-    generated_tokens: int = 0  # rows that sample
+    generated_tokens: int = 0  # rows that sample, plus the accepted drafts they kept
     preemptions: int = 0
 
-    def add(self, decision: Decision) -> None:
-        """Count a decision before it is applied to its requests."""
+    def add(self, decisions: Iterable[Decision]) -> None:
+        """Count one step's decisions (one per DP rank) before they are applied."""
         self.steps += 1
-        for s in decision.rows:
-            if not is_decode_row(s.num_tokens, s.req.num_generated):
-                self.prompt_tokens += s.num_tokens
-            self.generated_tokens += s.samples
-        self.preemptions += len(decision.preempted)
+        for decision in decisions:
+            for s in decision.rows:
+                if not is_decode_row(s.num_tokens, s.req.num_generated):
+                    self.prompt_tokens += s.num_tokens
+                self.generated_tokens += s.samples
+            self.preemptions += len(decision.preempted)
+
+    def add_kept(self, num_kept: int) -> None:
+        """A sampling row's result kept num_kept >= 1 tokens; its first is counted."""
+        self.generated_tokens += num_kept - 1
 
 
 class ThroughputLog:

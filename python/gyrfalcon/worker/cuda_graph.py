@@ -1,14 +1,21 @@
-"""CUDA graphs for decode: static buffers, capture sizes, padding, replay.
+"""CUDA graphs for any forward mode: capture keys, static buffers, padding, replay.
 
-A decode batch of `bs` rows runs in the graph captured for the smallest
-capture size >= bs. The extra rows are padding: token 0 at position 0,
-writing and reading only the reserved dummy page, with sequence length 1, so
-every length stays >= 1 and no KV capacity beyond that page is needed.
+A graph is keyed by a small descriptor, `GraphKey(mode, batch_size, tokens_per_row)`:
+DECODE graphs have one query token per row, VERIFY graphs k + 1 (the last
+accepted token and k drafts). A batch of `bs` rows runs in the graph of its mode
+captured for the smallest capture size >= bs. The extra rows are padding: token 0
+at positions 0 .. t - 1 (t = tokens per row) with sequence length t, writing and
+reading only the reserved dummy page, so every length stays >= 1 (also after a
+per-token shift of up to t - 1) and no KV capacity beyond that page is needed.
+A padded row of t > page_size tokens references the dummy page ceil(t /
+page_size) times in its page-table row (asserted to fit).
 
 Capture and replay feed the model the same way: `StaticBuffers.fill` writes a
 batch (real rows + padding) into the static buffers, and the backend's
 `prepare_replay` builds its metadata from them. Capture uses a batch of only
-padding rows; replay a real one.
+padding rows; replay a real one. Each mode has its own captured callable and
+its own backend instance (`GraphSpec`); every captured callable returns
+per-token outputs, so the real rows' outputs are the first bs * t of each.
 
 On CPU (or with mode "static"), the same function runs eagerly on the static
 buffers at the padded size instead of replaying a graph, so CI covers the
@@ -26,14 +33,38 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from gyrfalcon.forward.batch import ForwardBatch
+from gyrfalcon.forward.batch import ForwardBatch, decode_rows
 from gyrfalcon.forward.kv_cache import KVCache
 from gyrfalcon.forward.metadata import BatchTensors
 from gyrfalcon.ipc.contract import DUMMY_PAGE
 from gyrfalcon.ipc.messages import ForwardMode
-from gyrfalcon.layers.attention.base import AttentionBackend
+from gyrfalcon.layers.attention.base import CAPTURED_MODES, AttentionBackend
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, order=True)
+class GraphKey:
+    """What one captured graph serves."""
+
+    mode: ForwardMode
+    batch_size: int  # padded rows
+    tokens_per_row: int  # query tokens of every row (1: DECODE, k + 1: VERIFY)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.batch_size * self.tokens_per_row
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """One captured mode: its callable (a static batch -> per-token outputs, e.g.
+    (logits [T, vocab], argmax [T])), its backend instance and tokens per row."""
+
+    mode: ForwardMode
+    tokens_per_row: int
+    forward: Callable[[ForwardBatch], tuple[torch.Tensor, ...]]
+    backend: AttentionBackend
 
 
 def capture_batch_sizes(max_bs: int, explicit: list[int] | None = None) -> list[int]:
@@ -54,29 +85,61 @@ def padded_batch_size(bs: int, sizes: list[int]) -> int:
     raise ValueError(f"batch size {bs} exceeds the largest capture size {sizes[-1]}")
 
 
+def graph_keys(specs: list[GraphSpec], sizes: list[int]) -> list[GraphKey]:
+    """Every key to capture, in capture order: most tokens first (so the shared memory
+    pool is sized by the largest graph), then by mode and size."""
+    keys = [GraphKey(s.mode, bs, s.tokens_per_row) for s in specs for bs in sizes]
+    return sorted(keys, key=lambda k: (-k.num_tokens, k.mode, -k.batch_size))
+
+
 @dataclass
 class StaticBuffers:
-    """Inputs of a captured decode step; rows [0, max_bs)."""
+    """Inputs of a captured step: rows [0, max_bs) of up to max(tokens_per_row) tokens."""
 
-    # [3, max_bs] int64: rows input_ids, positions, out_cache_loc (one block, so `fill`
-    # writes all three with one copy from the step's upload, where they are consecutive)
+    # [3, max_bs * max tokens per row] int64: rows input_ids, positions, out_cache_loc
+    # (one block, so `fill` writes all three with one copy from the step's upload,
+    # where they are consecutive)
     tokens: torch.Tensor
     seq_lens: torch.Tensor  # [max_bs] int64
-    q_lens: torch.Tensor  # [max_bs] int64, all ones (one token per row)
-    q_starts: torch.Tensor  # [max_bs] int64, arange (row i's token is token i)
     page_table: torch.Tensor  # [max_bs, max_pages] int64
+    page_size: int
+    # per tokens-per-row t (constant: written once):
+    q_lens: dict[int, torch.Tensor]  # [max_bs] int64, all t
+    q_starts: dict[int, torch.Tensor]  # [max_bs] int64, arange * t
+    pad_positions: dict[int, torch.Tensor]  # [t] int64: 0 .. t - 1
+    pad_slots: dict[int, torch.Tensor]  # [t] int64: their slots on the dummy page
 
     @classmethod
-    def allocate(cls, max_bs: int, max_pages: int, device: torch.device) -> StaticBuffers:
-        def z(*shape: int) -> torch.Tensor:
-            return torch.zeros(shape, dtype=torch.int64, device=device)
+    def allocate(
+        cls,
+        max_bs: int,
+        max_pages: int,
+        page_size: int,
+        device: torch.device,
+        tokens_per_row: tuple[int, ...] = (1,),
+    ) -> StaticBuffers:
+        for t in tokens_per_row:
+            # NOTE: a padded row's positions 0 .. t - 1 all live on the dummy page: its
+            # page-table row names it ceil(t / page_size) times
+            assert t >= 1 and -(-t // page_size) <= max_pages, (
+                f"a padded row of {t} tokens needs {-(-t // page_size)} dummy-page "
+                f"references, the page table holds {max_pages}"
+            )
 
+        def i64(values: list[int] | torch.Tensor) -> torch.Tensor:
+            return torch.as_tensor(values, dtype=torch.int64).to(device)
+
+        rows = torch.arange(max_bs)
+        pos = {t: torch.arange(t) for t in tokens_per_row}
         return cls(
-            tokens=z(3, max_bs),
+            tokens=torch.zeros(3, max_bs * max(tokens_per_row), dtype=torch.int64, device=device),
             seq_lens=torch.ones(max_bs, dtype=torch.int64, device=device),
-            q_lens=torch.ones(max_bs, dtype=torch.int64, device=device),
-            q_starts=torch.arange(max_bs, dtype=torch.int64, device=device),
-            page_table=z(max_bs, max_pages),
+            page_table=torch.zeros(max_bs, max_pages, dtype=torch.int64, device=device),
+            page_size=page_size,
+            q_lens={t: i64(torch.full((max_bs,), t)) for t in tokens_per_row},
+            q_starts={t: i64(rows * t) for t in tokens_per_row},
+            pad_positions={t: i64(p) for t, p in pos.items()},
+            pad_slots={t: i64(DUMMY_PAGE * page_size + p % page_size) for t, p in pos.items()},
         )
 
     @property
@@ -93,70 +156,76 @@ class StaticBuffers:
 
     @property
     def max_bs(self) -> int:
-        return int(self.input_ids.shape[0])
+        return int(self.seq_lens.shape[0])
 
     @property
     def max_pages(self) -> int:
         return int(self.page_table.shape[1])
 
-    def fill(self, bt: BatchTensors | None, padded_bs: int) -> list[int]:
-        """Write real rows of `bt` and padding rows up to padded_bs; returns seq lens.
+    def fill(self, bt: BatchTensors | None, key: GraphKey) -> list[int]:
+        """Write real rows of `bt` and padding rows up to key.batch_size; returns the
+        rows' sequence lengths.
 
-        NOTE: padding rows use the dummy page (slot DUMMY_PAGE * page_size == 0
-        since DUMMY_PAGE is 0), position 0 and sequence length 1.
+        NOTE: padding rows hold token 0 at positions 0 .. t - 1 on the dummy page, with
+        sequence length t (>= 1), t = key.tokens_per_row.
         """
+        t, padded_bs = key.tokens_per_row, key.batch_size
         bs = 0 if bt is None else len(bt.seq_lens_cpu)
         assert bs <= padded_bs <= self.max_bs, (bs, padded_bs, self.max_bs)
+        assert t in self.q_lens, f"no static buffers for {t} tokens per row"
         if bt is not None and bs:
-            assert bt.input_ids.shape[0] == bs, "decode rows carry exactly one token"
+            assert bt.input_ids.shape[0] == bs * t, f"{key.mode.name} rows carry {t} tokens each"
             width = bt.page_table.shape[1]
             assert width <= self.max_pages, f"page table width {width} > {self.max_pages}"
-            self.tokens[:, :bs].copy_(bt.token_rows)
+            self.tokens[:, : bs * t].copy_(bt.token_rows)
             self.seq_lens[:bs].copy_(bt.seq_lens)
             self.page_table[:bs, :width].copy_(bt.page_table)
         if padded_bs > bs:  # NOTE: no launches (and no host time) when nothing is padded
-            pad = slice(bs, padded_bs)
-            self.input_ids[pad] = 0
-            self.positions[pad] = 0
-            self.out_cache_loc[pad] = DUMMY_PAGE
-            self.seq_lens[pad] = 1
+            pad, pad_tokens = slice(bs, padded_bs), slice(bs * t, padded_bs * t)
+            self.input_ids[pad_tokens] = 0
+            self.positions[pad_tokens].view(-1, t).copy_(self.pad_positions[t])
+            self.out_cache_loc[pad_tokens].view(-1, t).copy_(self.pad_slots[t])
+            self.seq_lens[pad] = t
             self.page_table[pad] = DUMMY_PAGE
         seq_lens = [] if bt is None else list(bt.seq_lens_cpu)
-        return seq_lens + [1] * (padded_bs - bs)
+        return seq_lens + [t] * (padded_bs - bs)
 
     def forward_batch(
         self,
-        padded_bs: int,
+        key: GraphKey,
         seq_lens: list[int],
-        page_size: int,
         kv_cache: KVCache,
         backend: AttentionBackend,
     ) -> ForwardBatch:
-        """The decode batch of rows [0, padded_bs): views of these buffers (`fill` first)."""
+        """The key's batch of rows [0, key.batch_size): views of these buffers (`fill`
+        first)."""
+        bs, t = key.batch_size, key.tokens_per_row
+        n = key.num_tokens
         return ForwardBatch(
-            mode=ForwardMode.DECODE,
-            input_ids=self.input_ids[:padded_bs],
-            positions=self.positions[:padded_bs],
-            out_cache_loc=self.out_cache_loc[:padded_bs],
-            seq_lens=self.seq_lens[:padded_bs],
-            q_lens=self.q_lens[:padded_bs],
-            q_starts=self.q_starts[:padded_bs],
-            page_table=self.page_table[:padded_bs],
+            mode=key.mode,
+            input_ids=self.input_ids[:n],
+            positions=self.positions[:n],
+            out_cache_loc=self.out_cache_loc[:n],
+            seq_lens=self.seq_lens[:bs],
+            q_lens=self.q_lens[t][:bs],
+            q_starts=self.q_starts[t][:bs],
+            page_table=self.page_table[:bs],
             seq_lens_cpu=seq_lens,
-            q_lens_cpu=[1] * padded_bs,
-            page_size=page_size,
+            q_lens_cpu=[t] * bs,
+            page_size=self.page_size,
             kv_cache=kv_cache,
             attn_backend=backend,
+            num_decode_rows=decode_rows(key.mode, bs if t == 1 else 0, bs),
         )
 
 
 class GraphRunner:
-    """Decode through captured CUDA graphs (mode "cuda") or static-buffer replay ("static")."""
+    """Steps of the captured modes through CUDA graphs (mode "cuda") or static-buffer
+    replay ("static")."""
 
     def __init__(
         self,
-        forward: Callable[[ForwardBatch], tuple[torch.Tensor, ...]],
-        backend: AttentionBackend,
+        specs: list[GraphSpec],
         kv_cache: KVCache,
         page_size: int,
         max_bs: int,
@@ -166,52 +235,66 @@ class GraphRunner:
         sizes: list[int] | None = None,
     ):
         assert mode in ("cuda", "static"), mode
+        assert specs and len({s.mode for s in specs}) == len(specs), "one spec per mode"
+        for spec in specs:
+            assert spec.mode in CAPTURED_MODES, f"no graphs for {spec.mode.name}"
+            if mode == "cuda":
+                assert spec.backend.supports_cuda_graph, f"{spec.backend.name} cannot be captured"
         if mode == "cuda":
             assert device.type == "cuda", "CUDA graphs need a CUDA device"
-            assert backend.supports_cuda_graph, f"{backend.name} cannot be captured"
-        self.forward, self.backend, self.kv_cache = forward, backend, kv_cache
-        self.page_size, self.device, self.mode = page_size, device, mode
+        self.specs = {s.mode: s for s in specs}
+        self.kv_cache, self.device, self.mode = kv_cache, device, mode
         self.sizes = capture_batch_sizes(max_bs, sizes)
-        self.buf = StaticBuffers.allocate(self.sizes[-1], max_pages, device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
-        self.num_runs = 0  # decode steps served through the graph runner
-        if backend.supports_cuda_graph:
-            backend.capture_buffers(self.sizes[-1], max_pages, device)
+        self.keys = graph_keys(specs, self.sizes)
+        tokens_per_row = tuple(sorted({s.tokens_per_row for s in specs}))
+        self.buf = StaticBuffers.allocate(
+            self.sizes[-1], max_pages, page_size, device, tokens_per_row
+        )
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[GraphKey, tuple[torch.Tensor, ...]] = {}
+        self.num_runs = 0  # steps served through the graph runner, every mode
+        for s in specs:
+            if s.backend.supports_cuda_graph:
+                s.backend.capture_buffers(
+                    self.sizes[-1], max_pages, device, s.mode, s.tokens_per_row
+                )
 
     def can_run(self, mode: ForwardMode, bt: BatchTensors) -> bool:
+        spec = self.specs.get(mode)
+        if spec is None:
+            return False
+        bs, t = len(bt.seq_lens_cpu), spec.tokens_per_row
+        # NOTE: one comparison serves decode (every q_len >= 1, so T == bs means all 1)
         return (
-            mode == ForwardMode.DECODE
-            and len(bt.seq_lens_cpu) <= self.sizes[-1]
+            bs <= self.sizes[-1]
             and bt.page_table.shape[1] <= self.buf.max_pages
+            and bt.input_ids.shape[0] == bs * t
+            and (t == 1 or bt.q_lens_cpu.count(t) == bs)
         )
 
-    def _batch(self, padded_bs: int, seq_lens: list[int]) -> ForwardBatch:
-        return self.buf.forward_batch(
-            padded_bs, seq_lens, self.page_size, self.kv_cache, self.backend
-        )
-
-    def _metadata(self, batch: ForwardBatch) -> None:
-        if self.backend.supports_cuda_graph:
-            batch.attn_meta = self.backend.prepare_replay(batch)
+    def _prepare(self, key: GraphKey, seq_lens: list[int]) -> ForwardBatch:
+        """The key's static batch with its attention metadata (after `fill`)."""
+        backend = self.specs[key.mode].backend
+        batch = self.buf.forward_batch(key, seq_lens, self.kv_cache, backend)
+        if backend.supports_cuda_graph:
+            batch.attn_meta = backend.prepare_replay(batch)
         else:
-            batch.attn_meta = self.backend.build_metadata(batch)
+            batch.attn_meta = backend.build_metadata(batch)
+        return batch
 
     def capture(self) -> None:
-        """Capture every size, largest first, into one memory pool.
+        """Capture every key, most tokens first, into one memory pool.
 
-        In static mode each size runs once eagerly on capture inputs instead, so
-        CPU tests exercise exactly what a capture feeds the model.
+        In static mode each key runs once eagerly on capture inputs instead, so CPU
+        tests exercise exactly what a capture feeds the model.
         """
         if self.mode == "static":
-            for bs in reversed(self.sizes):
-                batch = self._batch(bs, self.buf.fill(None, bs))
-                self._metadata(batch)
-                self.forward(batch)
+            for key in self.keys:
+                self.specs[key.mode].forward(self._prepare(key, self.buf.fill(None, key)))
             return
         # NOTE: a garbage collection during capture can free pinned host memory or
         # destroy CUDA events of dead objects, which invalidates the capture: collect
-        # first, then keep the collector off until every size is captured.
+        # first, then keep the collector off until every key is captured.
         gc.collect()
         gc.disable()
         try:
@@ -223,39 +306,39 @@ class GraphRunner:
         t0 = time.perf_counter()
         pool = None
         stream = torch.cuda.Stream(self.device)
-        for bs in tqdm(list(reversed(self.sizes)), desc="Capturing CUDA graphs", unit="graph"):
-            seq_lens = self.buf.fill(None, bs)
-            batch = self._batch(bs, seq_lens)
-            self._metadata(batch)
+        for key in tqdm(self.keys, desc="Capturing CUDA graphs", unit="graph"):
+            forward = self.specs[key.mode].forward
+            batch = self._prepare(key, self.buf.fill(None, key))
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: lazy inits and autotuning outside the graph
-                    self.forward(batch)
+                    forward(batch)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.outputs[bs] = self.forward(batch)
+                self.outputs[key] = forward(batch)
             pool = graph.pool()
-            self.graphs[bs] = graph
+            self.graphs[key] = graph
         torch.cuda.synchronize(self.device)
         logger.info(
-            "captured %d CUDA graphs (batch sizes %s) in %.1f s",
-            len(self.sizes),
+            "captured %d CUDA graphs (batch sizes %s; %s) in %.1f s",
+            len(self.keys),
             self.sizes,
+            ", ".join(f"{s.mode.name} x{s.tokens_per_row}" for s in self.specs.values()),
             time.perf_counter() - t0,
         )
 
-    def run(self, bt: BatchTensors) -> tuple[torch.Tensor, ...]:
-        """Outputs of the real rows: each of forward(...)'s tensors [:bs]."""
+    def run(self, mode: ForwardMode, bt: BatchTensors) -> tuple[torch.Tensor, ...]:
+        """Outputs of the real rows' tokens: each of the mode's forward(...) tensors
+        [:bs * tokens_per_row] (`can_run` first)."""
         bs = len(bt.seq_lens_cpu)
-        padded = padded_batch_size(bs, self.sizes)
-        seq_lens = self.buf.fill(bt, padded)
-        batch = self._batch(padded, seq_lens)
-        self._metadata(batch)
+        t = self.specs[mode].tokens_per_row
+        key = GraphKey(mode, padded_batch_size(bs, self.sizes), t)
+        batch = self._prepare(key, self.buf.fill(bt, key))
         self.num_runs += 1
         if self.mode == "cuda":
-            self.graphs[padded].replay()
-            out = self.outputs[padded]
+            self.graphs[key].replay()
+            out = self.outputs[key]
         else:
-            out = self.forward(batch)
-        return tuple(t[:bs] for t in out)
+            out = self.specs[mode].forward(batch)
+        return tuple(x[: bs * t] for x in out)

@@ -9,6 +9,7 @@ import torch
 from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs, parse_size
 from gyrfalcon.forward.kv_cache import KVCache
+from gyrfalcon.forward.parallel import local_heads
 
 logger = logging.getLogger(__name__)
 
@@ -35,14 +36,14 @@ def kv_budget_bytes(args: ServerArgs, device: torch.device) -> int:
 
 
 def num_kv_pages(
-    args: ServerArgs, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+    args: ServerArgs, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp_size: int
 ) -> int:
-    """Pages including the reserved dummy page."""
+    """Pages including the reserved dummy page, for one rank of a TP group of tp_size
+    (a page holds that rank's KV heads only)."""
     if args.num_kv_pages is not None:
         return args.num_kv_pages
-    per_page = KVCache.bytes_per_page(
-        cfg.num_layers, args.page_size, cfg.num_kv_heads, cfg.head_dim, dtype
-    )
+    _, kv_heads = local_heads(cfg.num_heads, cfg.num_kv_heads, tp_size)
+    per_page = KVCache.bytes_per_page(cfg.num_layers, args.page_size, kv_heads, cfg.head_dim, dtype)
     pages = kv_budget_bytes(args, device) // per_page
     if pages < 2:
         raise RuntimeError(

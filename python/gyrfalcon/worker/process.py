@@ -1,4 +1,9 @@
-"""The worker process: load the model, size the KV cache, execute plans."""
+"""The worker process (one per rank): load the model, size the KV cache, execute plans.
+
+Every rank receives every plan on its own socket and runs its DP group's batch;
+the group's first TP rank (`RankLayout.reports`) sends the results. All ranks
+send `WorkerReady` and, on failure, `WorkerError`.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import zmq
 
 from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs
+from gyrfalcon.ipc.contract import RankLayout
 from gyrfalcon.ipc.messages import SchedulerToWorker, Shutdown, StepPlan, WorkerError, WorkerReady
 from gyrfalcon.ipc.sockets import Channel, IpcPaths
 from gyrfalcon.utils import set_torch_threads, setup_child
@@ -27,16 +33,18 @@ def run_worker(
     model_dir: str,
     cfg: ModelConfig,
     rank: int,
+    layout: RankLayout,
     stopping: ctypes.c_bool,
 ) -> None:
     """Entry point of a worker process; returns when the launcher stops it."""
     stop = setup_child(f"worker{rank}", args.log_level, stopping)
     set_torch_threads(args.cpu_threads)  # None (CUDA): torch's default, see ServerArgs
     ctx = zmq.Context()
-    inbox = Channel(ctx, zmq.PULL, paths.scheduler_to_worker, False, SchedulerToWorker)
+    inbox = Channel(ctx, zmq.PULL, paths.scheduler_to_workers[rank], False, SchedulerToWorker)
     outbox = Channel(ctx, zmq.PUSH, paths.worker_to_scheduler, False)
+    reports = layout.reports(rank)
     try:
-        runner, context_len = build_worker(args, model_dir, cfg, rank)
+        runner, context_len = build_worker(args, model_dir, cfg, rank, layout.dp_rank(rank))
         outbox.send(WorkerReady(rank, runner.executor.kv_cache.num_pages, context_len))
         stop.serving()
         while not stop.requested:
@@ -44,7 +52,9 @@ def run_worker(
                 # NOTE: spin between the next plan and the oldest step's end: a plan
                 # is launched as soon as it arrives, a result sent as soon as it is in.
                 if runner.oldest_done():
-                    outbox.send(runner.take())
+                    result = runner.take()
+                    if reports:
+                        outbox.send(result)
                     continue
                 msg = inbox.recv(0)
                 if msg is None:

@@ -1,10 +1,11 @@
 """The worker's request table: per-request state the plan sends only as deltas.
 
 A request lives here from the step that first schedules it (`NewRequest`) until
-a plan lists it in `finished_rids`: its prompt, its sampling state (outputs for
-penalties, seeded generator), its page table, and a slot in `last_tokens`, the
-device tensor where every step scatters the token each request sampled last, so
-the next plan's PLACEHOLDER inputs are filled on the device.
+its rank batch lists it in `finished_rids`: its prompt, its sampling state
+(outputs for penalties, seeded generator), its page table, and a slot in
+`last_tokens`, the device tensor where every step scatters the last token each
+sampling row emitted, so the next plan's PLACEHOLDER inputs are filled on the
+device.
 """
 
 from __future__ import annotations
@@ -78,5 +79,6 @@ class RequestTable:
         return req
 
     def record_last(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """Scatter each sampled row's last token into its request's slot (on the device)."""
+        """Scatter the last token each sampling row emitted into its request's slot (on
+        the device). slots, token_ids: [rows] int64."""
         self.last_tokens.index_copy_(0, slots, token_ids)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from gyrfalcon.forward.host_copy import upload
-from gyrfalcon.kernels.dispatch import use_fused
+from gyrfalcon.kernels.dispatch import DEFAULT_KERNELS, KernelPolicy
 from gyrfalcon.worker.logit_adjust import LogitAdjust, apply_logit_adjust, build_logit_adjust
 from gyrfalcon.worker.logprobs import (
     SampleOutput,
@@ -223,17 +223,20 @@ def _truncate(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return scaled
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+def argmax_rows(x: torch.Tensor, kernels: KernelPolicy) -> torch.Tensor:
     """argmax over the last dim of x [bs, vocab] -> [bs] int64 (the Triton kernel on
-    CUDA: torch's one-block-per-row reduce idles the GPU at small batches)."""
-    if use_fused(x):
+    CUDA where `kernels` allows it: torch's one-block-per-row reduce idles the GPU at
+    small batches)."""
+    if kernels.use_fused(x):
         from gyrfalcon.kernels.argmax import argmax_rows as triton_argmax_rows
 
-        return triton_argmax_rows(x)
+        return triton_argmax_rows(x, pdl=kernels.pdl)
     return x.argmax(dim=-1)
 
 
-def _gumbel_argmax(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def _gumbel_argmax(
+    scaled: torch.Tensor, batch: SamplingBatch, kernels: KernelPolicy
+) -> torch.Tensor:
     """Sample one token per row from softmax(scaled) [bs, vocab] -> [bs] int64."""
     if batch.any_unseeded:
         noise = torch.empty_like(scaled).exponential_()  # [bs, vocab], default generator
@@ -243,16 +246,20 @@ def _gumbel_argmax(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         # NOTE: a full row from the request's own generator; no host sync.
         noise[row].exponential_(generator=batch.generators[row])
     noise.clamp_min_(torch.finfo(torch.float32).tiny).log_()
-    return argmax_rows(scaled.sub_(noise))  # argmax(p / E) == argmax(logit - log E)
+    return argmax_rows(scaled.sub_(noise), kernels)  # argmax(p / E) == argmax(logit - log E)
 
 
 def sample(
-    logits: torch.Tensor, batch: SamplingBatch, argmax: torch.Tensor | None = None
+    logits: torch.Tensor,
+    batch: SamplingBatch,
+    argmax: torch.Tensor | None = None,
+    kernels: KernelPolicy = DEFAULT_KERNELS,
 ) -> SampleOutput:
     """Pick one token per row of `logits` [bs, vocab] (any float dtype).
 
     argmax: [bs] argmax of `logits` when already computed (the decode graph does):
     an all-greedy batch without penalties takes it as is.
+    kernels: the model's kernel policy (the argmax kernel on CUDA).
 
     Greedy rows: argmax of the adjusted, penalized logits. Other rows: logit
     adjustments -> penalties -> temperature -> top_k -> top_p -> min_p -> draw.
@@ -272,13 +279,13 @@ def sample(
     else:
         penalized = apply_penalties(logits, batch)  # [bs, vocab] float32, a new tensor
         if batch.all_greedy:
-            token_ids = argmax_rows(penalized)
+            token_ids = argmax_rows(penalized, kernels)
         else:
             assert batch.temperatures is not None and batch.greedy is not None
             scaled = _truncate(penalized / batch.temperatures[:, None], batch)  # new tensor
-            token_ids = _gumbel_argmax(scaled, batch)
+            token_ids = _gumbel_argmax(scaled, batch, kernels)
             if batch.any_greedy:
-                token_ids = torch.where(batch.greedy, argmax_rows(penalized), token_ids)
+                token_ids = torch.where(batch.greedy, argmax_rows(penalized, kernels), token_ids)
     if batch.max_logprobs is None:
         return SampleOutput(token_ids, None, None, None)
     all_lp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [bs, vocab]

@@ -5,11 +5,18 @@ scheduler. It drives a `RequestTable` (per-request state the plan sends only as
 deltas) and a `ModelExecutor` (the model, its KV cache, backends and graphs),
 and samples.
 
-`submit(plan)` launches a step without waiting for the device; `take()` returns
-the oldest step's result, blocking until its sampled ids are on the host. Between
-the two, the next plan can be submitted: its PLACEHOLDER input ids (tokens the
-scheduler has not seen yet) are filled on the device from the table's
-`last_tokens`, where every step scatters the ids it sampled, one slot per request.
+`submit(plan)` launches this worker's DP rank's batch of a step without waiting
+for the device; `take()` returns the oldest step's result, blocking until its
+sampled ids are on the host. Between the two, the next plan can be submitted: its
+PLACEHOLDER input ids (tokens the scheduler has not seen yet) are filled on the
+device from the table's `last_tokens`, where every step scatters the last token
+each sampling row emitted, one slot per request.
+
+A row's result is the list of tokens it emitted (one per sampling row today;
+draft tokens the worker accepts will join it) and the accepted draft count. An
+IDLE batch (no rows) still runs one padded dummy row on the dummy page through
+the normal decode path, since collectives will need every rank in every step,
+and returns no rows.
 """
 
 from __future__ import annotations
@@ -25,8 +32,15 @@ from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.forward.host_copy import upload
 from gyrfalcon.forward.metadata import BatchTensors, RowInput, build_batch_tensors
-from gyrfalcon.ipc.contract import PLACEHOLDER
-from gyrfalcon.ipc.messages import RankBatch, RowResult, ScheduledRow, StepPlan, StepResult
+from gyrfalcon.ipc.contract import DUMMY_PAGE, PLACEHOLDER
+from gyrfalcon.ipc.messages import (
+    ForwardMode,
+    RankBatch,
+    RowResult,
+    ScheduledRow,
+    StepPlan,
+    StepResult,
+)
 from gyrfalcon.worker.executor import ModelExecutor
 from gyrfalcon.worker.kv_sizing import max_model_len, num_kv_pages
 from gyrfalcon.worker.logprobs import HostCopy
@@ -38,7 +52,7 @@ from gyrfalcon.worker.sampler import (
     sample,
     to_position_logprobs,
 )
-from gyrfalcon.worker.warmup import WARMUP_CHUNK, warmup_plans
+from gyrfalcon.worker.warmup import WARMUP_CHUNK, warmup_batches
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +62,7 @@ class PendingStep:
     """A launched step: its results are complete once `copy` has landed on the host."""
 
     step_id: int
+    dp_rank: int
     results: list[RowResult]
     sample_rows: list[int] = field(default_factory=list)  # indices into results
     states: list[RequestSamplingState] = field(default_factory=list)  # of the sample rows
@@ -63,19 +78,28 @@ class PendingStep:
             out = self.copy.wait()
             token_ids = out.token_ids.tolist()
             for j, i in enumerate(self.sample_rows):
-                self.states[j].output_ids.append(token_ids[j])
-                self.results[i].token_id = token_ids[j]
+                emitted = [token_ids[j]]  # NOTE: no drafts yet: one token, none accepted
+                self.states[j].output_ids.extend(emitted)
+                self.results[i].token_ids = emitted
                 k = self.states[j].params.logprobs
                 if k is not None:
-                    self.results[i].logprobs = to_position_logprobs(out, j, k)
+                    self.results[i].logprobs = [to_position_logprobs(out, j, k)]
         self.resolved = True
-        return StepResult(step_id=self.step_id, rows=self.results)
+        return StepResult(self.step_id, self.results, self.dp_rank)
 
 
 class StepWorker:
-    def __init__(self, args: ServerArgs, model_cfg: ModelConfig, model_dir: str, rank: int = 0):
-        """Load the model; call init_kv_cache() next. `args` must be resolved."""
-        self.args, self.cfg = args, model_cfg
+    def __init__(
+        self,
+        args: ServerArgs,
+        model_cfg: ModelConfig,
+        model_dir: str,
+        rank: int = 0,
+        dp_rank: int = 0,
+    ):
+        """Load the model; call init_kv_cache() next. `args` must be resolved. The worker
+        runs batch `dp_rank` of every plan (its DP group's)."""
+        self.args, self.cfg, self.dp_rank = args, model_cfg, dp_rank
         self.device = torch.device(args.device if args.device != "cuda" else f"cuda:{rank}")
         torch.manual_seed(args.seed)
         self.executor = ModelExecutor(args, model_cfg, model_dir, self.device)
@@ -89,14 +113,23 @@ class StepWorker:
 
     @torch.inference_mode()
     def submit(self, plan: StepPlan) -> None:
-        """Launch `plan`; its result comes from a later `take()`."""
-        for rid in plan.finished_rids:
+        """Launch this rank's batch of `plan`; its result comes from a later `take()`."""
+        self.submit_batch(plan.step_id, plan.batches[self.dp_rank])
+
+    @torch.inference_mode()
+    def submit_batch(self, step_id: int, rb: RankBatch) -> None:
+        """Launch one rank batch (step `step_id`); its result comes from `take()`."""
+        for rid in rb.finished_rids:
             self.requests.drop(rid)
-        for new in plan.new_requests:
+        for new in rb.new_requests:
             self.requests.add(new)
-        # NOTE: one DP rank for now; plan.batches has exactly one entry.
-        assert len(plan.batches) == 1, "multi-rank plans need the DP worker group"
-        self.pending.append(self._launch(plan.step_id, plan.batches[0]))
+        if rb.forward_mode == ForwardMode.IDLE:
+            assert not rb.rows, "an IDLE batch has no rows"
+            self._run_dummy_row()
+            self.pending.append(PendingStep(step_id, self.dp_rank, []))
+        else:
+            assert rb.rows, f"a {rb.forward_mode.name} batch without rows"
+            self.pending.append(self._launch(step_id, rb))
 
     def oldest_done(self) -> bool:
         """Whether take() would return without waiting for the device."""
@@ -119,21 +152,29 @@ class StepWorker:
         if chunk < 1:
             return
         t0 = time.perf_counter()
-        for plan in warmup_plans(self.args.page_size, chunk):
-            self.execute(plan)
+        assert not self.pending, "warm-up with steps in flight"
+        for i, rb in enumerate(warmup_batches(self.args.page_size, chunk)):
+            self.submit_batch(-1 - i, rb)  # NOTE: negative step ids: never the scheduler's
+            self.take()
         assert not len(self.requests), "warm-up requests left behind"
         logger.info("warm-up steps ran in %.1f s", time.perf_counter() - t0)
 
+    def _run_dummy_row(self) -> None:
+        """An IDLE rank's step: one padded row (token 0 at position 0 on the dummy page)
+        through the executor's normal DECODE path, graphs included; output discarded."""
+        dummy = RowInput(0, [0], [DUMMY_PAGE])
+        bt = build_batch_tensors([dummy], self.args.page_size, self.device, extra=[[0]])
+        self.executor.forward(ForwardMode.DECODE, bt, bt.extra[0], True)
+
     def _launch(self, step_id: int, rb: RankBatch) -> PendingStep:
-        step = PendingStep(step_id, [RowResult(rid=row.rid, token_id=-1) for row in rb.rows])
-        if not rb.rows:
-            return step
+        step = PendingStep(step_id, self.dp_rank, [RowResult(row.rid) for row in rb.rows])
         reqs: list[WorkerRequest] = []
         inputs: list[RowInput] = []
         ph_pos: list[int] = []  # token index of each PLACEHOLDER input
         ph_slot: list[int] = []  # and the slot holding its id
         n_tokens = 0
         for row in rb.rows:
+            assert not row.num_draft, "draft slots need a drafter; this worker has none"
             req = self.requests.apply(row)
             reqs.append(req)
             inputs.append(RowInput(row.start, list(row.input_ids), req.pages))
@@ -172,7 +213,7 @@ class StepWorker:
             for i in step.sample_rows
         ]
         batch = prepare(step.states, self.cfg.vocab_size, self.device, num_generated)
-        sampled = sample(out.logits, batch, out.argmax)
+        sampled = sample(out.logits, batch, out.argmax, self.executor.ctx.kernels)
         self.requests.record_last(slots, sampled.token_ids)
         step.copy = HostCopy(sampled)
         return step
@@ -202,14 +243,15 @@ class StepWorker:
 
 
 def build_worker(
-    args: ServerArgs, model_dir: str, cfg: ModelConfig, rank: int
+    args: ServerArgs, model_dir: str, cfg: ModelConfig, rank: int, dp_rank: int = 0
 ) -> tuple[StepWorker, int]:
     """Load the model, then size and allocate the KV cache; returns (worker, context len)."""
     if args.device == "cuda":
         torch.cuda.set_device(rank)
-    worker = StepWorker(args, cfg, model_dir, rank)
+    worker = StepWorker(args, cfg, model_dir, rank, dp_rank)
     executor = worker.executor
-    pages = num_kv_pages(args, cfg, args.kv_dtype(executor.dtype), worker.device)
+    tp_size = executor.ctx.parallel.tp_size
+    pages = num_kv_pages(args, cfg, args.kv_dtype(executor.dtype), worker.device, tp_size)
     context = max_model_len(args, cfg, pages)
     worker.init_kv_cache(pages, context)
     worker.warm_up(context)

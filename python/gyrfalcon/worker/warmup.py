@@ -1,9 +1,10 @@
 """Start-up warm-up: one step of each kind, run before the engine reports ready.
 
 Kernels compile on first use (Triton, flashinfer's JIT): without a warm-up the
-first requests wait for them, seconds to minutes on a fresh machine. The plans
-below go through the same `submit` path as the scheduler's, on the reserved
-dummy page (which padding rows already write), so nothing else is touched.
+first requests wait for them, seconds to minutes on a fresh machine. The batches
+below go through the same path as the scheduler's (`StepWorker.submit_batch`), on
+the reserved dummy page (which padding rows already write), so nothing else is
+touched. Every rank runs the same batches, so collectives line up.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from gyrfalcon.ipc.messages import (
     RankBatch,
     SamplingParams,
     ScheduledRow,
-    StepPlan,
 )
 
 WARMUP_RIDS = ("warmup-greedy", "warmup-sampled")
@@ -23,12 +23,13 @@ TOKEN = 1  # any id the vocabulary has
 WARMUP_CHUNK = 24  # prompt tokens per prefill row
 
 
-def warmup_plans(page_size: int, chunk: int = WARMUP_CHUNK) -> list[StepPlan]:
+def warmup_batches(page_size: int, chunk: int = WARMUP_CHUNK) -> list[RankBatch]:
     """Prefill, a chunk on a cached prefix, a mixed step (a decode row beside a
-    prefill, one greedy and one sampled row), a decode step, then the drop.
+    prefill, one greedy and one sampled row), a decode step, then the drop (an IDLE
+    batch: its dummy row runs too).
 
-    Every page of both requests is the dummy page; step ids are negative. The
-    longest request reaches position 2 * chunk + 1."""
+    Every page of both requests is the dummy page. The longest request reaches
+    position 2 * chunk + 1."""
     a, b = WARMUP_RIDS
     greedy = SamplingParams(temperature=0.0, max_tokens=3)
     sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=2)
@@ -47,7 +48,4 @@ def warmup_plans(page_size: int, chunk: int = WARMUP_CHUNK) -> list[StepPlan]:
         (ForwardMode.DECODE, [], [row(a, 2 * c + 1, 1, True, True), row(b, c, 1, True, True)]),
         (ForwardMode.IDLE, [], []),
     ]
-    return [
-        StepPlan(-1 - i, n, list(WARMUP_RIDS) if not r else [], [RankBatch(m, r)])
-        for i, (m, n, r) in enumerate(steps)
-    ]
+    return [RankBatch(m, r, n, [] if r else list(WARMUP_RIDS)) for m, n, r in steps]

@@ -17,6 +17,7 @@ from gyrfalcon.bench.roofline import (
     weight_bytes,
 )
 from gyrfalcon.config.model_config import ModelConfig
+from gyrfalcon.layers.context import LayerContext
 from gyrfalcon.models.llama import LlamaForCausalLM
 
 MODELS = Path(__file__).resolve().parents[3] / "benchmarks" / "models"
@@ -51,7 +52,7 @@ def test_model_configs_load_with_published_shapes() -> None:
 def test_param_count_matches_the_model_module(name: str) -> None:
     cfg = _cfg(name)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg, LayerContext())
     assert param_count(cfg) == sum(p.numel() for p in model.parameters())
 
 
@@ -70,7 +71,7 @@ def test_param_count_with_qkv_bias() -> None:
         }
     )
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg, LayerContext())
     assert cfg.qkv_bias
     assert param_count(cfg) == sum(p.numel() for p in model.parameters())
 

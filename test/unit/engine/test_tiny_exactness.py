@@ -50,7 +50,7 @@ def test_batched_greedy_matches_hf(tiny_model_dirs, arch):
     eng = engine(d, num_kv_pages=64, chunked_prefill_size=8)
     assert eng.generate(ps, GREEDY) == hf_greedy(d, ps, GREEDY.max_tokens)
     eng.check_integrity()
-    assert eng.scheduler.alloc.num_free == eng.scheduler.alloc.num_usable
+    assert eng.scheduler.num_free_pages == eng.scheduler.num_usable_pages
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
@@ -81,7 +81,7 @@ def test_mid_flight_arrivals_and_preemption_match_hf(tiny_model_dirs, overlap):
         step += 1
     assert preempted > 0, "the tiny pool should have forced a preemption"
     assert [got[str(i)] for i in range(len(ps))] == ref
-    assert eng.scheduler.alloc.num_free == eng.scheduler.alloc.num_usable
+    assert eng.scheduler.num_free_pages == eng.scheduler.num_usable_pages
 
 
 def test_bfloat16_on_cpu_runs_and_mostly_agrees(tiny_model_dirs):
@@ -125,7 +125,7 @@ def test_fp8_kv_cache_on_cpu_stays_close_and_holds_more_pages(tiny_model_dirs):
     out = fp8.generate(prompts(4, [9, 14]), GREEDY)
     assert [len(g) for g in out] == [GREEDY.max_tokens] * 2
     fp8.check_integrity()
-    assert fp8.scheduler.alloc.num_free == fp8.scheduler.alloc.num_usable
+    assert fp8.scheduler.num_free_pages == fp8.scheduler.num_usable_pages
 
 
 def test_overlap_keeps_sampled_and_stopped_outputs(tiny_model_dirs):

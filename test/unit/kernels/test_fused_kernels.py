@@ -11,6 +11,7 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 
 from gyrfalcon.kernels.activation import silu_and_mul  # noqa: E402
+from gyrfalcon.kernels.dispatch import TORCH_REFERENCE  # noqa: E402
 from gyrfalcon.kernels.kv_store import store_kv  # noqa: E402
 from gyrfalcon.kernels.norm import fused_add_rmsnorm, rmsnorm  # noqa: E402
 from gyrfalcon.kernels.rotary import (  # noqa: E402
@@ -19,10 +20,12 @@ from gyrfalcon.kernels.rotary import (  # noqa: E402
     rotary_inplace,
 )
 from gyrfalcon.layers import activation as ref_act  # noqa: E402
+from gyrfalcon.layers.context import LayerContext  # noqa: E402
 from gyrfalcon.layers.norm import RMSNorm  # noqa: E402
 from gyrfalcon.layers.rotary import RotaryEmbedding  # noqa: E402
 
 TOL = dict(atol=1e-5, rtol=1e-5)
+REF = LayerContext(kernels=TORCH_REFERENCE)  # the layers' torch code: the reference
 # NOTE: triton's interpreter truncates float32 -> bfloat16 where the GPU rounds to
 # nearest even, so bf16 checks here allow a few bf16 ulps (2**-7 relative each);
 # the GPU tests check bf16 rounding exactly.
@@ -45,7 +48,7 @@ LLAMA3 = {
 
 
 def ref_norm(hidden, eps=1e-6, dtype=torch.float32):
-    norm = RMSNorm(hidden, eps)
+    norm = RMSNorm(hidden, eps, REF)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(hidden) * 0.5 + 1.0)
     return norm.to(dtype)
@@ -122,7 +125,7 @@ def test_fused_add_rmsnorm_out_of_place_keeps_inputs():
 
 @pytest.mark.parametrize("scaling", [None, LLAMA3])
 def test_cos_sin_cache_is_exactly_the_reference_table(scaling):
-    rope = RotaryEmbedding(64, 500000.0, scaling, 4096)
+    rope = RotaryEmbedding(64, 500000.0, scaling, 4096, REF)
     cache = build_cos_sin_cache(rope.inv_freq, 300)
     freqs = torch.arange(300).float()[:, None] * rope.inv_freq[None, :]
     assert cache.shape == (300, 64) and cache.dtype == torch.float32
@@ -134,7 +137,7 @@ def test_cos_sin_cache_is_exactly_the_reference_table(scaling):
 def test_rotary_inplace_on_split_qkv(T, D, scaling):
     torch.manual_seed(T + D)
     Hq, Hk, max_pos = 6, 2, 4096
-    rope = RotaryEmbedding(D, 10000.0, scaling, 4096)
+    rope = RotaryEmbedding(D, 10000.0, scaling, 4096, REF)
     cache = build_cos_sin_cache(rope.inv_freq, max_pos)
     qkv = torch.randn(T, (Hq + 2 * Hk) * D)
     positions = torch.randint(0, max_pos, (T,))
@@ -156,7 +159,7 @@ def test_rotary_and_store_equals_rotary_then_store(T, D, cache_dtype):
     """One launch does what rotary_inplace then store_kv do, on views of a fused qkv."""
     torch.manual_seed(T * D)
     Hq, Hk, S = 6, 2, 64
-    rope = RotaryEmbedding(D, 10000.0, None, 4096)
+    rope = RotaryEmbedding(D, 10000.0, None, 4096, REF)
     cos_sin = build_cos_sin_cache(rope.inv_freq, 4096)
     qkv = torch.randn(T, (Hq + 2 * Hk) * D)
     positions = torch.randint(0, 4096, (T,))
@@ -186,7 +189,7 @@ def test_rotary_and_store_equals_rotary_then_store(T, D, cache_dtype):
 def test_rotary_bf16():
     torch.manual_seed(4)
     T, Hq, Hk, D = 37, 4, 2, 64
-    rope = RotaryEmbedding(D, 10000.0, None, 4096)
+    rope = RotaryEmbedding(D, 10000.0, None, 4096, REF)
     cache = build_cos_sin_cache(rope.inv_freq, 1024)
     q = torch.randn(T, Hq, D).to(torch.bfloat16)
     k = torch.randn(T, Hk, D).to(torch.bfloat16)
@@ -204,14 +207,14 @@ def test_silu_and_mul_matches_torch(T, inter):
     x = torch.randn(T, 2 * inter) * 4
     out = silu_and_mul(x)
     assert out.shape == (T, inter)
-    torch.testing.assert_close(out, ref_act.silu_and_mul(x), **TOL)
+    torch.testing.assert_close(out, ref_act.silu_and_mul(x, TORCH_REFERENCE), **TOL)
 
 
 def test_silu_and_mul_strided_rows_and_bf16():
     torch.manual_seed(5)
     big = (torch.randn(37, 2 * 300 + 50) * 4).to(torch.bfloat16)
     x = big[:, : 2 * 300]  # row stride 650, not 600
-    assert_bf16_close(silu_and_mul(x), ref_act.silu_and_mul(x))
+    assert_bf16_close(silu_and_mul(x), ref_act.silu_and_mul(x, TORCH_REFERENCE))
 
 
 @pytest.mark.parametrize("D", [64, 128])

@@ -280,17 +280,18 @@ def test_replay_metadata_views_the_graph_runners_static_batch():
     """capture_buffers + prepare_replay on the graph runner's static buffers: the
     metadata views them (no copies), so every replay of one size reads the same
     tensors, refilled in place, and attention matches torch_ref for each fill."""
-    from gyrfalcon.worker.cuda_graph import StaticBuffers
+    from gyrfalcon.worker.cuda_graph import GraphKey, StaticBuffers
 
     tri = TritonBackend(4, 2, 64, 64**-0.5, num_kv_splits=4, decode_block_n=16)
     tri.capture_buffers(max_bs=8, max_pages=16, device=CPU)
-    buf = StaticBuffers.allocate(8, 16, CPU)
+    buf = StaticBuffers.allocate(8, 16, PS, CPU)
+    key = GraphKey(ForwardMode.DECODE, 6, 1)
     ref = TorchRefBackend(4, 2, 64, 64**-0.5)
     ptrs = set()
     for seed, lens in enumerate([[5, 1, 33, 2, 9], [17, 2, 8, 4, 40]]):
         cache, rows = make_case([(n - 1, 1) for n in lens], 2, 64, seed, pad_rows=1)
         bt = build_batch_tensors(rows, PS, CPU)
-        tb = buf.forward_batch(6, buf.fill(bt, 6), PS, cache, tri)
+        tb = buf.forward_batch(key, buf.fill(bt, key), cache, tri)
         tb.attn_meta = tri.prepare_replay(tb)
         meta = tb.attn_meta
         assert meta.is_decode and meta.page_table.data_ptr() == buf.page_table.data_ptr()
@@ -302,6 +303,44 @@ def test_replay_metadata_views_the_graph_runners_static_batch():
         expect = ref.forward(q, k, v, LAYER, rb)
         torch.testing.assert_close(out[: len(lens)], expect[: len(lens)], **TOL)
     assert len(ptrs) == 1, "replays of one size must read the same tensors"
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_verify_replay_metadata_views_the_static_batch(k):
+    """A VERIFY key: the extend kernel reads the static buffers' page table, lengths and
+    constant q_starts = arange * (k + 1), q_lens = k + 1, with max_q_len = k + 1 from the
+    key (so its grid depends on the key alone); two fills of one key read the same
+    tensors and match torch_ref on the real rows."""
+    from gyrfalcon.worker.cuda_graph import GraphKey, StaticBuffers
+
+    t, padded = k + 1, 4
+    tri = TritonBackend(4, 2, 64, 64**-0.5, extend_block_m=16, extend_block_n=16)
+    tri.capture_buffers(8, 16, CPU, ForwardMode.VERIFY, t)
+    buf = StaticBuffers.allocate(8, 16, PS, CPU, tokens_per_row=(1, t))
+    ref = TorchRefBackend(4, 2, 64, 64**-0.5)
+    key = GraphKey(ForwardMode.VERIFY, padded, t)
+    ptrs = set()
+    for seed, prefixes in enumerate([[1, PS - 1, 2 * PS + 1], [9, 30, 2]]):
+        cache, rows = make_case([(p, t) for p in prefixes], 2, 64, seed)
+        bt = build_batch_tensors(rows, PS, CPU)
+        tb = buf.forward_batch(key, buf.fill(bt, key), cache, tri)
+        tb.attn_meta = meta = tri.prepare_replay(tb)
+        assert meta.max_q_len == t and meta.num_decode == 0 and meta.scratch is None
+        assert meta.q_starts.tolist() == [0, t, 2 * t, 3 * t] and meta.q_lens.tolist() == [t] * 4
+        assert meta.page_table.data_ptr() == buf.page_table.data_ptr()
+        ptrs.add((meta.page_table.data_ptr(), meta.seq_lens.data_ptr(), meta.q_starts.data_ptr()))
+        assert not tri.fuses_rope(tb)
+        padded_rows = rows + [RowInput(0, [0] * t, [0])] * (padded - len(rows))
+        rb = make_batch(padded_rows, cache, ref, ForwardMode.VERIFY)
+        n = len(rows) * t
+        gen = torch.Generator().manual_seed(seed)
+        q = torch.randn(padded * t, 4, 64, generator=gen)
+        k_new, v_new = torch.randn(padded * t, 2, 64, generator=gen), torch.randn(padded * t, 2, 64)
+        out = tri.forward(q, k_new, v_new, LAYER, tb)
+        expect = ref.forward(q, k_new, v_new, LAYER, rb)
+        torch.testing.assert_close(out[:n], expect[:n], **TOL)
+        assert torch.isfinite(out).all()
+    assert len(ptrs) == 1, "replays of one key must read the same tensors"
 
 
 def test_metadata_rejects_inconsistent_batches():
@@ -361,15 +400,6 @@ def test_mixed_batch_runs_leading_decode_rows_on_the_decode_kernel(kv_dtype):
     assert meta.scratch is not None and meta.scratch.num_kv_splits == 4
 
 
-def test_leading_single_token_rows():
-    from gyrfalcon.layers.attention.triton_backend import leading_single_token_rows
-
-    assert leading_single_token_rows([1, 1, 5, 1]) == 2
-    assert leading_single_token_rows([3, 1]) == 0
-    assert leading_single_token_rows([1, 1]) == 2
-    assert leading_single_token_rows([]) == 0
-
-
 @pytest.mark.parametrize(
     "kv_heads,head_dim,splits,kv_dtype",
     [(2, 64, 1, torch.float32), (2, 64, 4, torch.float32), (1, 96, 3, FP8), (4, 128, 2, FP8)],
@@ -382,6 +412,7 @@ def test_decode_with_rope_in_the_kernel(kv_heads, head_dim, splits, kv_dtype):
     compares with torch)."""
     from gyrfalcon.kernels.kv_store import store_kv
     from gyrfalcon.kernels.rotary import build_cos_sin_cache
+    from gyrfalcon.layers.context import LayerContext
     from gyrfalcon.layers.rotary import RotaryEmbedding
 
     heads = 2 * kv_heads
@@ -398,7 +429,7 @@ def test_decode_with_rope_in_the_kernel(kv_heads, head_dim, splits, kv_dtype):
     q, k, v = (
         torch.randn(len(rows), h, head_dim, generator=gen) for h in (heads,) + 2 * (kv_heads,)
     )
-    rope = RotaryEmbedding(head_dim, 10000.0, None, 128)
+    rope = RotaryEmbedding(head_dim, 10000.0, None, 128, LayerContext())
     cos_sin = build_cos_sin_cache(rope.inv_freq, 128)
     out = tri.attend_rope(q, k, v, tb.positions, cos_sin, LAYER, tb)
     q_rot, k_rot = rope(rb.positions, q, k)

@@ -32,12 +32,13 @@ class SimWorker:
         self.resets = 0  # rows of requests preempted since the worker last saw them
 
     def submit(self, plan):
-        for new in plan.new_requests:
+        rb = plan.batches[0]
+        for new in rb.new_requests:
             self.seqs[new.rid] = list(new.prompt_ids)
-        for rid in plan.finished_rids:
+        for rid in rb.finished_rids:
             self.seqs.pop(rid)
         rows = []
-        for row in plan.batches[0].rows:
+        for row in rb.rows:
             self.resets += row.reset
             seq = self.seqs[row.rid]
             for j, tok in enumerate(row.input_ids):
@@ -45,13 +46,14 @@ class SimWorker:
                 if tok == PLACEHOLDER:
                     tok = seq[pos]  # the id this worker sampled for that position
                 assert tok == seq[pos], f"{row.rid}: input at {pos} is {tok}, not {seq[pos]}"
-            out = -1
+            out = []
             if row.sample:
                 end = row.start + len(row.input_ids)
-                out = token(row.rid, end)
+                tok = token(row.rid, end)
                 if len(seq) == end:
-                    seq.append(out)
-                assert seq[end] == out
+                    seq.append(tok)
+                assert seq[end] == tok
+                out = [tok]
                 self.sampled_rows[row.rid] = self.sampled_rows.get(row.rid, 0) + 1
             rows.append(RowResult(row.rid, out))
         self.queue.append(StepResult(plan.step_id, rows))
@@ -84,7 +86,7 @@ def run(requests, inflight, num_pages=64, max_model_len=64, conservativeness=1.0
             if out.finish_reason:
                 reasons[out.rid] = out.finish_reason
     assert not s.has_work() and not w.seqs, "the worker must drop every request"
-    assert s.alloc.num_free == s.alloc.num_usable
+    assert s.num_free_pages == s.num_usable_pages
     s.check_integrity()
     return got, reasons, w, max(depths)
 

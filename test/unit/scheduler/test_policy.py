@@ -98,6 +98,27 @@ def test_preemption_when_decode_needs_a_page():
     alloc.check_integrity([a.pages])
 
 
+def test_a_row_in_flight_that_may_emit_many_tokens_blocks_the_next_decode():
+    """Overlap rule: a request is planned again before its result is in only when its
+    row in flight emits exactly one token (its next position is then known)."""
+    alloc = PageAllocator(64)
+    limits = Limits(100, 100, 8, page_size=4, num_draft=3)
+    a, b = req("a", 4, 0), req("b", 4, 1)
+    running, waiting = [], deque([a, b])
+    advance(schedule(running, waiting, alloc, limits))  # both prefilled and sampled
+    d = schedule(running, waiting, alloc, limits)
+    assert [(s.req.rid, s.num_tokens, s.num_draft) for s in d.rows] == [("a", 1, 3), ("b", 1, 3)]
+    assert len(a.pages) * 4 >= 5 + 3  # KV for the input and the three drafts
+    for s in d.rows:  # the plan is out (Scheduler.build_plan's effect), results are not
+        s.req.num_computed += 1
+        s.req.num_pending += 1
+    a.num_pending_drafts = 3  # a's row in flight may emit 1..4 tokens
+    b.num_pending_drafts = 0  # b stands for a row in flight without drafts: one token
+    d = schedule(running, waiting, alloc, limits)
+    assert [s.req.rid for s in d.rows] == ["b"]  # b's next input is its one pending token
+    alloc.check_integrity([a.pages, b.pages])
+
+
 def long_req(rid, n_prompt, arrival, max_tokens):
     return Request(rid, [3] * n_prompt, SamplingParams(max_tokens=max_tokens), arrival)
 

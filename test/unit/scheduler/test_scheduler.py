@@ -21,8 +21,8 @@ def fake_step(s, tokens):
         return None, []
     rows = []
     for row in plan.batches[0].rows:
-        tok = tokens[row.rid].pop(0) if row.sample else -1
-        rows.append(RowResult(row.rid, tok))
+        emitted = [tokens[row.rid].pop(0)] if row.sample else []
+        rows.append(RowResult(row.rid, emitted))
     return plan, s.process_result(StepResult(plan.step_id, rows))
 
 
@@ -31,16 +31,16 @@ def test_request_lifecycle_stop_on_eos_frees_pages():
     s.add_request(GenerateRequest("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=10)))
     plan, out = fake_step(s, {"r": [10, 11, EOS]})
     assert plan.batches[0].forward_mode == ForwardMode.PREFILL
-    assert plan.new_requests[0].rid == "r" and out[0].token_ids == [10]
+    assert plan.batches[0].new_requests[0].rid == "r" and out[0].token_ids == [10]
     plan, out = fake_step(s, {"r": [11, EOS]})
-    assert plan.batches[0].forward_mode == ForwardMode.DECODE and plan.new_requests == []
+    assert plan.batches[0].forward_mode == ForwardMode.DECODE and plan.batches[0].new_requests == []
     assert plan.batches[0].rows[0].start == 5 and plan.batches[0].rows[0].input_ids == [10]
     plan, out = fake_step(s, {"r": [EOS]})
     assert out[0].finish_reason == "stop" and out[0].token_ids == [EOS]
     assert out[0].num_output_tokens == 3
-    assert s.alloc.num_free == s.alloc.num_usable
+    assert s.num_free_pages == s.num_usable_pages
     plan, _ = fake_step(s, {})
-    assert plan.finished_rids == ["r"]  # the worker is told to drop it
+    assert plan.batches[0].finished_rids == ["r"]  # the worker is told to drop it
     s.check_integrity()
 
 
@@ -76,10 +76,10 @@ def test_abort_waiting_and_running():
     s.abort("b")
     out = s.take_outputs()
     assert [(o.rid, o.finish_reason) for o in out] == [("a", "abort"), ("b", "abort")]
-    assert s.alloc.num_free == s.alloc.num_usable
+    assert s.num_free_pages == s.num_usable_pages
     assert s.has_work()  # the worker still holds "a"
     plan, _ = fake_step(s, {})
-    assert plan.finished_rids == ["a"] and not s.has_work()
+    assert plan.batches[0].finished_rids == ["a"] and not s.has_work()
     s.check_integrity()
     s.abort("unknown")  # ignored
 

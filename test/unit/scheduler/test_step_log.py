@@ -6,7 +6,7 @@ from gyrfalcon.scheduler.step_log import StepCounters, ThroughputLog
 def run_steps(s, n):
     for _ in range(n):
         plan = s.build_plan()
-        rows = [RowResult(r.rid, 7 if r.sample else -1) for r in plan.batches[0].rows]
+        rows = [RowResult(r.rid, [7] if r.sample else []) for r in plan.batches[0].rows]
         s.process_result(StepResult(plan.step_id, rows))
 
 

@@ -7,8 +7,13 @@ import torch
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.engine import LocalEngine
 from gyrfalcon.forward.metadata import RowInput, build_batch_tensors
-from gyrfalcon.ipc.messages import SamplingParams
-from gyrfalcon.worker.cuda_graph import StaticBuffers, capture_batch_sizes, padded_batch_size
+from gyrfalcon.ipc.messages import ForwardMode, SamplingParams
+from gyrfalcon.worker.cuda_graph import (
+    GraphKey,
+    StaticBuffers,
+    capture_batch_sizes,
+    padded_batch_size,
+)
 
 
 def test_capture_sizes():
@@ -28,14 +33,14 @@ def test_padded_batch_size():
 
 
 def test_fill_pads_with_dummy_page_and_length_one():
-    buf = StaticBuffers.allocate(8, 4, torch.device("cpu"))
+    buf = StaticBuffers.allocate(8, 4, 4, torch.device("cpu"))
     bt = build_batch_tensors(
         [RowInput(5, [11], [3, 7]), RowInput(0, [12], [2])], 4, torch.device("cpu")
     )
     # dirty the buffers as an earlier, larger replay would have
     buf.input_ids.fill_(99)
     buf.page_table.fill_(5)
-    lens = buf.fill(bt, 4)
+    lens = buf.fill(bt, GraphKey(ForwardMode.DECODE, 4, 1))
     assert lens == [6, 1, 1, 1]
     assert buf.input_ids[:4].tolist() == [11, 12, 0, 0]
     assert buf.positions[:4].tolist() == [5, 0, 0, 0]
@@ -74,7 +79,7 @@ def test_static_replay_equals_eager_for_every_padding(tiny_model_dirs, arch):
     assert eng.worker.executor.graphs.num_runs >= 9  # every decode step went through it
     assert replay == eager
     # the dummy page absorbed every padding write; no real page was touched by padding
-    assert eng.scheduler.alloc.num_free == eng.scheduler.alloc.num_usable
+    assert eng.scheduler.num_free_pages == eng.scheduler.num_usable_pages
 
 
 def test_static_capture_with_tiny_kv_pool(tiny_model_dirs):

@@ -9,27 +9,28 @@ from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.ipc.contract import DUMMY_PAGE
 from gyrfalcon.ipc.messages import ForwardMode
 from gyrfalcon.worker.step_worker import build_worker
-from gyrfalcon.worker.warmup import WARMUP_RIDS, warmup_plans
+from gyrfalcon.worker.warmup import WARMUP_RIDS, warmup_batches
 
 
 def test_plans_give_every_request_the_pages_its_tokens_need():
     ps = 16
-    plans = warmup_plans(ps, chunk=24)
-    assert [p.batches[0].forward_mode for p in plans] == [
+    batches = warmup_batches(ps, chunk=24)
+    assert [b.forward_mode for b in batches] == [
         ForwardMode.PREFILL, ForwardMode.PREFILL, ForwardMode.MIXED, ForwardMode.DECODE,
         ForwardMode.IDLE,
     ]  # fmt: skip
     pages = {rid: 0 for rid in WARMUP_RIDS}
     computed = {rid: 0 for rid in WARMUP_RIDS}
-    for plan in plans:
-        for row in plan.batches[0].rows:
+    for batch in batches:
+        for row in batch.rows:
             assert row.start == computed[row.rid], "rows continue where the last one ended"
             assert set(row.new_pages) <= {DUMMY_PAGE}
             computed[row.rid] += len(row.input_ids)
             pages[row.rid] += len(row.new_pages)
             assert pages[row.rid] == -(-computed[row.rid] // ps)
-    assert sorted(plans[-1].finished_rids) == sorted(WARMUP_RIDS)
-    mixed = plans[2].batches[0].rows
+    assert sorted(batches[-1].finished_rids) == sorted(WARMUP_RIDS)
+    assert [r.rid for b in batches for r in b.new_requests] == list(WARMUP_RIDS)
+    mixed = batches[2].rows
     assert len(mixed[0].input_ids) == 1 and len(mixed[1].input_ids) > 1  # decode rows lead
 
 
@@ -56,8 +57,8 @@ def test_plans_stay_within_2_chunks_plus_2_positions():
     for chunk in (1, 4, 24):
         ends = [
             row.start + len(row.input_ids)
-            for plan in warmup_plans(4, chunk)
-            for row in plan.batches[0].rows
+            for batch in warmup_batches(4, chunk)
+            for row in batch.rows
         ]
         assert max(ends) == 2 * chunk + 2
 
@@ -71,7 +72,8 @@ def test_warm_up_fits_a_short_context(tiny_model_dirs, context, runs):
     ).resolved()  # fmt: skip
     runner, ctx = build_worker(args, d, ModelConfig.from_dir(d), rank=0)
     assert ctx == context
-    assert runner.executor.graphs.num_runs == int(runs)  # its decode step replays; too short: none
+    # its decode step and the IDLE drop's dummy row replay; too short: none
+    assert runner.executor.graphs.num_runs == 2 * int(runs)
     assert not runner.requests
 
 

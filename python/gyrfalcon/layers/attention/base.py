@@ -1,7 +1,12 @@
 """Attention backend interface.
 
 A backend owns its per-step metadata: `build_metadata` runs once per step
-(before the first layer) and every layer's `forward` only reads it.
+(before the first layer) and every layer's `forward` only reads it. It
+dispatches on `batch.mode` (and the explicit `batch.num_decode_rows`), never on
+the shapes of the batch.
+
+A model holds one backend instance per role (registry.RoleBackends: extend,
+decode, verify), so the plan of one role's step never overwrites another's.
 """
 
 from __future__ import annotations
@@ -12,12 +17,34 @@ from typing import Any
 import torch
 
 from gyrfalcon.forward.batch import ForwardBatch
+from gyrfalcon.ipc.messages import ForwardMode
+
+# The modes graphs are captured for: DECODE (one query token per row), VERIFY (k + 1)
+CAPTURED_MODES = (ForwardMode.DECODE, ForwardMode.VERIFY)
+
+
+def check_capture(mode: ForwardMode, tokens_per_row: int) -> None:
+    """A capture request a backend can serve: DECODE of one token per row, VERIFY of
+    k + 1 >= 2."""
+    assert mode in CAPTURED_MODES, f"no graphs for {mode.name}"
+    assert (mode == ForwardMode.DECODE) == (tokens_per_row == 1), (mode.name, tokens_per_row)
+
+
+def replay_tokens_per_row(batch: ForwardBatch) -> int:
+    """The query tokens of every row of a graph runner's static batch (its capture
+    key's), after the batch's shape checks: a captured mode with uniform rows."""
+    batch.check()
+    bs, t = batch.batch_size, batch.q_lens_cpu[0]
+    check_capture(batch.mode, t)
+    assert batch.q_lens_cpu.count(t) == bs and batch.num_tokens == bs * t, "uniform rows"
+    return t
 
 
 class AttentionBackend(ABC):
     name: str
-    # A backend that supports CUDA graphs keeps its decode metadata in static
-    # buffers (capture_buffers) and rebuilds it in place before every replay
+    # A backend that supports CUDA graphs keeps the metadata of each captured mode
+    # (DECODE: one token per row; VERIFY: k + 1 per row) in static buffers
+    # (capture_buffers) and rebuilds it in place before every replay
     # (prepare_replay), from the graph runner's static batch.
     supports_cuda_graph: bool = False
 
@@ -71,10 +98,19 @@ class AttentionBackend(ABC):
         Only where `fuses_rope(batch)`."""
         raise NotImplementedError(f"{self.name} does not fuse RoPE")
 
-    def capture_buffers(self, max_bs: int, max_pages: int, device: torch.device) -> None:
-        """Allocate static decode metadata for batches up to max_bs rows."""
+    def capture_buffers(
+        self,
+        max_bs: int,
+        max_pages: int,
+        device: torch.device,
+        mode: ForwardMode = ForwardMode.DECODE,
+        tokens_per_row: int = 1,
+    ) -> None:
+        """Allocate static metadata for graphs of `mode` (batches up to max_bs rows of
+        `tokens_per_row` query tokens each, page tables up to max_pages wide)."""
         raise NotImplementedError(f"{self.name} does not support CUDA graphs")
 
     def prepare_replay(self, batch: ForwardBatch) -> Any:
-        """Decode metadata in the static buffers for `batch` (capture and replay)."""
+        """Metadata in the static buffers for the graph runner's static `batch` of a
+        captured mode (capture and every replay); dispatches on `batch.mode`."""
         raise NotImplementedError(f"{self.name} does not support CUDA graphs")

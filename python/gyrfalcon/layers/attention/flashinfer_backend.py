@@ -5,9 +5,20 @@ prefix-summed), `indices` (the rows' pages, concatenated) and `last_page_len`
 [bs] (tokens in each row's last page, 1..page_size). We derive all three from
 the ForwardBatch once per step; every layer's `forward` only runs.
 
-Decode under CUDA graphs uses one graph-mode decode wrapper per captured batch
-size, all sharing static indptr/indices/last_page_len buffers; `prepare_replay`
-re-plans the wrapper of the padded size before each replay.
+The mode picks the wrapper: DECODE (one token per row) the decode wrapper,
+every other mode (PREFILL, MIXED, VERIFY, ...) the paged prefill wrapper, causal
+inside each row after its cached prefix.
+
+CUDA graphs: one graph-mode wrapper per capture key (mode, padded batch size),
+those of one mode sharing static indptr/indices/last_page_len buffers (and, for
+VERIFY, a qo_indptr buffer, arange * (k + 1)); `prepare_replay` re-plans the
+key's wrapper before each replay. DECODE keys use decode wrappers, VERIFY keys
+paged prefill wrappers with k + 1 query tokens per row.
+
+Every wrapper keeps its own int workspace and pinned host buffer (its plan); the
+float workspace (split-KV partials, written only while a kernel runs) is one
+`FlashInferWorkspace` per device, shared by the backend instances of every role,
+whose launches are serialized on one stream.
 
 A plan copies its schedule to the device from a page-locked host buffer of the
 wrapper, asynchronously. With the next step planned while this one runs, the
@@ -22,9 +33,14 @@ from dataclasses import dataclass
 
 import torch
 
-from gyrfalcon.forward.batch import ForwardBatch
+from gyrfalcon.forward.batch import SINGLE_TOKEN_MODES, ForwardBatch
 from gyrfalcon.forward.host_copy import upload
-from gyrfalcon.layers.attention.base import AttentionBackend
+from gyrfalcon.ipc.messages import ForwardMode
+from gyrfalcon.layers.attention.base import (
+    AttentionBackend,
+    check_capture,
+    replay_tokens_per_row,
+)
 
 WORKSPACE_BYTES = 256 << 20
 FLASHINFER_HEAD_DIMS = (64, 128, 256)  # the head dims flashinfer has kernels for
@@ -56,9 +72,43 @@ def paged_csr(seq_lens: list[int], max_pages: int, page_size: int) -> PagedCsr:
     return PagedCsr(indptr, flat, last)
 
 
+def qo_indptr(q_lens: list[int]) -> list[int]:
+    """[bs + 1] prefix sums of the rows' query tokens."""
+    out = [0]
+    for n in q_lens:
+        out.append(out[-1] + n)
+    return out
+
+
+class FlashInferWorkspace:
+    """The float workspace of flashinfer's kernels, allocated on first use: one per
+    device, shared by every backend instance (role) of a model."""
+
+    def __init__(self, nbytes: int = WORKSPACE_BYTES):
+        self.nbytes = nbytes
+        self._buffers: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device: torch.device) -> torch.Tensor:
+        buf = self._buffers.get(device)
+        if buf is None:
+            buf = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+            self._buffers[device] = buf
+        return buf
+
+
+@dataclass
+class GraphCsr:
+    """Static CSR buffers of one captured mode, shared by its wrappers (one per size)."""
+
+    indptr: torch.Tensor  # [max_bs + 1] int32
+    indices: torch.Tensor  # [max_bs * max_pages] int32
+    last_page_len: torch.Tensor  # [max_bs] int32
+    qo_indptr: torch.Tensor  # [max_bs + 1] int32, arange * tokens_per_row (prefill wrappers)
+
+
 @dataclass
 class FlashInferMeta:
-    decode: bool  # all rows have one query token: the decode wrapper runs
+    decode: bool  # a single-token mode: the decode wrapper runs
     wrapper: object
 
 
@@ -66,7 +116,16 @@ class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
     supports_cuda_graph = True
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        workspace: FlashInferWorkspace | None = None,
+    ):
+        """workspace: the float workspace shared with the model's other backend
+        instances (one of its own when None)."""
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         if head_dim not in FLASHINFER_HEAD_DIMS:
             raise ValueError(
@@ -75,8 +134,11 @@ class FlashInferBackend(AttentionBackend):
         import flashinfer
 
         self._fi = flashinfer
+        self._shared_workspace = workspace or FlashInferWorkspace()
         self._device: torch.device | None = None
-        self._graph_wrappers: dict[int, object] = {}
+        self._decode = self._prefill = None  # eager wrappers (`_eager_wrapper`)
+        self._graph_csr: dict[ForwardMode, GraphCsr] = {}
+        self._graph_wrappers: dict[tuple[ForwardMode, int], object] = {}  # by (mode, bs)
         # NOTE: tensor-core decode is faster for GQA groups of 4 and more
         self._tensor_cores = num_heads // num_kv_heads >= 4
 
@@ -84,12 +146,21 @@ class FlashInferBackend(AttentionBackend):
         if self._device is not None:
             return
         self._device = device
-        self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._decode = self._fi.BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace, "NHD", use_tensor_cores=self._tensor_cores
-        )
-        self._prefill = self._fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+        self._workspace = self._shared_workspace.get(device)
         self._plan_done = torch.cuda.Event() if device.type == "cuda" else None
+
+    def _eager_wrapper(self, decode: bool):
+        """The eager decode or prefill wrapper, made on first use (a role's instance
+        may never need the other: each wrapper holds an int workspace of its own)."""
+        if decode:
+            if self._decode is None:
+                self._decode = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+                    self._workspace, "NHD", use_tensor_cores=self._tensor_cores
+                )
+            return self._decode
+        if self._prefill is None:
+            self._prefill = self._fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+        return self._prefill
 
     def _plan(self, wrapper, *args, **kwargs) -> None:
         """wrapper.plan(...), never overwriting a pinned schedule whose copy is pending."""
@@ -125,23 +196,12 @@ class FlashInferBackend(AttentionBackend):
             sm_scale=self.scale,
         )
 
-    def build_metadata(self, batch: ForwardBatch) -> FlashInferMeta:
-        self._ensure(batch.input_ids.device)
-        bs = batch.batch_size
-        assert batch.page_table.shape[0] == bs and sum(batch.q_lens_cpu) == batch.num_tokens
-        csr = paged_csr(batch.seq_lens_cpu, batch.page_table.shape[1], batch.page_size)
-        indices = self._indices(batch, csr)
-        if all(n == 1 for n in batch.q_lens_cpu):
-            self._plan_decode(self._decode, batch, csr, indices)
-            return FlashInferMeta(True, self._decode)
-        qo_indptr = [0]
-        for n in batch.q_lens_cpu:
-            qo_indptr.append(qo_indptr[-1] + n)
+    def _plan_prefill(self, wrapper, batch: ForwardBatch, csr: PagedCsr, indices) -> None:
         dtype = batch.kv_cache.k.dtype
         assert dtype.itemsize == 2, "the flashinfer backend reads 16-bit KV caches only"
         self._plan(
-            self._prefill,
-            torch.tensor(qo_indptr, dtype=torch.int32),
+            wrapper,
+            torch.tensor(qo_indptr(batch.q_lens_cpu), dtype=torch.int32),
             torch.tensor(csr.indptr, dtype=torch.int32),
             indices,
             torch.tensor(csr.last_page_len, dtype=torch.int32),
@@ -154,33 +214,77 @@ class FlashInferBackend(AttentionBackend):
             q_data_type=dtype,
             kv_data_type=dtype,
         )
-        return FlashInferMeta(False, self._prefill)
+
+    def _plan_batch(self, wrapper, batch: ForwardBatch, decode: bool) -> FlashInferMeta:
+        csr = paged_csr(batch.seq_lens_cpu, batch.page_table.shape[1], batch.page_size)
+        plan = self._plan_decode if decode else self._plan_prefill
+        plan(wrapper, batch, csr, self._indices(batch, csr))
+        return FlashInferMeta(decode, wrapper)
+
+    def build_metadata(self, batch: ForwardBatch) -> FlashInferMeta:
+        batch.check()
+        self._ensure(batch.input_ids.device)
+        # NOTE: the prefill plan covers every row, decode rows of a MIXED batch included
+        decode = batch.mode in SINGLE_TOKEN_MODES
+        return self._plan_batch(self._eager_wrapper(decode), batch, decode)
 
     # ------------------------------------------------------------ CUDA graphs
 
-    def capture_buffers(self, max_bs: int, max_pages: int, device: torch.device) -> None:
+    def capture_buffers(
+        self,
+        max_bs: int,
+        max_pages: int,
+        device: torch.device,
+        mode: ForwardMode = ForwardMode.DECODE,
+        tokens_per_row: int = 1,
+    ) -> None:
+        check_capture(mode, tokens_per_row)
         self._ensure(device)
-        self._g_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
-        self._g_indices = torch.zeros(max_bs * max_pages, dtype=torch.int32, device=device)
-        self._g_last = torch.ones(max_bs, dtype=torch.int32, device=device)
+        # NOTE: a new capture of the mode: its wrappers bind the new buffers
+        self._graph_wrappers = {k: w for k, w in self._graph_wrappers.items() if k[0] != mode}
+        i32 = dict(dtype=torch.int32, device=device)
+        self._graph_csr[mode] = GraphCsr(
+            indptr=torch.zeros(max_bs + 1, **i32),
+            indices=torch.zeros(max_bs * max_pages, **i32),
+            last_page_len=torch.ones(max_bs, **i32),
+            qo_indptr=torch.arange(max_bs + 1, **i32) * tokens_per_row,
+        )
 
-    def prepare_replay(self, batch: ForwardBatch) -> FlashInferMeta:
-        bs = batch.batch_size
-        wrapper = self._graph_wrappers.get(bs)
-        if wrapper is None:
+    def _graph_wrapper(self, mode: ForwardMode, bs: int):
+        """The graph-mode wrapper of capture key (mode, bs), made on first use."""
+        wrapper = self._graph_wrappers.get((mode, bs))
+        if wrapper is not None:
+            return wrapper
+        g = self._graph_csr[mode]
+        if mode in SINGLE_TOKEN_MODES:
             wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
                 self._workspace,
                 "NHD",
                 use_cuda_graph=True,
                 use_tensor_cores=self._tensor_cores,
-                paged_kv_indptr_buffer=self._g_indptr[: bs + 1],
-                paged_kv_indices_buffer=self._g_indices,
-                paged_kv_last_page_len_buffer=self._g_last[:bs],
+                paged_kv_indptr_buffer=g.indptr[: bs + 1],
+                paged_kv_indices_buffer=g.indices,
+                paged_kv_last_page_len_buffer=g.last_page_len[:bs],
             )
-            self._graph_wrappers[bs] = wrapper
-        csr = paged_csr(batch.seq_lens_cpu, batch.page_table.shape[1], batch.page_size)
-        self._plan_decode(wrapper, batch, csr, self._indices(batch, csr))
-        return FlashInferMeta(True, wrapper)
+        else:
+            wrapper = self._fi.BatchPrefillWithPagedKVCacheWrapper(
+                self._workspace,
+                "NHD",
+                use_cuda_graph=True,
+                qo_indptr_buf=g.qo_indptr[: bs + 1],
+                paged_kv_indptr_buf=g.indptr[: bs + 1],
+                paged_kv_indices_buf=g.indices,
+                paged_kv_last_page_len_buf=g.last_page_len[:bs],
+            )
+        self._graph_wrappers[(mode, bs)] = wrapper
+        return wrapper
+
+    def prepare_replay(self, batch: ForwardBatch) -> FlashInferMeta:
+        replay_tokens_per_row(batch)  # NOTE: VERIFY rows all hold the key's k + 1 tokens
+        bs, mode = batch.batch_size, batch.mode
+        assert mode in self._graph_csr, f"capture_buffers({mode.name}) must run first"
+        wrapper = self._graph_wrapper(mode, bs)
+        return self._plan_batch(wrapper, batch, mode in SINGLE_TOKEN_MODES)
 
     # ------------------------------------------------------------ forward
 

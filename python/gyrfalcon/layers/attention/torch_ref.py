@@ -1,8 +1,10 @@
 """Reference attention: gather pages + SDPA. Runs on CPU and GPU; the oracle in tests.
 
-Rows with one new token (decodes) are attended together, padded to the longest
-KV length with a key mask. Rows with several new tokens (prefill chunks,
-verify) are attended one by one, causal with an offset of their cached prefix.
+The decode rows (rows [0, batch.num_decode_rows), one new token each: every row
+of a DECODE batch, the leading decodes of a MIXED one) are attended together,
+padded to the longest KV length with a key mask. The other rows (prefill chunks,
+verify rows) are attended one by one, causal with an offset of their cached
+prefix.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class ExtendRow:
 
 @dataclass
 class TorchRefMeta:
-    decode_tokens: torch.Tensor  # [nd] token indices of single-token rows
+    decode_tokens: torch.Tensor  # [nd] token indices of the decode rows (= their rows)
     decode_slots: torch.Tensor  # [nd, max_kv] KV slots (padding -> dummy slot 0)
     decode_mask: torch.Tensor  # [nd, 1, 1, max_kv] bool key mask
     extends: list[ExtendRow]
@@ -51,35 +53,27 @@ class TorchRefBackend(AttentionBackend):
     name = "torch_ref"
 
     def build_metadata(self, batch: ForwardBatch) -> TorchRefMeta:
+        batch.check()
         device = batch.input_ids.device
-        bs = batch.batch_size
-        assert batch.page_table.shape[0] == bs and batch.q_lens.shape[0] == bs
-        assert sum(batch.q_lens_cpu) == batch.num_tokens
         ps = batch.page_size
-        decode_rows: list[int] = []
-        decode_tokens: list[int] = []
+        nd = batch.num_decode_rows  # NOTE: rows [0, nd) hold tokens [0, nd)
         extends: list[ExtendRow] = []
-        start = 0
-        for row, (q_len, seq_len) in enumerate(zip(batch.q_lens_cpu, batch.seq_lens_cpu)):
-            assert 1 <= q_len <= seq_len, f"row {row}: q_len {q_len} seq_len {seq_len}"
-            if q_len == 1:
-                decode_rows.append(row)
-                decode_tokens.append(start)
-            else:
-                prefix = seq_len - q_len
-                mask = None
-                if prefix > 0:
-                    q_pos = torch.arange(q_len, device=device)[:, None] + prefix
-                    mask = torch.arange(seq_len, device=device)[None, :] <= q_pos
-                slots = kv_slots(batch.page_table[row], seq_len, ps)
-                extends.append(ExtendRow(start, q_len, prefix, slots, mask))
+        start = nd
+        for row in range(nd, batch.batch_size):
+            q_len, seq_len = batch.q_lens_cpu[row], batch.seq_lens_cpu[row]
+            prefix = seq_len - q_len
+            mask = None
+            if prefix > 0:
+                q_pos = torch.arange(q_len, device=device)[:, None] + prefix
+                mask = torch.arange(seq_len, device=device)[None, :] <= q_pos
+            slots = kv_slots(batch.page_table[row], seq_len, ps)
+            extends.append(ExtendRow(start, q_len, prefix, slots, mask))
             start += q_len
-        max_kv = max((batch.seq_lens_cpu[r] for r in decode_rows), default=1)
+        max_kv = max(batch.seq_lens_cpu[:nd], default=1)
         pos = torch.arange(max_kv, device=device)
-        if decode_rows:
-            rows = torch.tensor(decode_rows, device=device)
-            pt = batch.page_table[rows]  # [nd, max_pages]
-            lens = batch.seq_lens[rows]  # [nd]
+        if nd:
+            pt = batch.page_table[:nd]  # [nd, max_pages]
+            lens = batch.seq_lens[:nd]  # [nd]
             valid = pos[None, :] < lens[:, None]  # [nd, max_kv]
             page_idx = torch.clamp(pos // ps, max=pt.shape[1] - 1)
             slots = pt[:, page_idx] * ps + pos % ps
@@ -89,7 +83,7 @@ class TorchRefBackend(AttentionBackend):
             slots = torch.zeros((0, max_kv), dtype=torch.int64, device=device)
             dmask = torch.zeros((0, 1, 1, max_kv), dtype=torch.bool, device=device)
         return TorchRefMeta(
-            decode_tokens=torch.tensor(decode_tokens, dtype=torch.int64, device=device),
+            decode_tokens=torch.arange(nd, device=device),
             decode_slots=slots,
             decode_mask=dmask,
             extends=extends,

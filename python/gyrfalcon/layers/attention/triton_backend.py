@@ -1,24 +1,26 @@
 """Triton attention backend: paged split-KV decode and paged causal extend kernels.
 
-The leading rows with one new token (the scheduler puts decodes first) run the
-split-KV decode kernel; the rows after them run the extend kernel. A mixed
-batch of decodes and prefill chunks thus reads each decode row's KV once per KV
-head (the extend kernel would read it once per query head, without splits).
-Everything that needs host values (max_q_len, how many rows lead with one token)
-is computed once per step in build_metadata, so `forward` launches kernels
-without host syncs.
+Dispatch follows the batch's mode: the rows [0, batch.num_decode_rows) (every
+row of a DECODE batch, the leading decodes of a MIXED one, none of a VERIFY
+one) run the split-KV decode kernel; the rows after them run the extend kernel.
+A mixed batch of decodes and prefill chunks thus reads each decode row's KV once
+per KV head (the extend kernel would read it once per query head, without
+splits). Everything that needs host values (max_q_len) is computed once per step
+in build_metadata, so `forward` launches kernels without host syncs.
 
-Pure decode batches take RoPE and the new K/V write inside the decode kernel
+DECODE batches take RoPE and the new K/V write inside the decode kernel
 (`attend_rope`), one launch less per layer.
 
 The decode kernel splits each row's KV into `decode_kv_splits(bs, ...)` parts
 (unless fixed in the constructor): enough (batch x KV head x split) programs to
 fill the GPU a few times over, so a small batch does not leave SMs idle.
 
-CUDA graphs (decode only): `capture_buffers` allocates decode scratch per split
-count; `prepare_replay` returns metadata that views the graph runner's static
-batch (page table, lengths), so a captured graph reads fresh values on every
-replay with nothing copied. The decode grid depends only on the padded batch size.
+CUDA graphs: `prepare_replay` returns metadata that views the graph runner's
+static batch (page table, lengths, and for VERIFY its constant q_starts = arange *
+(k + 1) and q_lens = k + 1), so a captured graph reads fresh values on every replay
+with nothing copied, and every grid depends only on the capture key: the decode
+grid on the padded batch size, the extend grid on it and max_q_len = k + 1.
+`capture_buffers` allocates decode scratch per split count (VERIFY needs none).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from gyrfalcon.forward.batch import ForwardBatch
+from gyrfalcon.ipc.messages import ForwardMode
 from gyrfalcon.kernels.attention_decode import (
     DecodeRope,
     DecodeScratch,
@@ -36,7 +39,12 @@ from gyrfalcon.kernels.attention_decode import (
 )
 from gyrfalcon.kernels.attention_extend import extend_attention
 from gyrfalcon.kernels.device import num_sms
-from gyrfalcon.layers.attention.base import AttentionBackend
+from gyrfalcon.kernels.dispatch import DEFAULT_KERNELS, KernelPolicy
+from gyrfalcon.layers.attention.base import (
+    AttentionBackend,
+    check_capture,
+    replay_tokens_per_row,
+)
 
 
 @dataclass
@@ -44,10 +52,10 @@ class TritonMeta:
     page_table: torch.Tensor  # [bs, max_pages] int32 (int64 under graphs)
     # [bs] int32 (int64 under graphs), KV length of each row after this step (>= 1)
     seq_lens: torch.Tensor
-    q_starts: torch.Tensor  # [bs] int32, offset of each row's first new token in [T]
-    q_lens: torch.Tensor  # [bs] int32, new tokens of each row (>= 1)
+    q_starts: torch.Tensor  # [bs] int32 (int64 under graphs), offset of each row's first token
+    q_lens: torch.Tensor  # [bs] int32 (int64 under graphs), new tokens of each row (>= 1)
     max_q_len: int  # host value: the longest extend row (rows >= num_decode); sets its grid
-    num_decode: int  # host value: leading rows with one new token (tokens [0, num_decode))
+    num_decode: int  # host value: batch.num_decode_rows (tokens [0, num_decode))
     scratch: DecodeScratch | None  # decode partials, rows [0, num_decode) used
 
     @property
@@ -75,14 +83,6 @@ def decode_kv_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
     return splits
 
 
-def leading_single_token_rows(q_lens: list[int]) -> int:
-    """How many rows at the start of the batch have exactly one new token."""
-    n = 0
-    while n < len(q_lens) and q_lens[n] == 1:
-        n += 1
-    return n
-
-
 class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graph = True
@@ -97,14 +97,17 @@ class TritonBackend(AttentionBackend):
         decode_block_n: int | None = None,
         extend_block_m: int | None = None,
         extend_block_n: int | None = None,
+        kernels: KernelPolicy = DEFAULT_KERNELS,
     ):
         """num_kv_splits: split-KV count of the decode kernel (its grid is
         (bs, KVH, num_kv_splits)); None picks it per batch size (decode_kv_splits).
-        Block sizes default to the kernels' choice."""
+        Block sizes default to the kernels' choice. kernels: the model's kernel policy
+        (whether the decode kernel may launch with PDL)."""
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
         assert num_kv_splits is None or num_kv_splits >= 1, num_kv_splits
         self.num_kv_splits = num_kv_splits
+        self.pdl = kernels.pdl
         self.decode_block_n = decode_block_n
         self.extend_block_m, self.extend_block_n = extend_block_m, extend_block_n
         self._scratch: dict[int, DecodeScratch] = {}  # eager, by split count, grown on demand
@@ -132,32 +135,9 @@ class TritonBackend(AttentionBackend):
             self._scratch[splits] = s
         return s
 
-    def _check(self, batch: ForwardBatch) -> None:
-        """Shape and length assertions on the batch (host values only, no syncs)."""
-        bs, num_tokens = batch.batch_size, batch.num_tokens
-        assert bs >= 1, "empty batch"
-        assert len(batch.q_lens_cpu) == bs, (len(batch.q_lens_cpu), bs)
-        assert batch.seq_lens.shape == (bs,), (batch.seq_lens.shape, bs)
-        assert batch.q_lens.shape == (bs,) and batch.q_starts.shape == (bs,), (
-            batch.q_lens.shape,
-            batch.q_starts.shape,
-            bs,
-        )
-        assert batch.page_table.dim() == 2 and batch.page_table.shape[0] == bs, (
-            batch.page_table.shape,
-            bs,
-        )
-        assert batch.out_cache_loc.shape == (num_tokens,), (batch.out_cache_loc.shape, num_tokens)
-        assert sum(batch.q_lens_cpu) == num_tokens, (sum(batch.q_lens_cpu), num_tokens)
-        capacity = batch.page_table.shape[1] * batch.page_size
-        for row, (q_len, seq_len) in enumerate(zip(batch.q_lens_cpu, batch.seq_lens_cpu)):
-            assert 1 <= q_len <= seq_len <= capacity, (
-                f"row {row}: q_len {q_len} seq_len {seq_len} page capacity {capacity}"
-            )
-
     def build_metadata(self, batch: ForwardBatch) -> TritonMeta:
-        self._check(batch)
-        nd = leading_single_token_rows(batch.q_lens_cpu)
+        batch.check()
+        nd = batch.num_decode_rows  # NOTE: from the mode (forward/batch.decode_rows)
         device = batch.seq_lens.device
         return TritonMeta(
             page_table=batch.page_table.to(torch.int32),
@@ -171,7 +151,17 @@ class TritonBackend(AttentionBackend):
 
     # ------------------------------------------------------------ CUDA graphs
 
-    def capture_buffers(self, max_bs: int, max_pages: int, device: torch.device) -> None:
+    def capture_buffers(
+        self,
+        max_bs: int,
+        max_pages: int,
+        device: torch.device,
+        mode: ForwardMode = ForwardMode.DECODE,
+        tokens_per_row: int = 1,
+    ) -> None:
+        check_capture(mode, tokens_per_row)
+        if mode == ForwardMode.VERIFY:
+            return  # NOTE: the extend kernel keeps no scratch; its metadata views the batch
         rows: dict[int, int] = {}  # split count -> largest batch size using it
         for bs in range(1, max_bs + 1):
             rows[self.kv_splits(bs, device)] = bs
@@ -181,13 +171,24 @@ class TritonBackend(AttentionBackend):
         }
 
     def prepare_replay(self, batch: ForwardBatch) -> TritonMeta:
-        """Decode metadata that views the batch's own page table and lengths: under
-        graphs the batch is the graph runner's static buffers, refilled before every
-        replay, so nothing is copied (the kernels take int64 indices)."""
-        assert self._graph_scratch is not None, "capture_buffers must run before prepare_replay"
-        self._check(batch)
+        """Metadata that views the batch's own page table, lengths and query offsets:
+        under graphs the batch is the graph runner's static buffers, refilled before
+        every replay, so nothing is copied (the kernels take int64 indices)."""
+        t = replay_tokens_per_row(batch)
         bs = batch.batch_size
-        assert batch.num_tokens == bs, "graphs replay decode batches only"
+        if batch.mode == ForwardMode.VERIFY:
+            # every row k + 1 tokens (the capture key's), at q_starts = arange * (k + 1):
+            # the extend grid (cdiv(k + 1, BLOCK_M), bs, H) depends on the key alone
+            return TritonMeta(
+                page_table=batch.page_table,
+                seq_lens=batch.seq_lens,
+                q_starts=batch.q_starts,
+                q_lens=batch.q_lens,
+                max_q_len=t,
+                num_decode=0,
+                scratch=None,
+            )
+        assert self._graph_scratch is not None, "capture_buffers must run before prepare_replay"
         return TritonMeta(
             page_table=batch.page_table,
             seq_lens=batch.seq_lens,
@@ -221,6 +222,7 @@ class TritonBackend(AttentionBackend):
             batch.page_size,
             self.scale,
             block_n=self.decode_block_n,
+            pdl=self.pdl,
             rope=DecodeRope(k, v, positions, cos_sin, batch.out_cache_loc),
         )
         return out.view(bs, -1)
@@ -248,6 +250,7 @@ class TritonBackend(AttentionBackend):
                 batch.page_size,
                 self.scale,
                 block_n=self.decode_block_n,
+                pdl=self.pdl,
             )
         if nd < meta.page_table.shape[0]:  # NOTE: q_starts index the whole [T]
             extend_attention(

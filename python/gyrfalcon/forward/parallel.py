@@ -1,0 +1,110 @@
+"""Tensor parallelism as the layers see it: this rank's place in its TP group, the
+all-reduce that sums row-parallel partial outputs, and the head-sharding math.
+
+A `ParallelContext` is a value handed to every layer constructor (through the
+model's `LayerContext`); nothing here is process-wide. The communicator is the
+seam for torch.distributed: at tp_size 1 there is none and `all_reduce` is the
+identity (the same tensor back, no copy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Communicator(Protocol):
+    """The collectives of one TP group (torch.distributed, or a fake in tests)."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise sum of x over the group's ranks (may reuse x's storage)."""
+        ...
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    """The attention heads one TP rank holds (global head indices)."""
+
+    num_heads: int  # query heads on this rank
+    num_kv_heads: int  # KV heads on this rank (1, replicated, when tp > KV heads)
+    head_start: int  # its first query head: it holds [head_start, head_start + num_heads)
+    kv_head_start: int  # its first KV head: [kv_head_start, kv_head_start + num_kv_heads)
+
+
+def shard_heads(num_heads: int, num_kv_heads: int, tp_rank: int, tp_size: int) -> HeadShard:
+    """Rank tp_rank's heads when tp_size ranks split the attention by heads.
+
+    Query heads split evenly: H / tp each, rank r holding [r H/tp, (r+1) H/tp).
+    KV heads split evenly when tp <= KVH (KVH / tp each); when tp > KVH every rank
+    holds one KV head, each replicated on tp / KVH consecutive ranks: rank r holds
+    head r // (tp / KVH). Either way a rank's query heads are exactly those that
+    attend to its KV heads (GQA group g = H / KVH: query head h reads KV head h // g).
+    Raises ValueError unless tp divides H, and tp divides or is a multiple of KVH.
+    """
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp rank {tp_rank} is not in a group of {tp_size}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
+    if num_heads % tp_size:
+        raise ValueError(f"{num_heads} attention heads do not split over tp size {tp_size}")
+    q = num_heads // tp_size
+    if tp_size <= num_kv_heads:
+        if num_kv_heads % tp_size:
+            raise ValueError(f"{num_kv_heads} KV heads do not split over tp size {tp_size}")
+        kv = num_kv_heads // tp_size
+        return HeadShard(q, kv, tp_rank * q, tp_rank * kv)
+    if tp_size % num_kv_heads:
+        raise ValueError(
+            f"tp size {tp_size} is neither a divisor nor a multiple of {num_kv_heads} KV heads"
+        )
+    return HeadShard(q, 1, tp_rank * q, tp_rank // (tp_size // num_kv_heads))
+
+
+def local_heads(num_heads: int, num_kv_heads: int, tp_size: int) -> tuple[int, int]:
+    """(query heads, KV heads) on each rank of a TP group (the same on every rank):
+    what the attention backends and the KV cache are sized with."""
+    shard = shard_heads(num_heads, num_kv_heads, 0, tp_size)
+    return shard.num_heads, shard.num_kv_heads
+
+
+def even_shard(size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """(start, length) of rank tp_rank's part when `size` rows or columns split evenly."""
+    if size % tp_size:
+        raise ValueError(f"size {size} does not split over tp size {tp_size}")
+    part = size // tp_size
+    return tp_rank * part, part
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """This rank's place in its tensor-parallel group, and the group's collectives."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    comm: Communicator | None = None  # needed when tp_size > 1
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp rank {self.tp_rank} is not in a group of {self.tp_size}")
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of x over the TP group: x itself at tp_size 1."""
+        if self.tp_size == 1:
+            return x
+        if self.comm is None:
+            raise RuntimeError(f"tp size {self.tp_size} needs a communicator to all-reduce")
+        return self.comm.all_reduce(x)
+
+    def heads(self, num_heads: int, num_kv_heads: int) -> HeadShard:
+        """This rank's attention heads (`shard_heads`)."""
+        return shard_heads(num_heads, num_kv_heads, self.tp_rank, self.tp_size)
+
+    def even_shard(self, size: int) -> tuple[int, int]:
+        """(start, length) of this rank's even part of `size` (`even_shard`)."""
+        return even_shard(size, self.tp_rank, self.tp_size)
+
+
+SINGLE_RANK = ParallelContext()

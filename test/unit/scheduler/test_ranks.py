@@ -1,0 +1,141 @@
+"""Per-DP-rank plans: each rank has its own pages, queues and batch; an idle rank gets
+an IDLE batch; each rank's results are applied on their own, in any interleaving."""
+
+import pytest
+
+from gyrfalcon.ipc.contract import PLACEHOLDER, RankLayout
+from gyrfalcon.ipc.messages import (
+    ForwardMode,
+    GenerateRequest,
+    RowResult,
+    SamplingParams,
+    StepResult,
+)
+from gyrfalcon.scheduler.scheduler import Scheduler, SchedulerConfig
+
+EOS = 99
+
+
+def token(rid: str, pos: int) -> int:
+    return 10 + (sum(map(ord, rid)) * 31 + pos * 17) % 80
+
+
+class RankSim:
+    """One DP rank's worker: runs its batch of every plan, in order."""
+
+    def __init__(self, dp_rank: int):
+        self.dp_rank = dp_rank
+        self.seqs: dict[str, list[int]] = {}
+        self.results: list[StepResult] = []
+        self.modes: list[ForwardMode] = []
+
+    def submit(self, plan):
+        rb = plan.batches[self.dp_rank]
+        self.modes.append(rb.forward_mode)
+        for rid in rb.finished_rids:
+            del self.seqs[rid]
+        for new in rb.new_requests:
+            self.seqs[new.rid] = list(new.prompt_ids)
+        assert (rb.forward_mode == ForwardMode.IDLE) == (not rb.rows)
+        rows = []
+        for row in rb.rows:
+            seq = self.seqs[row.rid]  # KeyError: a row on a rank that never got the request
+            for j, tok in enumerate(row.input_ids):
+                assert tok in (PLACEHOLDER, seq[row.start + j])
+            emitted = []
+            if row.sample:
+                end = row.start + len(row.input_ids)
+                if len(seq) == end:
+                    seq.append(token(row.rid, end))
+                emitted = [seq[end]]
+            rows.append(RowResult(row.rid, emitted))
+        self.results.append(StepResult(plan.step_id, rows, self.dp_rank))
+
+
+def run(requests, dp_size, inflight, order):
+    """order(ranks) -> the rank whose oldest result is delivered next."""
+    cfg = SchedulerConfig(64, 4, 64, 8, 32, 8, (EOS,), True, inflight, 1.0, dp_size)
+    s = Scheduler(cfg)
+    for rid, prompt, sp in requests:
+        s.add_request(GenerateRequest(rid, prompt, sp))
+    sims = [RankSim(r) for r in range(dp_size)]
+    got: dict[str, list[int]] = {rid: [] for rid, _, _ in requests}
+    turn = [0]
+
+    def submit(plan):
+        assert len(plan.batches) == dp_size
+        for sim in sims:
+            sim.submit(plan)
+
+    def receive():
+        ready = [sim for sim in sims if sim.results]
+        turn[0] += 1
+        return order(ready, turn[0]).results.pop(0)
+
+    while s.has_work():
+        for out in s.pump(submit, receive):
+            got[out.rid].extend(out.token_ids)
+    assert not any(sim.seqs for sim in sims) and not any(sim.results for sim in sims)
+    assert s.num_free_pages == s.num_usable_pages == dp_size * 63
+    s.check_integrity()
+    return got, sims
+
+
+def first(ready, turn):
+    return ready[0]
+
+
+def last(ready, turn):
+    return ready[-1]
+
+
+def alternate(ready, turn):
+    return ready[turn % len(ready)]
+
+
+REQUESTS = [
+    ("a", [1, 2, 3], SamplingParams(max_tokens=9, ignore_eos=True)),
+    ("b", [4, 5], SamplingParams(max_tokens=2, ignore_eos=True)),
+    ("c", list(range(1, 12)), SamplingParams(max_tokens=5, ignore_eos=True)),
+]
+
+
+@pytest.mark.parametrize("order", [first, last, alternate])
+@pytest.mark.parametrize("inflight", [1, 2])
+def test_two_ranks_give_the_outputs_of_one(inflight, order):
+    ref, _ = run(REQUESTS, 1, inflight, first)
+    got, sims = run(REQUESTS, 2, inflight, order)
+    assert got == ref
+    # requests join the rank with fewer: a -> 0, b -> 1, c -> 0; b ends first, so rank 1
+    # idles (a dummy row) while rank 0 still decodes
+    assert ForwardMode.IDLE in sims[1].modes and ForwardMode.IDLE not in sims[0].modes[:3]
+
+
+def test_requests_are_bound_to_a_rank_with_its_own_pages():
+    cfg = SchedulerConfig(8, 4, 64, 8, 32, 16, (EOS,), True, 1, 1.0, 2)
+    s = Scheduler(cfg)
+    for rid in "abc":
+        s.add_request(GenerateRequest(rid, [1, 2, 3, 4, 5], SamplingParams(max_tokens=4)))
+    assert [s.requests[r].dp_rank for r in "abc"] == [0, 1, 0]
+    plan = s.build_plan()
+    assert [[r.rid for r in b.rows] for b in plan.batches] == [["a", "c"], ["b"]]
+    assert [[n.rid for n in b.new_requests] for b in plan.batches] == [["a", "c"], ["b"]]
+    assert s.ranks[0].alloc.num_free == 7 - 4 and s.ranks[1].alloc.num_free == 7 - 2
+    s.abort("b")
+    s.check_integrity()
+    # rank 1's result still comes (and is dropped); its next batch only drops b
+    s.process_result(StepResult(plan.step_id, [RowResult("b", [7])], 1))
+    assert s.num_inflight == 1  # rank 0's result is not in yet
+    s.process_result(StepResult(plan.step_id, [RowResult("a", [7]), RowResult("c", [8])], 0))
+    plan = s.build_plan()
+    idle = plan.batches[1]
+    assert idle.forward_mode == ForwardMode.IDLE and idle.rows == []
+    assert idle.finished_rids == ["b"] and plan.batches[0].finished_rids == []
+
+
+def test_rank_layout_maps_ranks_to_dp_groups():
+    layout = RankLayout(dp_size=2, tp_size=2)
+    assert layout.world_size == 4
+    assert [layout.dp_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    assert [layout.reports(r) for r in range(4)] == [True, False, True, False]
+    assert RankLayout().world_size == 1 and RankLayout().reports(0)
