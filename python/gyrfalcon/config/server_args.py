@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from gyrfalcon.config.attention import default_attention_backend
+
 if TYPE_CHECKING:
     import torch
 
@@ -181,8 +183,6 @@ class ServerArgs:
         backend = self.attention_backend
         fp8_kv = self.kv_cache_dtype == "fp8_e4m3"
         if backend == "auto":
-            from gyrfalcon.layers.attention.registry import default_attention_backend
-
             backend = default_attention_backend(device, dtype, head_dim)
             if fp8_kv and backend == "flashinfer":
                 backend = "triton"  # NOTE: our flashinfer path reads 16-bit caches only

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gyrfalcon.config.attention import FLASHINFER_HEAD_DIMS
 from gyrfalcon.forward.batch import SINGLE_TOKEN_MODES, ForwardBatch
 from gyrfalcon.forward.host_copy import upload
 from gyrfalcon.ipc.messages import ForwardMode
@@ -43,7 +44,6 @@ from gyrfalcon.layers.attention.base import (
 )
 
 WORKSPACE_BYTES = 256 << 20
-FLASHINFER_HEAD_DIMS = (64, 128, 256)  # the head dims flashinfer has kernels for
 
 
 @dataclass

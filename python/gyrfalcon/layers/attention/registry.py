@@ -19,21 +19,6 @@ if TYPE_CHECKING:
     from gyrfalcon.layers.attention.flashinfer_backend import FlashInferWorkspace
 
 
-def default_attention_backend(device: str, dtype: str, head_dim: int | None = None) -> str:
-    """flashinfer on CUDA when importable and it has kernels for the model (16-bit
-    dtypes; head dims 64/128/256), else triton on CUDA, else torch_ref."""
-    if not device.startswith("cuda"):
-        return "torch_ref"
-    import importlib.util
-
-    from gyrfalcon.layers.attention.flashinfer_backend import FLASHINFER_HEAD_DIMS
-
-    fits = dtype != "float32" and (head_dim is None or head_dim in FLASHINFER_HEAD_DIMS)
-    if fits and importlib.util.find_spec("flashinfer") is not None:
-        return "flashinfer"
-    return "triton"
-
-
 def create_backend(
     name: str,
     num_heads: int,

@@ -1,0 +1,19 @@
+"""Which attention backend serves a model by default: resolved at parse time, so it
+lives with the configuration, below the layers that implement the backends."""
+
+from __future__ import annotations
+
+FLASHINFER_HEAD_DIMS = (64, 128, 256)  # the head dims flashinfer has kernels for
+
+
+def default_attention_backend(device: str, dtype: str, head_dim: int | None = None) -> str:
+    """flashinfer on CUDA when importable and it has kernels for the model (16-bit
+    dtypes; head dims 64/128/256), else triton on CUDA, else torch_ref."""
+    if not device.startswith("cuda"):
+        return "torch_ref"
+    import importlib.util
+
+    fits = dtype != "float32" and (head_dim is None or head_dim in FLASHINFER_HEAD_DIMS)
+    if fits and importlib.util.find_spec("flashinfer") is not None:
+        return "flashinfer"
+    return "triton"
