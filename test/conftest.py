@@ -79,3 +79,85 @@ def smollm2_dir(tmp_path_factory) -> str:
 
     cache = os.environ.get("GYRFALCON_CACHE") or str(tmp_path_factory.mktemp("gyr-cache"))
     return resolve_model(None, cache)
+
+
+def tiny_eagle3_config(**overrides) -> dict:
+    """The config.json of a tiny EAGLE3 drafter for a target of make_tiny_hf_model's shape
+    (vocab 256, hidden 64), as SGLang and vLLM load it."""
+    hf = dict(
+        architectures=["LlamaForCausalLMEagle3"],
+        model_type="llama",
+        num_hidden_layers=1,
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        vocab_size=256,
+        draft_vocab_size=32,
+        target_hidden_size=64,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+    )
+    hf.update(overrides)
+    return hf
+
+
+def tiny_target_config(num_layers: int = 8):
+    """The ModelConfig of make_tiny_hf_model's Llama with num_layers layers (no weights)."""
+    from gyrfalcon.config.model_config import ModelConfig
+
+    shape = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=8)
+    return ModelConfig.from_hf(dict(shape, num_hidden_layers=num_layers, num_key_value_heads=2))
+
+
+def make_tiny_eagle3(
+    path: str, seed: int = 0, embed_tokens: bool = False, **overrides
+) -> dict[str, torch.Tensor]:
+    """Save a tiny random EAGLE3 drafter (float32, `tiny_eagle3_config(**overrides)`) into
+    path in the tensor names SGLang and vLLM load; `embed_tokens` adds the embedding some
+    checkpoints carry. Returns its tensors."""
+    import json
+
+    from safetensors.torch import save_file
+
+    hf = tiny_eagle3_config(**overrides)
+    h, vocab, draft_vocab = hf["hidden_size"], hf["vocab_size"], hf["draft_vocab_size"]
+    hd = hf.get("head_dim") or h // hf["num_attention_heads"]
+    q, kv = hf["num_attention_heads"] * hd, hf["num_key_value_heads"] * hd
+    inter = hf["intermediate_size"]
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, scale: float = 0.2) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * scale
+
+    attn, mlp = "midlayer.self_attn", "midlayer.mlp"
+    tensors = {
+        "fc.weight": rand(h, 3 * hf["target_hidden_size"], scale=0.1),
+        f"{attn}.q_proj.weight": rand(q, 2 * h),
+        f"{attn}.k_proj.weight": rand(kv, 2 * h),
+        f"{attn}.v_proj.weight": rand(kv, 2 * h),
+        f"{attn}.o_proj.weight": rand(h, q),
+        f"{mlp}.gate_proj.weight": rand(inter, h),
+        f"{mlp}.up_proj.weight": rand(inter, h),
+        f"{mlp}.down_proj.weight": rand(h, inter),
+        "lm_head.weight": rand(draft_vocab, h),
+    }
+    norms = ("input_layernorm", "hidden_norm", "post_attention_layernorm")
+    for norm in [f"midlayer.{n}" for n in norms] + ["norm"]:
+        tensors[f"{norm}.weight"] = 1 + rand(h, scale=0.1)
+    # a draft vocabulary of random target ids, in increasing order (as trainers write it)
+    hot = torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values
+    tensors["d2t"] = hot - torch.arange(draft_vocab)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[hot] = True
+    tensors["t2d"] = t2d
+    if embed_tokens:
+        tensors["embed_tokens.weight"] = rand(vocab, h)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    return tensors

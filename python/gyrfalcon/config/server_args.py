@@ -166,6 +166,23 @@ class ServerArgs:
         default=False,
         metadata={"help": "plan each step only after the previous one's result is back"},
     )
+    # speculative decoding (SGLang's flag names)
+    speculative_algorithm: str | None = field(
+        default=None,
+        metadata={"help": "EAGLE3: draft with an EAGLE3 head, verify with the model"},
+    )
+    speculative_draft_model_path: str | None = field(
+        default=None, metadata={"help": "the EAGLE3 head's directory (config.json + safetensors)"}
+    )
+    speculative_num_steps: int | None = field(
+        default=None, metadata={"help": "draft tokens per step, k (default 3 with EAGLE3)"}
+    )
+    speculative_eagle_topk: int = field(
+        default=1, metadata={"help": "draft branches per step; 1 (chain drafting) only"}
+    )
+    speculative_num_draft_tokens: int | None = field(
+        default=None, metadata={"help": "tokens verified per step, k + 1 (default: from k)"}
+    )
 
     # ---- helpers -------------------------------------------------------
 
@@ -207,8 +224,17 @@ class ServerArgs:
             threads = available_cores()
         if threads is not None and threads < 1:
             raise ValueError(f"--cpu-threads must be at least 1, got {threads}")
+        steps, verified = resolve_speculative(
+            self.speculative_algorithm,
+            self.speculative_draft_model_path,
+            self.speculative_num_steps,
+            self.speculative_eagle_topk,
+            self.speculative_num_draft_tokens,
+        )
         return dataclasses.replace(
             self,
+            speculative_num_steps=steps,
+            speculative_num_draft_tokens=verified,
             device=device,
             dtype=dtype,
             attention_backend=backend,
@@ -217,6 +243,11 @@ class ServerArgs:
             chunked_prefill_size=chunk,
             cpu_threads=threads,
         )
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Draft tokens per spec row, k (0 without speculative decoding; resolved args)."""
+        return (self.speculative_num_steps or 0) if self.speculative_algorithm else 0
 
     def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The KV cache element type for a model running in model_dtype."""
@@ -271,6 +302,51 @@ def _parse_type(annotation: Any) -> Any:
     if text.startswith("float"):
         return float
     return str
+
+
+SPEC_ALGORITHMS = ("EAGLE3",)
+DEFAULT_SPEC_STEPS = 3
+
+
+def resolve_speculative(
+    algorithm: str | None,
+    draft_path: str | None,
+    num_steps: int | None,
+    topk: int,
+    num_draft_tokens: int | None,
+) -> tuple[int | None, int | None]:
+    """(k, k + 1) for the speculative flags, or (None, None) without speculation;
+    ValueError with the flag's name for a bad combination."""
+    if algorithm is None:
+        given = {
+            "--speculative-draft-model-path": draft_path,
+            "--speculative-num-steps": num_steps,
+            "--speculative-num-draft-tokens": num_draft_tokens,
+        }
+        for flag, value in given.items():
+            if value is not None:
+                raise ValueError(f"{flag} needs --speculative-algorithm EAGLE3")
+        return None, None
+    if algorithm.upper() not in SPEC_ALGORITHMS:
+        raise ValueError(f"--speculative-algorithm {algorithm!r}: only EAGLE3 is supported")
+    if draft_path is None:
+        raise ValueError("--speculative-algorithm EAGLE3 needs --speculative-draft-model-path")
+    if topk != 1:
+        raise ValueError(
+            f"--speculative-eagle-topk {topk}: only 1 (chain drafting) is supported; "
+            "tree drafting is not built yet"
+        )
+    k = num_steps if num_steps is not None else DEFAULT_SPEC_STEPS
+    if num_steps is None and num_draft_tokens is not None:
+        k = num_draft_tokens - 1
+    if k < 1:
+        raise ValueError(f"--speculative-num-steps must be at least 1, got {k}")
+    if num_draft_tokens is not None and num_draft_tokens != k + 1:
+        raise ValueError(
+            f"--speculative-num-draft-tokens {num_draft_tokens} must be "
+            f"--speculative-num-steps + 1 = {k + 1} with chain drafting (topk 1)"
+        )
+    return k, k + 1
 
 
 def available_cores() -> int:

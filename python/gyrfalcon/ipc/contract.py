@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gyrfalcon.ipc.messages import SamplingParams
+
 # Input id of a position whose token is still being sampled by a step in flight:
 # the worker substitutes the id it sampled, on the device.
 PLACEHOLDER = -1
@@ -49,3 +51,17 @@ class RankLayout:
     def reports(self, rank: int) -> bool:
         """Whether `rank` returns its DP group's results."""
         return rank % self.tp_size == 0
+
+
+def verifies_drafts(params: SamplingParams) -> bool:
+    """Whether a request's decode rows verify drafts when speculative decoding is on.
+
+    NOTE: penalties make position j's distribution depend on the tokens accepted
+    before it in the same step; those requests decode one token per step instead,
+    which is exactly what they would get without speculation.
+    """
+    return (
+        params.repetition_penalty == 1.0
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+    )

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
+from gyrfalcon.config.draft_config import default_aux_layers as eagle3_aux_layers
 from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.forward.batch import ForwardBatch
 from gyrfalcon.layers.context import LayerContext
@@ -21,12 +22,25 @@ from gyrfalcon.layers.embedding import LMHead, VocabEmbedding
 from gyrfalcon.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from gyrfalcon.layers.norm import RMSNorm
 from gyrfalcon.layers.rotary import RotaryEmbedding
+from gyrfalcon.models.weights import LLAMA_PACKED_MODULES, WeightLoader
+
+__all__ = [
+    "LlamaAttention",
+    "LlamaDecoderLayer",
+    "LlamaForCausalLM",
+    "LlamaMLP",
+    "eagle3_aux_layers",  # the default aux layers of an EAGLE3 drafter (config/)
+]
 
 
 class LlamaAttention(nn.Module):
     """Attention over this rank's heads (all of them at tp 1)."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, ctx: LayerContext):
+    def __init__(
+        self, cfg: ModelConfig, layer_id: int, ctx: LayerContext, input_size: int | None = None
+    ):
+        """input_size: the width qkv_proj reads (cfg.hidden_size unless given: an EAGLE3
+        midlayer reads concat(embedding, hidden), twice that)."""
         super().__init__()
         self.layer_id = layer_id
         self.kernels = ctx.kernels
@@ -36,7 +50,12 @@ class LlamaAttention(nn.Module):
         self.q_size = heads.num_heads * cfg.head_dim
         self.kv_size = heads.num_kv_heads * cfg.head_dim
         self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, ctx, bias=cfg.qkv_bias
+            input_size or cfg.hidden_size,
+            cfg.head_dim,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            ctx,
+            bias=cfg.qkv_bias,
         )
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, ctx)
         self.rotary = RotaryEmbedding(
@@ -84,10 +103,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, ctx: LayerContext):
+    def __init__(
+        self, cfg: ModelConfig, layer_id: int, ctx: LayerContext, attn_input_size: int | None = None
+    ):
+        """attn_input_size: what the attention's qkv_proj reads (`LlamaAttention`)."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx)
-        self.self_attn = LlamaAttention(cfg, layer_id, ctx)
+        self.self_attn = LlamaAttention(cfg, layer_id, ctx, attn_input_size)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx)
         self.mlp = LlamaMLP(cfg, ctx)
 
@@ -113,23 +135,8 @@ class LlamaDecoderLayer(nn.Module):
         return mlp.down_proj.forward_silu_mul(gate_up), residual
 
 
-def eagle3_aux_layers(num_layers: int) -> tuple[int, int, int]:
-    """The layers whose inputs an EAGLE3 drafter reads: (2, N // 2, N - 3), as in
-    SGLang and vLLM (`forward_aux`)."""
-    if num_layers < 3:
-        raise ValueError(f"EAGLE3 needs at least 3 target layers, not {num_layers}")
-    return 2, num_layers // 2, num_layers - 3
-
-
 class LlamaForCausalLM(nn.Module):
-    # HF checkpoint name fragment -> (our module name fragment, shard id)
-    packed_modules = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", "gate"),
-        "up_proj": ("gate_up_proj", "up"),
-    }
+    packed_modules = LLAMA_PACKED_MODULES
 
     def __init__(
         self, cfg: ModelConfig, ctx: LayerContext, embed_tokens: VocabEmbedding | None = None
@@ -193,13 +200,12 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors; raises if any parameter is left unloaded."""
-        modules = dict(self.named_modules())
         expected = {n for n, _ in self.named_parameters()}
         if self.cfg.tie_word_embeddings:
             expected.discard("lm_head.weight")
         if self.shares_embedding:
             expected.discard("embed_tokens.weight")
-        loaded: set[str] = set()  # "param" or "param:shard" for packed layers
+        loader = WeightLoader(self, self.packed_modules)
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
             if "rotary_emb.inv_freq" in name:
@@ -208,26 +214,5 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "embed_tokens.weight" and self.shares_embedding:
                 continue  # NOTE: the owner of the shared embedding loads it
-            shard_id = None
-            for frag, (ours, sid) in self.packed_modules.items():
-                if f".{frag}." in name:
-                    name, shard_id = name.replace(f".{frag}.", f".{ours}."), sid
-                    break
-            module_name, _, param = name.rpartition(".")
-            module = modules.get(module_name)
-            if module is None or not hasattr(module, param):
-                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model")
-            if hasattr(module, "load"):
-                module.load(param, tensor, shard_id)
-            else:
-                getattr(module, param).data.copy_(tensor)
-            loaded.add(name if shard_id is None else f"{name}:{shard_id}")
-        for mod_name, mod in modules.items():
-            if isinstance(mod, ColumnParallelLinear) and len(mod.shard_ids) > 1:
-                for pname in ("weight", "bias") if mod.bias is not None else ("weight",):
-                    full = f"{mod_name}.{pname}"
-                    if all(f"{full}:{sid}" in loaded for sid in mod.shard_ids):
-                        loaded.add(full)
-        missing = {n for n in expected if n not in loaded}
-        if missing:
-            raise ValueError(f"checkpoint is missing tensors for: {sorted(missing)[:8]}")
+            loader.load(name, tensor, hf_name)
+        loader.check(expected)

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from gyrfalcon.ipc.contract import pages_needed
+from gyrfalcon.ipc.contract import pages_needed, verifies_drafts
 from gyrfalcon.scheduler.page_allocator import PageAllocator
 from gyrfalcon.scheduler.request import Request, Status, draft_slots, kv_end
 
@@ -38,6 +38,9 @@ class Limits:
     page_size: int
     max_model_len: int = 1 << 62
     num_draft: int = 0  # draft slots per decode row (speculative decoding; 0 = off)
+    # KV positions the drafter writes past a sampling row's last emitted token (its
+    # draft steps after the first: k - 1 with EAGLE3); held with the row's pages
+    draft_lookahead: int = 0
 
 
 # Output tokens counted per request in the admission reserve, at most: a request
@@ -87,9 +90,26 @@ def preempt(
     waiting.insert(idx, req)
 
 
-def _take(req: Request, n: int, alloc: PageAllocator, ps: int, num_draft: int = 0) -> Scheduled:
+def drafts_for(req: Request, limits: Limits) -> bool:
+    """Whether the request takes part in speculative decoding (drafts, lookahead)."""
+    return limits.num_draft > 0 and verifies_drafts(req.sampling)
+
+
+def row_end(req: Request, n: int, num_draft: int, limits: Limits) -> int:
+    """End of the KV positions a row of req from num_computed writes, the drafter's
+    lookahead included for a sampling row (never past the context length)."""
+    end = kv_end(req.num_computed, n, num_draft)
+    if req.num_computed + n == req.num_tokens and drafts_for(req, limits):
+        end = min(end + limits.draft_lookahead, limits.max_model_len)
+    return end
+
+
+def _take(
+    req: Request, n: int, alloc: PageAllocator, limits: Limits, num_draft: int = 0
+) -> Scheduled:
     start = req.num_computed
-    new_pages = alloc.alloc(pages_needed(len(req.pages), kv_end(start, n, num_draft), ps))
+    end = row_end(req, n, num_draft, limits)
+    new_pages = alloc.alloc(pages_needed(len(req.pages), end, limits.page_size))
     req.pages.extend(new_pages)
     reset, req.needs_reset = req.needs_reset, False
     samples = start + n == req.num_tokens
@@ -163,8 +183,8 @@ def schedule(
         left = req.tokens_left(limits.max_model_len)
         if left <= 0:
             continue  # its last token is in flight; the result finishes it
-        d = draft_slots(limits.num_draft, left) if limits.num_draft else 0
-        while pages_needed(len(req.pages), kv_end(req.num_computed, 1, d), ps) > alloc.num_free:
+        d = draft_slots(limits.num_draft, left) if drafts_for(req, limits) else 0
+        while pages_needed(len(req.pages), row_end(req, 1, d, limits), ps) > alloc.num_free:
             victims = [r for r in running if r.rid not in picked]
             victim = max(victims, key=lambda r: r.arrival)
             preempt(victim, alloc, running, waiting)
@@ -173,7 +193,7 @@ def schedule(
                 break
         if req.status is not Status.RUNNING:
             continue
-        out.rows.append(_take(req, 1, alloc, ps, d))
+        out.rows.append(_take(req, 1, alloc, limits, d))
         picked.add(req.rid)
         budget -= 1 + d  # the forward computes the input and the d drafts
 
@@ -182,9 +202,14 @@ def schedule(
         if req.rid in picked or req.num_pending or req.remaining <= 1 and req.output_ids:
             continue
         n = min(req.remaining, budget, prefill_budget, max_tokens_fitting(req, alloc.num_free, ps))
+        if (
+            n == req.remaining
+            and pages_needed(len(req.pages), row_end(req, n, 0, limits), ps) > alloc.num_free
+        ):
+            n -= 1  # NOTE: the drafter's lookahead does not fit: stop short of sampling
         if n <= 0:
             continue
-        out.rows.append(_take(req, n, alloc, ps))
+        out.rows.append(_take(req, n, alloc, limits))
         picked.add(req.rid)
         budget -= n
         prefill_budget -= n
@@ -197,7 +222,7 @@ def schedule(
             break  # preempted with a token in flight: re-admit once it is back
         # NOTE: admit only when the whole remaining prompt fits in free pages, so a
         # long prompt cannot grab pages chunk by chunk and starve the running set.
-        if pages_needed(0, req.num_tokens, ps) > alloc.num_free:
+        if pages_needed(0, row_end(req, req.num_tokens, 0, limits), ps) > alloc.num_free:
             break
         own = reserved_tokens(req, reserve_ratio)
         if running and pages_needed(0, req.num_tokens + reserve + own, ps) > alloc.num_free:
@@ -207,7 +232,7 @@ def schedule(
         req.status = Status.RUNNING
         running.append(req)
         n = min(req.remaining, budget, prefill_budget)
-        out.rows.append(_take(req, n, alloc, ps))
+        out.rows.append(_take(req, n, alloc, limits))
         picked.add(req.rid)
         budget -= n
         prefill_budget -= n

@@ -76,6 +76,7 @@ class SchedulerConfig:
             max_inflight=1 if args.disable_overlap_schedule else 2,
             conservativeness=args.schedule_conservativeness,
             dp_size=dp_size,
+            num_draft_tokens=args.num_draft_tokens,
         )
 
 
@@ -89,6 +90,7 @@ class Scheduler:
             cfg.page_size,
             cfg.max_model_len,
             cfg.num_draft_tokens,
+            draft_lookahead=max(0, cfg.num_draft_tokens - 1),
         )
         self.ranks = [
             RankState(r, PageAllocator(cfg.num_pages), ReserveRatio.scaled(cfg.conservativeness))

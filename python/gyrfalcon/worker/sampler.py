@@ -14,12 +14,16 @@ their own generator, one row at a time, so a seeded row's token depends only on
 its own logits and generator state, never on the rest of the batch; unseeded
 rows share one batched draw from the default generator.
 
+`sampling_probs(logits, batch)` returns the distribution `sample` draws from (one-hot on
+greedy rows), for speculative decoding's acceptance (spec_accept.py).
+
 Logprobs (chosen token + top-k) are always those of the model's raw distribution:
 log_softmax of the raw logits in float32, before penalties and temperature.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -50,10 +54,13 @@ __all__ = [
     "SampleOutput",
     "SamplingBatch",
     "apply_penalties",
+    "gumbel_argmax",
     "is_greedy",
     "prepare",
     "prompt_logprobs",
+    "row_draws",
     "sample",
+    "sampling_probs",
     "to_position_logprobs",
 ]
 
@@ -234,19 +241,72 @@ def argmax_rows(x: torch.Tensor, kernels: KernelPolicy) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
-def _gumbel_argmax(
-    scaled: torch.Tensor, batch: SamplingBatch, kernels: KernelPolicy
+def row_draws(
+    batch: SamplingBatch,
+    n: int,
+    device: torch.device,
+    fill: Callable[..., torch.Tensor] = torch.Tensor.exponential_,
 ) -> torch.Tensor:
-    """Sample one token per row from softmax(scaled) [bs, vocab] -> [bs] int64."""
+    """[bs, n] float32 random draws: `fill` (an in-place random Tensor method) runs
+    first over the whole tensor with the default generator if any sampled row is
+    unseeded, then over each seeded sampled row with the row's own generator, in row
+    order. Other rows hold 1.0 (or the default draw). No host sync."""
+    shape = (batch.batch_size, n)
     if batch.any_unseeded:
-        noise = torch.empty_like(scaled).exponential_()  # [bs, vocab], default generator
+        out = fill(torch.empty(shape, dtype=torch.float32, device=device))  # default generator
     else:
-        noise = torch.ones_like(scaled)
+        out = torch.ones(shape, dtype=torch.float32, device=device)
     for row in batch.seeded_rows:
         # NOTE: a full row from the request's own generator; no host sync.
-        noise[row].exponential_(generator=batch.generators[row])
+        fill(out[row], generator=batch.generators[row])
+    return out
+
+
+def gumbel_argmax(
+    scaled: torch.Tensor, batch: SamplingBatch, kernels: KernelPolicy
+) -> torch.Tensor:
+    """Sample one token per row from softmax(scaled) [bs, vocab] -> [bs] int64; draws
+    one Exponential(1) per vocab entry (`row_draws`); modifies `scaled`."""
+    noise = row_draws(batch, scaled.shape[1], scaled.device)
     noise.clamp_min_(torch.finfo(torch.float32).tiny).log_()
     return argmax_rows(scaled.sub_(noise), kernels)  # argmax(p / E) == argmax(logit - log E)
+
+
+def _check_shape(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    if tuple(logits.shape) != (batch.batch_size, batch.vocab_size):
+        raise ValueError(
+            f"logits {tuple(logits.shape)} do not match batch ({batch.batch_size}, "
+            f"{batch.vocab_size})"
+        )
+
+
+def _sampling_logits(penalized: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Tempered, truncated copy of penalized logits [bs, vocab] (sampled rows' logits)."""
+    assert batch.temperatures is not None
+    return _truncate(penalized / batch.temperatures[:, None], batch)  # a new tensor
+
+
+def sampling_probs(
+    logits: torch.Tensor, batch: SamplingBatch, kernels: KernelPolicy = DEFAULT_KERNELS
+) -> torch.Tensor:
+    """The distribution `sample` draws each row's token from: [bs, vocab] float32.
+
+    Sampled rows: softmax of the adjusted, penalized, tempered, truncated logits
+    (zero where truncated). Greedy rows: one-hot at `sample`'s greedy token (the
+    lowest id among tied maxima). Consumes no RNG; `logits` is never modified.
+    """
+    _check_shape(logits, batch)
+    penalized = apply_penalties(logits, batch)  # [bs, vocab] float32
+    if batch.any_greedy:
+        top = argmax_rows(penalized, kernels)[:, None]  # [bs, 1]
+        one_hot = torch.zeros_like(penalized).scatter_(1, top, 1.0)
+        if batch.all_greedy:
+            return one_hot
+    probs = _sampling_logits(penalized, batch).softmax(dim=-1)
+    if not batch.any_greedy:
+        return probs
+    assert batch.greedy is not None
+    return torch.where(batch.greedy[:, None], one_hot, probs)
 
 
 def sample(
@@ -268,12 +328,7 @@ def sample(
     plus the top `batch.max_logprobs` tokens, descending.
     `logits` is never modified. No host sync happens here.
     """
-    bs, vocab = logits.shape
-    if bs != batch.batch_size or vocab != batch.vocab_size:
-        raise ValueError(
-            f"logits {tuple(logits.shape)} do not match batch ({batch.batch_size}, "
-            f"{batch.vocab_size})"
-        )
+    _check_shape(logits, batch)
     if batch.all_greedy and batch.penalties is None and batch.adjust is None and argmax is not None:
         token_ids = argmax  # NOTE: no float32 copy of the logits on this path
     else:
@@ -282,8 +337,7 @@ def sample(
             token_ids = argmax_rows(penalized, kernels)
         else:
             assert batch.temperatures is not None and batch.greedy is not None
-            scaled = _truncate(penalized / batch.temperatures[:, None], batch)  # new tensor
-            token_ids = _gumbel_argmax(scaled, batch, kernels)
+            token_ids = gumbel_argmax(_sampling_logits(penalized, batch), batch, kernels)
             if batch.any_greedy:
                 token_ids = torch.where(batch.greedy, argmax_rows(penalized, kernels), token_ids)
     if batch.max_logprobs is None:

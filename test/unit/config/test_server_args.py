@@ -84,3 +84,47 @@ def test_fp8_kv_cache_resolves_to_backends_that_read_it(monkeypatch):
     assert parse("--kv-cache-dtype", "fp8_e4m3").kv_cache_dtype == "fp8_e4m3"
     with pytest.raises(SystemExit):
         parse("--kv-cache-dtype", "fp8_e5m2")
+
+
+def test_speculative_flags_resolve_k_and_k_plus_one():
+    a = parse("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "d")
+    r = a.resolved()
+    assert (r.speculative_num_steps, r.speculative_num_draft_tokens, r.num_draft_tokens) == (
+        3,
+        4,
+        3,
+    )
+    r = parse(
+        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "d",
+        "--speculative-num-draft-tokens", "6",
+    ).resolved()  # fmt: skip
+    assert (r.speculative_num_steps, r.num_draft_tokens) == (5, 5)
+    assert ServerArgs().resolved().num_draft_tokens == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(speculative_algorithm="MEDUSA", speculative_draft_model_path="d"), "only EAGLE3"),
+        (dict(speculative_algorithm="EAGLE3"), "--speculative-draft-model-path"),
+        (dict(speculative_draft_model_path="d"), "needs --speculative-algorithm"),
+        (
+            dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="d",
+                 speculative_eagle_topk=4),
+            "tree drafting",
+        ),
+        (
+            dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="d",
+                 speculative_num_steps=3, speculative_num_draft_tokens=8),
+            "must be --speculative-num-steps \\+ 1 = 4",
+        ),
+        (
+            dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="d",
+                 speculative_num_steps=0),
+            "at least 1",
+        ),
+    ],
+)  # fmt: skip
+def test_bad_speculative_combinations_fail_at_start_up(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ServerArgs(device="cpu", **kwargs).resolved()

@@ -9,6 +9,7 @@ from gyrfalcon.scheduler.policy import (
     ReserveRatio,
     pages_needed,
     reserved_tokens,
+    row_end,
     schedule,
 )
 from gyrfalcon.scheduler.request import Request, Status
@@ -164,3 +165,27 @@ def test_reserve_ratio_relaxes_while_nothing_is_preempted_and_resets_on_preempti
     assert abs(ratio.value - 0.1) < 1e-9
     ratio.update(Decision(rows=[object()], preempted=[object()]))
     assert ratio.value == 0.7
+
+
+def test_spec_rows_hold_pages_for_the_drafters_lookahead_and_penalized_rows_draft_nothing():
+    """A sampling row of a drafting request holds KV up to its last draft plus the
+    drafter's k - 1 lookahead positions (capped at the context length); a request with
+    penalties decodes one token per step and holds no draft positions."""
+    alloc = PageAllocator(64)
+    limits = Limits(100, 100, 8, page_size=4, num_draft=3, draft_lookahead=2)
+    a = req("a", 4, 0)
+    p = Request("p", [3] * 4, SamplingParams(max_tokens=20, repetition_penalty=1.2), 1)
+    running, waiting = [], deque([a, p])
+    d = schedule(running, waiting, alloc, limits)
+    # prefill sampling rows: positions 0..3 plus lookahead 2 for a; p has no lookahead
+    assert [len(s.req.pages) for s in d.rows] == [pages_needed(0, 6, 4), pages_needed(0, 4, 4)]
+    advance(d)
+    d = schedule(running, waiting, alloc, limits)
+    assert [(s.req.rid, s.num_draft) for s in d.rows] == [("a", 3), ("p", 0)]
+    # a: input at 4, drafts at 5..7, lookahead 8..9 -> 10 positions; p: position 4
+    assert len(a.pages) == pages_needed(0, 10, 4) and len(p.pages) == pages_needed(0, 5, 4)
+    capped = Limits(100, 100, 8, page_size=4, max_model_len=7, num_draft=3, draft_lookahead=2)
+    assert row_end(req("c", 4, 2), 4, 0, capped) == 6
+    c = req("c", 6, 3)
+    assert row_end(c, 6, 0, capped) == 7  # never past the context length
+    alloc.check_integrity([a.pages, p.pages])
