@@ -54,11 +54,12 @@ def make_case(ex: ModelExecutor, prefix_lens: list[int], k: int, seed: int = 0) 
 def forward(ex: ModelExecutor, mode: ForwardMode, rows: list[RowInput], graphs: bool):
     """(executor output, batch tensors) of one forward; graphs=False runs it eagerly."""
     bt = build_batch_tensors(rows, ex.page_size, ex.device)
-    logit_rows = torch.arange(len(rows), device=ex.device)
+    every = mode in (ForwardMode.DECODE, ForwardMode.VERIFY)  # logits of every token
+    tokens = torch.arange(bt.input_ids.shape[0]) if every else bt.last_token_idx.cpu()
     saved = ex.graphs
     ex.graphs = saved if graphs else None
     try:
-        return ex.forward(mode, bt, logit_rows, every_row=False), bt
+        return ex.forward(mode, bt, tokens.to(ex.device), every_token=every), bt
     finally:
         ex.graphs = saved
 

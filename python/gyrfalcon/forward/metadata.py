@@ -116,3 +116,47 @@ def build_batch_tensors(
     assert bt.input_ids.shape == bt.positions.shape == bt.out_cache_loc.shape
     assert bt.seq_lens.shape[0] == bt.q_lens.shape[0] == bt.page_table.shape[0] == len(rows)
     return bt
+
+
+def advanced_rows(
+    input_ids: torch.Tensor,
+    anchor: torch.Tensor,
+    step: int,
+    last_pos: torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+    seq_lens_bound: list[int],
+) -> BatchTensors:
+    """A draft step's batch, one token per row, built on the device: row r computes
+    input_ids[r] at position p_r = min(anchor[r] + step, last_pos[r]) (anchor: the
+    position of the row's last verified token, known on the device only; last_pos: the
+    last position its pages and the context hold, where further steps' garbage goes),
+    KV slot `slot_of(page_table[r], p_r)`, sequence length p_r + 1.
+
+    seq_lens_bound: host upper bounds of the lengths (anchor at its largest), what
+    host-side checks and grid sizes read; only backends that take each row's length
+    from the device tensor may attend with it (`AttentionBackend.device_lengths`).
+    """
+    m = input_ids.shape[0]
+    assert anchor.shape == last_pos.shape == (m,) and page_table.shape[0] == m
+    assert len(seq_lens_bound) == m and step >= 1
+    pos = torch.minimum(anchor + step, last_pos)  # [m]
+    page = page_table.gather(1, (pos // page_size)[:, None]).squeeze(1)  # [m]
+    token_rows = torch.stack([input_ids, pos, page * page_size + pos % page_size])  # [3, m]
+    rows = torch.arange(m, device=input_ids.device)
+    return BatchTensors(
+        input_ids=token_rows[0],
+        positions=token_rows[1],
+        out_cache_loc=token_rows[2],
+        seq_lens=pos + 1,
+        q_lens=torch.ones_like(rows),
+        q_starts=rows,
+        page_table=page_table,
+        last_token_idx=rows,
+        seq_lens_cpu=list(seq_lens_bound),
+        q_lens_cpu=[1] * m,
+        q_starts_cpu=list(range(m)),
+        extra=[],
+        token_rows=token_rows,
+        leading_single_rows=m,
+    )

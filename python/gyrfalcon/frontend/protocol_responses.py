@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 
 def new_id(prefix: str) -> str:
@@ -20,17 +20,32 @@ def now() -> int:
 
 
 class UsageInfo(BaseModel):
+    """OpenAI's usage; a server with speculative decoding adds `spec_accept_length`
+    (mean tokens emitted per verify step: accepted drafts + 1; 1.0 before any) and
+    `spec_verify_steps` (steps that verified drafts), over every choice."""
+
+    # NOTE: the spec fields are extras, so other servers' usage keeps OpenAI's keys only
+    model_config = ConfigDict(extra="allow")
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-        return cls(
+    def of(
+        cls, prompt_tokens: int, completion_tokens: int, spec: tuple[int, int] | None = None
+    ) -> UsageInfo:
+        """spec: (verify steps, accepted drafts) of a speculative server's response."""
+        usage = cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
         )
+        if spec is not None:
+            steps, accepted = spec
+            usage.spec_accept_length = (steps + accepted) / steps if steps else 1.0
+            usage.spec_verify_steps = steps
+        return usage
 
 
 class PromptLogprob(BaseModel):

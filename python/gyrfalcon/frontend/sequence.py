@@ -43,6 +43,8 @@ class ChoiceDelta:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
+    num_verify_steps: int = 0  # speculative decoding, so far (`RequestOutput`)
+    num_accepted: int = 0
 
     @property
     def finished(self) -> bool:
@@ -88,14 +90,21 @@ class SequenceDecoder:
             # in the logprobs, but not rendered.
             rendered = ids[:-1]
         ended = out.finish_reason is not None
-        free = min(self._unmatched_tokens, len(rendered))
-        self._unmatched_tokens -= free
-        text = self._detok.feed(rendered[:free])  # before min_tokens: never a stop string
-        tail = self._detok.feed(rendered[free:])
-        if ended:
-            tail += self._detok.flush()
-        tail, matched = self._stop.feed(tail)
-        text += tail
+        # NOTE: an output of several tokens (speculative decoding) is matched token by
+        # token: a stop string ends the choice at the token that completes it, and the
+        # tokens after it are neither counted nor reported, as without speculation.
+        step = 1 if self._stop.active and len(rendered) > 1 else max(1, len(rendered))
+        text, kept, matched = "", len(ids), False
+        for start in range(0, max(1, len(rendered)), step):
+            chunk = rendered[start : start + step]
+            piece, matched = self._text(chunk, ended and start + step >= len(rendered))
+            text += piece
+            if matched:
+                kept = start + len(chunk)
+                break
+        num_output = out.num_output_tokens - (len(ids) - kept)
+        ids = ids[:kept]
+        logprobs = logprobs[:kept] if logprobs is not None else None
         finish_reason = out.finish_reason
         if matched:
             finish_reason = FINISH_STOP
@@ -110,9 +119,22 @@ class SequenceDecoder:
             prompt_logprobs=out.prompt_logprobs,
             finish_reason=finish_reason,
             num_prompt_tokens=out.num_prompt_tokens or self._num_prompt_tokens,
-            num_output_tokens=out.num_output_tokens,
+            num_output_tokens=num_output,
+            num_verify_steps=out.num_verify_steps,
+            num_accepted=out.num_accepted,
             error=out.error if out.finish_reason == FINISH_ERROR else None,
         )
+
+    def _text(self, ids: list[int], ended: bool) -> tuple[str, bool]:
+        """Text the tokens `ids` make visible, and whether a stop string matched."""
+        free = min(self._unmatched_tokens, len(ids))
+        self._unmatched_tokens -= free
+        text = self._detok.feed(ids[:free])  # before min_tokens: never a stop string
+        tail = self._detok.feed(ids[free:])
+        if ended:
+            tail += self._detok.flush()
+        tail, matched = self._stop.feed(tail)
+        return text + tail, matched
 
     def fail(self, message: str) -> ChoiceDelta:
         """A final error delta for a failure outside the engine's outputs."""

@@ -29,6 +29,7 @@ from gyrfalcon.frontend.serving_common import (
     ClientDisconnected,
     RequestError,
     ServingContext,
+    UsageTally,
     child_seed,
     raise_for_error,
     sse,
@@ -106,11 +107,13 @@ async def _collect(
     raw: Request,
 ) -> ChatCompletionResponse:
     results = [ChoiceResult(c.index) for c in children]
+    tally = UsageTally.of(ctx, len(children[0].prompt_ids), len(children))
     deltas = stream_choices(ctx, children, req.stop_strings, req.skip_special_tokens, raw)
     async with aclosing(deltas):
         async for delta in deltas:
             raise_for_error(ctx, delta)
             results[delta.index].add(delta)
+            tally.add(delta)
     choices = [
         ChatCompletionChoice(
             index=r.index,
@@ -131,7 +134,7 @@ async def _collect(
         created=now(),
         model=ctx.model_name,
         choices=choices,
-        usage=UsageInfo.of(len(prompt_ids), sum(r.num_output_tokens for r in results)),
+        usage=tally.usage(),
         prompt_logprobs=prompt_logprobs,
     )
 
@@ -145,12 +148,11 @@ async def _stream(
 ) -> AsyncIterator[str]:
     created = now()
 
-    completion_tokens = [0] * len(children)
-    num_prompt = len(children[0].prompt_ids)
+    tally = UsageTally.of(ctx, len(children[0].prompt_ids), len(children))
 
     def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
         if usage is None and choices and req.continuous_usage:
-            usage = UsageInfo.of(num_prompt, sum(completion_tokens))
+            usage = tally.usage()
         return sse(
             ChatCompletionChunk(
                 id=request_id, created=created, model=ctx.model_name, choices=choices, usage=usage
@@ -170,7 +172,7 @@ async def _stream(
         async with aclosing(deltas):
             async for delta in deltas:
                 raise_for_error(ctx, delta)
-                completion_tokens[delta.index] = delta.num_output_tokens
+                tally.add(delta)
                 if not (delta.text or delta.logprobs or delta.finished):
                     continue
                 logprobs = chat_logprobs(ctx, delta.logprobs or []) if req.logprobs else None
@@ -191,5 +193,5 @@ async def _stream(
         yield SSE_DONE
         return
     if req.include_usage:
-        yield chunk([], UsageInfo.of(num_prompt, sum(completion_tokens)))
+        yield chunk([], tally.usage())
     yield SSE_DONE

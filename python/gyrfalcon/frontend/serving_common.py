@@ -22,6 +22,7 @@ from gyrfalcon.frontend.protocol import SamplingRequest
 from gyrfalcon.frontend.protocol_responses import (
     ErrorInfo,
     ErrorResponse,
+    UsageInfo,
 )
 from gyrfalcon.frontend.sequence import ChoiceDelta, SequenceDecoder
 from gyrfalcon.ipc.messages import PositionLogprobs, SamplingParams
@@ -168,6 +169,35 @@ class ChildSpec:
     rid: str
     prompt_ids: list[int]
     sampling: SamplingParams
+
+
+@dataclass
+class UsageTally:
+    """A response's usage, from its choices' deltas (each delta carries its choice's
+    counts so far); the spec fields when the engine decodes speculatively."""
+
+    num_prompt: int
+    spec: bool
+    tokens: list[int]
+    verify_steps: list[int]
+    accepted: list[int]
+
+    @classmethod
+    def of(cls, ctx: ServingContext, num_prompt: int, num_choices: int) -> UsageTally:
+        info = ctx.engine.info
+        spec = info is not None and info.num_draft_tokens > 0
+        zeros = [0] * num_choices
+        return cls(num_prompt, spec, list(zeros), list(zeros), list(zeros))
+
+    def add(self, delta: ChoiceDelta) -> None:
+        i = delta.index
+        self.tokens[i] = max(self.tokens[i], delta.num_output_tokens)
+        self.verify_steps[i] = max(self.verify_steps[i], delta.num_verify_steps)
+        self.accepted[i] = max(self.accepted[i], delta.num_accepted)
+
+    def usage(self) -> UsageInfo:
+        spec = (sum(self.verify_steps), sum(self.accepted)) if self.spec else None
+        return UsageInfo.of(self.num_prompt, sum(self.tokens), spec)
 
 
 @dataclass

@@ -30,6 +30,7 @@ from gyrfalcon.frontend.serving_common import (
     ClientDisconnected,
     RequestError,
     ServingContext,
+    UsageTally,
     child_seed,
     raise_for_error,
     sse,
@@ -104,11 +105,13 @@ async def _collect(
     raw: Request,
 ) -> CompletionResponse:
     results = [ChoiceResult(c.index) for c in children]
+    tally = UsageTally.of(ctx, usage_prompt, len(children))
     deltas = stream_choices(ctx, children, req.stop_strings, req.skip_special_tokens, raw)
     async with aclosing(deltas):
         async for delta in deltas:
             raise_for_error(ctx, delta)
             results[delta.index].add(delta)
+            tally.add(delta)
     choices = []
     for r, child, echo_text in zip(results, children, echo_texts):
         logprobs = prompt_logprobs = None
@@ -135,7 +138,7 @@ async def _collect(
         created=now(),
         model=ctx.model_name,
         choices=choices,
-        usage=UsageInfo.of(usage_prompt, sum(r.num_output_tokens for r in results)),
+        usage=tally.usage(),
     )
 
 
@@ -159,14 +162,14 @@ async def _stream(
 
     builders = [CompletionLogprobsBuilder(ctx, req.logprobs or 0) for _ in children]
     started = [False] * len(children)
-    completion_tokens = [0] * len(children)
+    tally = UsageTally.of(ctx, usage_prompt, len(children))
     deltas = stream_choices(ctx, children, req.stop_strings, req.skip_special_tokens, raw)
     try:
         async with aclosing(deltas):
             async for delta in deltas:
                 raise_for_error(ctx, delta)
                 i = delta.index
-                completion_tokens[i] = delta.num_output_tokens
+                tally.add(delta)
                 echo = req.echo and not started[i]
                 started[i] = True
                 text = echo_texts[i] + delta.text if echo else delta.text
@@ -181,7 +184,7 @@ async def _stream(
                     continue
                 usage = None
                 if req.continuous_usage:
-                    usage = UsageInfo.of(usage_prompt, sum(completion_tokens))
+                    usage = tally.usage()
                 yield chunk(
                     [
                         CompletionChoice(
@@ -197,5 +200,5 @@ async def _stream(
         yield SSE_DONE
         return
     if req.include_usage:
-        yield chunk([], UsageInfo.of(usage_prompt, sum(completion_tokens)))
+        yield chunk([], tally.usage())
     yield SSE_DONE

@@ -54,6 +54,11 @@ class StopStringMatcher:
         self._matched = False
 
     @property
+    def active(self) -> bool:
+        """Whether there are stop strings to look for."""
+        return bool(self._stops)
+
+    @property
     def matched(self) -> bool:
         """True once a stop string was found; later input is ignored."""
         return self._matched

@@ -75,6 +75,7 @@ class EngineReady(msgspec.Struct, tag=True):
     max_model_len: int
     num_kv_pages: int
     page_size: int
+    num_draft_tokens: int = 0  # k with speculative decoding, else 0
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):
@@ -103,6 +104,9 @@ class RequestOutput(msgspec.Struct, array_like=True):
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
+    # speculative decoding, so far: steps that verified drafts, drafts they accepted
+    num_verify_steps: int = 0
+    num_accepted: int = 0
 
 
 class BatchOutput(msgspec.Struct, tag=True):

@@ -40,4 +40,6 @@ def delta_output(req: Request) -> RequestOutput:
         finish_reason=req.finish_reason,
         num_prompt_tokens=len(req.prompt_ids),
         num_output_tokens=len(req.output_ids),
+        num_verify_steps=req.num_verify_steps,
+        num_accepted=req.num_accepted,
     )

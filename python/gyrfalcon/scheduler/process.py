@@ -105,7 +105,7 @@ class SchedulerLoop:
         eos = self.model_cfg.eos_token_ids
         cfg = SchedulerConfig.from_args(a, num_pages, context, eos, dp_size=self.layout.dp_size)
         self.sched = Scheduler(cfg)
-        self.to_frontend.send(EngineReady(context, num_pages, a.page_size))
+        self.to_frontend.send(EngineReady(context, num_pages, a.page_size, a.num_draft_tokens))
         logger.info(
             "engine ready: %d worker rank(s), %d KV pages of %d tokens per DP rank, context %d",
             self.layout.world_size,

@@ -72,6 +72,8 @@ class Request:
     pending_logprobs: list[PositionLogprobs] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     prompt_logprobs_sent: bool = False
+    num_verify_steps: int = 0  # sampling rows that verified drafts (speculative decoding)
+    num_accepted: int = 0  # drafts those rows accepted
 
     @property
     def num_tokens(self) -> int:

@@ -236,6 +236,9 @@ class Scheduler:
         assert len(row.token_ids) == a + 1, f"row {req.rid} emitted {row.token_ids}, {a} accepted"
         req.num_pending -= 1
         req.num_pending_drafts -= s.num_draft
+        if s.num_draft:
+            req.num_verify_steps += 1
+            req.num_accepted += a
         n, reason = cut_at_finish(
             req, row.token_ids, self.cfg.eos_token_ids, self.cfg.max_model_len
         )

@@ -38,10 +38,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class ForwardOutput:
     """What one forward pass hands to sampling."""
 
-    # [n, vocab] in the model dtype: of the rows asked for (VERIFY: of every token)
-    logits: torch.Tensor
+    logits: torch.Tensor  # [n, vocab] in the model dtype: of the tokens asked for
     argmax: torch.Tensor | None  # [n] their argmax, when a graph computed it already
     hidden: torch.Tensor | None  # [T, hidden] every token's final hidden state (eager only)
+    # [T, 3 * hidden] every token's aux hidden states (`aux_layers`), concatenated in
+    # their order: what an EAGLE3 drafter fuses; None unless the executor captures them
+    aux: torch.Tensor | None = None
 
 
 class ModelExecutor:
@@ -74,6 +76,9 @@ class ModelExecutor:
         self.attn, self.decode_attn = self.backends.extend, self.backends.decode
         self.kv_cache: KVCache | None = None
         self.graphs: GraphRunner | None = None
+        # target layers whose inputs every forward also returns (`ForwardOutput.aux`);
+        # set before the graphs are captured, by the drafter that reads them
+        self.aux_layers: tuple[int, ...] | None = None
 
     def init_kv_cache(
         self, num_pages: int, max_model_len: int, verify_tokens_per_row: int | None = None
@@ -129,13 +134,23 @@ class ModelExecutor:
         )
         self.graphs.capture()
 
-    def _token_logits(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _token_logits(self, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
         """The captured function of every mode: a static batch -> (logits [T, vocab] of
         every token in the model dtype, their argmax [T]: for DECODE (T = bs) the tokens
         of greedy rows without penalties, sampled in the graph; for VERIFY (T = bs *
-        (k + 1)) the target's choice at each draft position)."""
-        logits = self.model.compute_logits(self.model(batch))
-        return logits, argmax_rows(logits, self.ctx.kernels)
+        (k + 1)) the target's choice at each draft position), then the aux hidden
+        states [T, 3 * hidden] when `aux_layers` is set."""
+        hidden, aux = self._run_model(batch)
+        logits = self.model.compute_logits(hidden)
+        out = (logits, argmax_rows(logits, self.ctx.kernels))
+        return out if aux is None else (*out, aux)
+
+    def _run_model(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(final hidden states [T, hidden], aux states [T, 3 * hidden] or None)."""
+        if self.aux_layers is None:
+            return self.model(batch), None
+        hidden, aux = self.model.forward_aux(batch, self.aux_layers)
+        return hidden, torch.cat(aux, dim=-1)
 
     def backend_for(self, mode: ForwardMode) -> AttentionBackend:
         return self.backends.for_mode(mode)
@@ -145,23 +160,20 @@ class ModelExecutor:
         return self.model.compute_logits(hidden)
 
     def forward(
-        self, mode: ForwardMode, bt: BatchTensors, logit_rows: torch.Tensor, every_row: bool
+        self, mode: ForwardMode, bt: BatchTensors, logit_tokens: torch.Tensor, every_token: bool
     ) -> ForwardOutput:
         """Run the batch: through a captured graph when one serves its mode and size and
-        every row wants logits (`every_row`), else eagerly. logit_rows: [n] int64, the
-        batch rows whose last token's logits are returned; a VERIFY batch returns the
-        logits of every token instead ([T, vocab], rows in order, k + 1 each)."""
+        every token wants logits (`every_token`: logit_tokens is all T tokens in order,
+        e.g. a DECODE or a VERIFY step), else eagerly. logit_tokens: [n] int64, the
+        tokens (indices into the batch's T) whose logits are returned."""
         assert self.kv_cache is not None, "init_kv_cache() first"
-        every_token = mode == ForwardMode.VERIFY
         graphs = self.graphs
-        if (every_row or every_token) and graphs is not None and graphs.can_run(mode, bt):
-            logits, argmax = graphs.run(mode, bt)  # [T, vocab], [T] (decode: T = bs)
-            return ForwardOutput(logits, argmax, None)
+        if every_token and graphs is not None and graphs.can_run(mode, bt):
+            logits, argmax, *aux = graphs.run(mode, bt)  # [T, vocab], [T][, [T, 3H]]
+            return ForwardOutput(logits, argmax, None, aux[0] if aux else None)
         attn = self.backend_for(mode)
         batch = ForwardBatch.from_tensors(mode, bt, self.page_size, self.kv_cache, attn)
         batch.attn_meta = attn.build_metadata(batch)
-        hidden = self.model(batch)  # [T, hidden]
-        logits = self.compute_logits(
-            hidden if every_token else hidden[bt.last_token_idx[logit_rows]]
-        )
-        return ForwardOutput(logits, None, hidden)
+        hidden, aux = self._run_model(batch)  # [T, hidden], [T, 3 * hidden] or None
+        logits = self.compute_logits(hidden if every_token else hidden[logit_tokens])
+        return ForwardOutput(logits, None, hidden, aux)

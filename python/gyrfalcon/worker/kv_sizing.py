@@ -36,14 +36,24 @@ def kv_budget_bytes(args: ServerArgs, device: torch.device) -> int:
 
 
 def num_kv_pages(
-    args: ServerArgs, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp_size: int
+    args: ServerArgs,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp_size: int,
+    draft: ModelConfig | None = None,
 ) -> int:
     """Pages including the reserved dummy page, for one rank of a TP group of tp_size
-    (a page holds that rank's KV heads only)."""
+    (a page holds that rank's KV heads only). draft: the drafter's layers, whose own
+    pages come with every target page (drafter.py)."""
     if args.num_kv_pages is not None:
         return args.num_kv_pages
-    _, kv_heads = local_heads(cfg.num_heads, cfg.num_kv_heads, tp_size)
-    per_page = KVCache.bytes_per_page(cfg.num_layers, args.page_size, kv_heads, cfg.head_dim, dtype)
+    per_page = 0
+    for c in (cfg,) if draft is None else (cfg, draft):
+        _, kv_heads = local_heads(c.num_heads, c.num_kv_heads, tp_size)
+        per_page += KVCache.bytes_per_page(
+            c.num_layers, args.page_size, kv_heads, c.head_dim, dtype
+        )
     pages = kv_budget_bytes(args, device) // per_page
     if pages < 2:
         raise RuntimeError(

@@ -5,7 +5,9 @@ its rank batch lists it in `finished_rids`: its prompt, its sampling state
 (outputs for penalties, seeded generator), its page table, and a slot in
 `last_tokens`, the device tensor where every step scatters the last token each
 sampling row emitted, so the next plan's PLACEHOLDER inputs are filled on the
-device.
+device. With speculative decoding the slot also indexes `draft_tokens`, the k draft
+tokens the drafter proposed for the request's next verify row, written and read
+on the device only.
 """
 
 from __future__ import annotations
@@ -27,14 +29,23 @@ class WorkerRequest:
     pages: list[int]
     slot: int  # row of RequestTable.last_tokens
 
+    def token_at(self, pos: int) -> int:
+        """The known token at position pos (prompt, then the outputs recorded so far)."""
+        n = len(self.prompt_ids)
+        return self.prompt_ids[pos] if pos < n else self.sampling.output_ids[pos - n]
+
 
 class RequestTable:
-    def __init__(self, device: torch.device, eos_token_ids: tuple[int, ...] = ()):
+    def __init__(
+        self, device: torch.device, eos_token_ids: tuple[int, ...] = (), num_draft: int = 0
+    ):
+        """num_draft: draft tokens per request (k; 0 without speculative decoding)."""
         self.device = device
         self.eos_token_ids = eos_token_ids
         self._requests: dict[str, WorkerRequest] = {}
         self._free_slots: list[int] = []
         self.last_tokens = torch.zeros(0, dtype=torch.int64, device=device)  # [slots]
+        self.draft_tokens = torch.zeros(0, num_draft, dtype=torch.int64, device=device)
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -57,10 +68,9 @@ class RequestTable:
         )
         if not self._free_slots:  # grow last_tokens (stream-ordered, no sync)
             n = self.last_tokens.shape[0]
-            grown = torch.zeros(max(MIN_SLOTS, 2 * n), dtype=torch.int64, device=self.device)
-            grown[:n].copy_(self.last_tokens)
-            self.last_tokens = grown
-            self._free_slots = list(range(grown.shape[0] - 1, n - 1, -1))
+            self.last_tokens = _grown(self.last_tokens, max(MIN_SLOTS, 2 * n))
+            self.draft_tokens = _grown(self.draft_tokens, max(MIN_SLOTS, 2 * n))
+            self._free_slots = list(range(self.last_tokens.shape[0] - 1, n - 1, -1))
         req = WorkerRequest(list(new.prompt_ids), state, [], self._free_slots.pop())
         self._requests[new.rid] = req
         return req
@@ -82,3 +92,10 @@ class RequestTable:
         """Scatter the last token each sampling row emitted into its request's slot (on
         the device). slots, token_ids: [rows] int64."""
         self.last_tokens.index_copy_(0, slots, token_ids)
+
+
+def _grown(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """t with `rows` rows, its own first (zeros after)."""
+    out = t.new_zeros(rows, *t.shape[1:])
+    out[: t.shape[0]].copy_(t)
+    return out

@@ -24,6 +24,11 @@ any sampled row is unseeded; then each seeded sampled row's own generator, in ro
 order): 1. U [bs, k] uniform [0, 1); 2. E [bs, V] Exponential(1). A seeded row
 thus draws k uniforms, then V exponentials from its generator, every step,
 whatever it accepts; greedy rows draw nothing from theirs.
+
+Rows with fewer drafts: `num_drafts[r]` = d_r <= k verifies only the first d_r
+columns (the rest are padding): acceptance stops at d_r and position d_r gives the
+bonus token, drawn from p_{d_r} itself (q := 0). A row with d_r = 0 samples one
+token from p_0, as plain decoding does.
 """
 
 from __future__ import annotations
@@ -74,9 +79,11 @@ class Acceptance:
         return self.token_ids.gather(1, self.accept_len[:, None]).squeeze(1)
 
 
-def _accept_len(accepted: torch.Tensor) -> torch.Tensor:
-    """Length of the all-True prefix of each row of accepted [bs, k] bool -> [bs] int64."""
-    return accepted.long().cumprod(dim=1).sum(dim=1)
+def _accept_len(accepted: torch.Tensor, num_drafts: torch.Tensor | None) -> torch.Tensor:
+    """Length of the all-True prefix of each row of accepted [bs, k] bool, at most the
+    row's num_drafts [bs] (None: k) -> [bs] int64."""
+    run = accepted.long().cumprod(dim=1).sum(dim=1)
+    return run if num_drafts is None else torch.minimum(run, num_drafts)
 
 
 def _emit(accept_len: torch.Tensor, draft_ids: torch.Tensor, final: torch.Tensor) -> Acceptance:
@@ -89,21 +96,26 @@ def _emit(accept_len: torch.Tensor, draft_ids: torch.Tensor, final: torch.Tensor
     return Acceptance(accept_len, tokens)
 
 
-def _greedy(target_ids: torch.Tensor, draft_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _greedy(
+    target_ids: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(accept_len [bs], target token at the first mismatch [bs])."""
     k = draft_ids.shape[1]
-    accept_len = _accept_len(draft_ids == target_ids[:, :k])
+    accept_len = _accept_len(draft_ids == target_ids[:, :k], num_drafts)
     return accept_len, target_ids.gather(1, accept_len[:, None]).squeeze(1)
 
 
-def greedy_verify(target_ids: torch.Tensor, draft_ids: torch.Tensor) -> Acceptance:
+def greedy_verify(
+    target_ids: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor | None = None
+) -> Acceptance:
     """Greedy acceptance. target_ids: [bs, k + 1] int64, the target's greedy token at
-    each verify position (argmax, lowest id among ties); draft_ids: [bs, k] int64."""
+    each verify position (argmax, lowest id among ties); draft_ids: [bs, k] int64;
+    num_drafts: [bs] int64 drafts of each row (None: k each)."""
     assert target_ids.shape == (draft_ids.shape[0], draft_ids.shape[1] + 1), (
         target_ids.shape,
         draft_ids.shape,
     )
-    accept_len, final = _greedy(target_ids, draft_ids)
+    accept_len, final = _greedy(target_ids, draft_ids, num_drafts)
     return _emit(accept_len, draft_ids, final)
 
 
@@ -118,6 +130,7 @@ def rejection_sample(
     draft_ids: torch.Tensor,
     batch: SamplingBatch,
     kernels: KernelPolicy = DEFAULT_KERNELS,
+    num_drafts: torch.Tensor | None = None,
 ) -> Acceptance:
     """Exact speculative sampling of a batch that may mix greedy and sampled rows.
 
@@ -126,23 +139,25 @@ def rejection_sample(
     draft_probs: [bs, k, V] float32, q_j: the distribution d_{j+1} was drawn from,
         over the target vocabulary (one-hot for a greedy drafter);
     draft_ids: [bs, k] int64; batch: the step's `SamplingBatch` of the bs requests
-        (greedy rows, generators). k >= 1. See the module docstring for the draws.
+        (greedy rows, generators). k >= 1. See the module docstring for the draws;
+    num_drafts: [bs] int64 drafts of each row, <= k (None: k each).
     """
     bs, k1, vocab = target_probs.shape
     k = k1 - 1
     assert k >= 1 and draft_probs.shape == (bs, k, vocab) and draft_ids.shape == (bs, k)
     assert batch.batch_size == bs, (batch.batch_size, bs)
     if batch.all_greedy:
-        return greedy_verify(_argmax(target_probs, kernels), draft_ids)
+        return greedy_verify(_argmax(target_probs, kernels), draft_ids, num_drafts)
     u = row_draws(batch, k, target_probs.device, torch.Tensor.uniform_)  # [bs, k]
     p_d = target_probs[:, :k].gather(2, draft_ids[..., None]).squeeze(2)  # [bs, k]
     q_d = draft_probs.gather(2, draft_ids[..., None]).squeeze(2)  # [bs, k]
     # u < p / q without dividing; NOTE: q(d) == 0 (impossible for a drawn d) accepts iff p(d) > 0.
-    accept_len = _accept_len(u * q_d < p_d)  # [bs]
+    accept_len = _accept_len(u * q_d < p_d, num_drafts)  # [bs]
     at = accept_len[:, None, None].expand(bs, 1, vocab)  # [bs, 1, V]
     p_a = target_probs.gather(1, at).squeeze(1)  # [bs, V]
     q_a = draft_probs.gather(1, at.clamp(max=k - 1)).squeeze(1)  # [bs, V]
-    q_a = q_a * (accept_len < k)[:, None]  # bonus position: q := 0, so r = p_k
+    drafts = k if num_drafts is None else num_drafts
+    q_a = q_a * (accept_len < drafts)[:, None]  # bonus position: q := 0, so r = p_a
     resid = (p_a - q_a).clamp_min_(0.0)  # [bs, V]
     # NOTE: max(0, p - q) == 0 everywhere only when p == q (a rejection there needs
     # p(d) == q(d) == 0): then draw from p.
@@ -150,7 +165,7 @@ def rejection_sample(
     final = gumbel_argmax(resid.log(), batch, kernels)  # [bs], draws from resid / Z
     if batch.any_greedy:
         assert batch.greedy is not None
-        g_len, g_final = _greedy(_argmax(target_probs, kernels), draft_ids)
+        g_len, g_final = _greedy(_argmax(target_probs, kernels), draft_ids, num_drafts)
         accept_len = torch.where(batch.greedy, g_len, accept_len)
         final = torch.where(batch.greedy, g_final, final)
     return _emit(accept_len, draft_ids, final)

@@ -32,7 +32,7 @@ from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.forward.host_copy import upload
 from gyrfalcon.forward.metadata import BatchTensors, RowInput, build_batch_tensors
-from gyrfalcon.ipc.contract import DUMMY_PAGE, PLACEHOLDER
+from gyrfalcon.ipc.contract import DUMMY_PAGE, verifies_drafts
 from gyrfalcon.ipc.messages import (
     ForwardMode,
     RankBatch,
@@ -41,9 +41,10 @@ from gyrfalcon.ipc.messages import (
     StepPlan,
     StepResult,
 )
+from gyrfalcon.worker.drafter import Drafter, DraftRound
 from gyrfalcon.worker.executor import ModelExecutor
 from gyrfalcon.worker.kv_sizing import max_model_len, num_kv_pages
-from gyrfalcon.worker.logprobs import HostCopy
+from gyrfalcon.worker.logprobs import HostCopy, SampleOutput
 from gyrfalcon.worker.request_table import RequestTable, WorkerRequest
 from gyrfalcon.worker.sampler import (
     RequestSamplingState,
@@ -52,6 +53,13 @@ from gyrfalcon.worker.sampler import (
     sample,
     to_position_logprobs,
 )
+from gyrfalcon.worker.spec_verify import (
+    VerifyIndex,
+    emitted_index,
+    padded_index,
+    verify_sample,
+)
+from gyrfalcon.worker.step_layout import StepLayout
 from gyrfalcon.worker.warmup import WARMUP_CHUNK, warmup_batches
 
 logger = logging.getLogger(__name__)
@@ -68,6 +76,11 @@ class PendingStep:
     states: list[RequestSamplingState] = field(default_factory=list)  # of the sample rows
     copy: HostCopy | None = None
     resolved: bool = False
+    # K1 = 1 + the most drafts a row verifies: 1 = one sampled token per row; else the
+    # copy holds accept lengths [S], emitted tokens [S, K1] and the token of each of
+    # the N logit rows, whose logprobs it carries (`spec_verify.verify_sample`)
+    width: int = 1
+    logit_starts: list[int] = field(default_factory=list)  # first logit row of each
 
     def done(self) -> bool:
         return self.copy is None or self.copy.done()
@@ -76,16 +89,34 @@ class PendingStep:
         """Wait for the sampled ids; record them in the requests' sampling state (once)."""
         if not self.resolved and self.copy is not None:
             out = self.copy.wait()
-            token_ids = out.token_ids.tolist()
-            for j, i in enumerate(self.sample_rows):
-                emitted = [token_ids[j]]  # NOTE: no drafts yet: one token, none accepted
-                self.states[j].output_ids.extend(emitted)
-                self.results[i].token_ids = emitted
-                k = self.states[j].params.logprobs
-                if k is not None:
-                    self.results[i].logprobs = [to_position_logprobs(out, j, k)]
+            if self.width == 1:
+                self._record(out, [[t] for t in out.token_ids.tolist()], None)
+            else:
+                s, k1 = len(self.sample_rows), self.width
+                flat = out.token_ids.tolist()
+                accept, emitted = flat[:s], flat[s : s + s * k1]
+                runs = [emitted[j * k1 : j * k1 + a + 1] for j, a in enumerate(accept)]
+                per_logit_row = SampleOutput(
+                    out.token_ids[s + s * k1 :], out.logprobs, out.top_ids, out.top_logprobs
+                )
+                self._record(per_logit_row, runs, accept)
         self.resolved = True
         return StepResult(self.step_id, self.results, self.dp_rank)
+
+    def _record(self, out: SampleOutput, runs: list[list[int]], accept: list[int] | None) -> None:
+        """Each sampling row's emitted run; logprobs from `out`'s rows (the sampling rows
+        when accept is None, else the logit rows from `logit_starts`)."""
+        for j, i in enumerate(self.sample_rows):
+            emitted = runs[j]
+            self.states[j].output_ids.extend(emitted)
+            result = self.results[i]
+            result.token_ids = emitted
+            result.num_accepted = len(emitted) - 1
+            k = self.states[j].params.logprobs
+            if k is not None:
+                first = j if accept is None else self.logit_starts[j]
+                rows = range(first, first + len(emitted))
+                result.logprobs = [to_position_logprobs(out, r, k) for r in rows]
 
 
 class StepWorker:
@@ -102,12 +133,26 @@ class StepWorker:
         self.args, self.cfg, self.dp_rank = args, model_cfg, dp_rank
         self.device = torch.device(args.device if args.device != "cuda" else f"cuda:{rank}")
         torch.manual_seed(args.seed)
-        self.executor = ModelExecutor(args, model_cfg, model_dir, self.device)
-        self.requests = RequestTable(self.device, model_cfg.eos_token_ids)
+        self.executor = ex = ModelExecutor(args, model_cfg, model_dir, self.device)
+        self.drafter: Drafter | None = None
+        if args.speculative_algorithm:
+            embed = ex.model.embed_tokens
+            self.drafter = Drafter(args, model_cfg, embed, ex.dtype, self.device, ex.ctx)
+            ex.aux_layers = self.drafter.aux_layers  # NOTE: before any graph is captured
+        self.num_draft = self.drafter.k if self.drafter else 0
+        self.requests = RequestTable(self.device, model_cfg.eos_token_ids, self.num_draft)
         self.pending: deque[PendingStep] = deque()
+        self.max_model_len = 0
 
     def init_kv_cache(self, num_pages: int, max_model_len: int) -> None:
-        self.executor.init_kv_cache(num_pages, max_model_len)
+        """The target's KV cache (and graphs, VERIFY ones for k + 1 tokens per row with a
+        drafter), then the drafter's own pages."""
+        self.max_model_len = max_model_len
+        verify = self.num_draft + 1 if self.drafter else None
+        self.executor.init_kv_cache(num_pages, max_model_len, verify)
+        if self.drafter is not None:
+            self.drafter.init_kv_cache(num_pages, self.args.kv_dtype(self.executor.dtype))
+            self.drafter.setup_graphs(max_model_len)
 
     # ------------------------------------------------------------ execution
 
@@ -167,56 +212,99 @@ class StepWorker:
         self.executor.forward(ForwardMode.DECODE, bt, bt.extra[0], True)
 
     def _launch(self, step_id: int, rb: RankBatch) -> PendingStep:
-        step = PendingStep(step_id, self.dp_rank, [RowResult(row.rid) for row in rb.rows])
-        reqs: list[WorkerRequest] = []
+        rows = rb.rows
+        step = PendingStep(step_id, self.dp_rank, [RowResult(row.rid) for row in rows])
+        reqs = [self.requests.apply(row) for row in rows]
+        k, width = self.num_draft, 1 + max(row.num_draft for row in rows)
+        assert width - 1 <= k, f"rows verify {width - 1} drafts, the drafter makes {k}"
+        step.sample_rows = [i for i, row in enumerate(rows) if row.sample]
+        num_tokens = sum(len(row.input_ids) + row.num_draft for row in rows)
+        layout = StepLayout(num_tokens, len(step.sample_rows) * width, width)
         inputs: list[RowInput] = []
-        ph_pos: list[int] = []  # token index of each PLACEHOLDER input
-        ph_slot: list[int] = []  # and the slot holding its id
-        n_tokens = 0
-        for row in rb.rows:
-            assert not row.num_draft, "draft slots need a drafter; this worker has none"
-            req = self.requests.apply(row)
-            reqs.append(req)
-            inputs.append(RowInput(row.start, list(row.input_ids), req.pages))
-            for j, tok in enumerate(row.input_ids):
-                if tok == PLACEHOLDER:
-                    ph_pos.append(n_tokens + j)
-                    ph_slot.append(req.slot)
-            n_tokens += len(row.input_ids)
-        step.sample_rows = [i for i, row in enumerate(rb.rows) if row.sample]
-        # NOTE: the placeholder fill, the sampled rows' slots and their batch rows ride
-        # in the step's one upload
+        for row, req in zip(rows, reqs):
+            inputs.append(RowInput(row.start, list(row.input_ids) + [0] * row.num_draft, req.pages))
+            drafting = self.drafter is not None and verifies_drafts(req.sampling.params)
+            layout.add(row, req, k, drafting, self.max_model_len, self.args.page_size)
+        step.width, step.logit_starts = width, layout.logit_starts
         sample_slots = [reqs[i].slot for i in step.sample_rows]
+        num_drafts = [rows[i].num_draft for i in step.sample_rows]
+        verify_lists = []
+        if width > 1:
+            verify_lists = [padded_index(num_drafts, width), emitted_index(num_drafts, width)]
+            verify_lists.append(num_drafts)
+        # NOTE: the fills, the sampling rows' slots and logit rows, the next prompt
+        # tokens of drafted chunks and the verify layout ride in the step's one upload
         bt = build_batch_tensors(
             inputs,
             self.args.page_size,
             self.device,
-            extra=[ph_pos, ph_slot, sample_slots, step.sample_rows],
+            extra=[*layout.lists(), sample_slots, *verify_lists],
         )
-        ph_pos_t, ph_slot_t, slots, sample_rows_t = bt.extra
-        if ph_pos:
+        ph_pos_t, ph_slot_t, dr_pos_t, dr_src_t, logit_t, next_t, slots, *verify_t = bt.extra
+        if layout.ph_pos:
             bt.input_ids[ph_pos_t] = self.requests.last_tokens[ph_slot_t]
-        every_row = len(step.sample_rows) == len(rb.rows)
-        out = self.executor.forward(rb.forward_mode, bt, sample_rows_t, every_row)
+        if layout.dr_pos:
+            bt.input_ids[dr_pos_t] = self.requests.draft_tokens.view(-1)[dr_src_t]
+        every_token = len(layout.logit_tokens) == num_tokens
+        out = self.executor.forward(rb.forward_mode, bt, logit_t, every_token)
         if out.hidden is not None:
-            self._prompt_logprobs(rb.rows, reqs, out.hidden, bt, step.results)
-        if not step.sample_rows:
-            return step
-        step.states = [reqs[i].sampling for i in step.sample_rows]
-        if any(s.has_penalty for s in step.states):
-            # NOTE: penalties read output_ids on the host: earlier steps must be in.
-            for earlier in self.pending:
-                earlier.resolve()
-        # tokens generated before each sample: its row's end position minus the prompt
-        num_generated = [
-            rb.rows[i].start + len(rb.rows[i].input_ids) - len(reqs[i].prompt_ids)
-            for i in step.sample_rows
-        ]
-        batch = prepare(step.states, self.cfg.vocab_size, self.device, num_generated)
-        sampled = sample(out.logits, batch, out.argmax, self.executor.ctx.kernels)
-        self.requests.record_last(slots, sampled.token_ids)
-        step.copy = HostCopy(sampled)
+            self._prompt_logprobs(rows, reqs, out.hidden, bt, step.results)
+        emitted = accept_len = None
+        if step.sample_rows:
+            step.states = [reqs[i].sampling for i in step.sample_rows]
+            if any(s.has_penalty for s in step.states):
+                # NOTE: penalties read output_ids on the host: earlier steps must be in.
+                for earlier in self.pending:
+                    earlier.resolve()
+            # tokens generated before each sample: its row's end position minus the prompt
+            num_generated = [
+                rows[i].start + len(rows[i].input_ids) - len(reqs[i].prompt_ids)
+                for i in step.sample_rows
+            ]
+            vocab, kernels = self.cfg.vocab_size, self.executor.ctx.kernels
+            if width == 1:
+                batch = prepare(step.states, vocab, self.device, num_generated)
+                sampled = sample(out.logits, batch, out.argmax, kernels)
+                step.copy = HostCopy(sampled)
+                last = emitted = sampled.token_ids
+            else:
+                idx = VerifyIndex(num_drafts, width, *verify_t)
+                drafts = self.requests.draft_tokens[slots]
+                acc, per_row = verify_sample(
+                    out.logits, out.argmax, step.states, num_generated, drafts, idx, vocab, kernels
+                )
+                ids = torch.cat([acc.accept_len, acc.token_ids.view(-1), per_row.token_ids])
+                step.copy = HostCopy(SampleOutput(ids, *_logprob_fields(per_row)))
+                last, emitted, accept_len = acc.last_token_ids, acc.token_ids, acc.accept_len
+            self.requests.record_last(slots, last)
+        if layout.ext_rows:
+            self._draft(layout, bt, emitted, accept_len, next_t, out.aux)
         return step
+
+    def _draft(
+        self,
+        layout: StepLayout,
+        bt: BatchTensors,
+        emitted: torch.Tensor | None,
+        accept_len: torch.Tensor | None,
+        next_ids: torch.Tensor,
+        aux: torch.Tensor | None,
+    ) -> None:
+        """The drafter's round over the step's drafting rows (drafter.py)."""
+        assert self.drafter is not None and aux is not None
+        ext = build_batch_tensors(
+            layout.ext_rows, self.args.page_size, self.device, extra=layout.draft_lists()
+        )
+        rnd = DraftRound(
+            ext, *ext.extra, layout.anchor_pos_cpu, layout.last_pos_cpu, layout.uniform
+        )
+        s = layout.num_emitted // layout.width
+        if emitted is None:  # NOTE: no sampling rows: the chunks' ids only
+            emitted = bt.input_ids.new_zeros(0)
+        if accept_len is None:
+            accept_len = bt.input_ids.new_zeros(s)
+        ids = torch.cat([bt.input_ids, emitted.reshape(-1).clamp_min(0), next_ids])
+        self.drafter.draft(rnd, ids, aux, accept_len, self.requests.draft_tokens)
 
     def _prompt_logprobs(
         self,
@@ -242,6 +330,10 @@ class StepWorker:
             results[i].prompt_logprobs = prompt_logprobs(logits, next_ids, k)
 
 
+def _logprob_fields(out: SampleOutput) -> tuple:
+    return out.logprobs, out.top_ids, out.top_logprobs
+
+
 def build_worker(
     args: ServerArgs, model_dir: str, cfg: ModelConfig, rank: int, dp_rank: int = 0
 ) -> tuple[StepWorker, int]:
@@ -251,7 +343,9 @@ def build_worker(
     worker = StepWorker(args, cfg, model_dir, rank, dp_rank)
     executor = worker.executor
     tp_size = executor.ctx.parallel.tp_size
-    pages = num_kv_pages(args, cfg, args.kv_dtype(executor.dtype), worker.device, tp_size)
+    draft = worker.drafter.cfg.layer if worker.drafter else None
+    kv_dtype = args.kv_dtype(executor.dtype)
+    pages = num_kv_pages(args, cfg, kv_dtype, worker.device, tp_size, draft)
     context = max_model_len(args, cfg, pages)
     worker.init_kv_cache(pages, context)
     worker.warm_up(context)

@@ -315,18 +315,18 @@ def test_one_logprob_entry_per_counted_token(server, path, echo, stream, n, endi
 
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
-def test_stop_string_counts_what_the_engine_sent(server, path):
-    """With several tokens per output, the output that completes the stop string
-    is counted whole: its entries and the usage are the engine's count there."""
+def test_stop_string_ends_at_the_completing_token_of_a_multi_token_output(server, path):
+    """With several tokens per output (speculative decoding), the choice ends at the
+    token that completes the stop string, as with one token per output: the tokens
+    after it in that output have no entries and are not counted."""
     body = {"n": 2, "seed": 3, "stop": "is a", "max_tokens": MAX_TOKENS, "logprobs": True}
     body.update({"messages": USER} if path == CHAT else {"prompt": PROMPT, "logprobs": 0})
     reply = exchange(server, path, body)
     completed_at = REPLY_TOKENS.index(" a") + 1
-    for chunk, seen in zip([3, 4], reply.choices):  # tokens per output: the choice's seed
-        sent = -(-completed_at // chunk) * chunk  # the outputs up to the matching one
+    for seen in reply.choices:  # 3 and 4 tokens per output: the choice's seed
         assert (seen.text, seen.finish_reason) == ("Hello world, this ", "stop")
-        assert seen.tokens == [server.text_of(t) for t in server.reply_ids[:sent]]
-    assert reply.usage["completion_tokens"] == 6 + 8
+        assert seen.tokens == [server.text_of(t) for t in server.reply_ids[:completed_at]]
+    assert reply.usage["completion_tokens"] == 2 * completed_at
 
 
 # ---------------------------------------------------------------- rule 2: completions' logprobs: N

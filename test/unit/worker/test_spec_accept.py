@@ -352,3 +352,29 @@ def test_acceptance_properties_over_random_batches():
         # the target's token is inside p's support at the last accepted position
         flat_p = p.reshape(bs * (k + 1), vocab)
         assert (flat_p[last_accepted_indices(a, k), last] > 0).all()
+
+
+def test_rows_with_fewer_drafts_stop_there_and_draw_the_bonus_from_that_position():
+    """num_drafts caps acceptance per row; at the cap the token follows p at that
+    position (q := 0), so a row with 0 drafts samples plain from p_0."""
+    p, q = _pairs()["random"]  # k = 2
+    n = 20000
+    for d in (0, 1):
+        with torch.random.fork_rng():
+            torch.manual_seed(3)
+            drafts = torch.multinomial(q, n, replacement=True).T.contiguous()
+            batch = make_batch([SAMPLED] * n, 8)
+            nd = torch.full((n,), d, dtype=torch.int64)
+            acc = rejection_sample(
+                p.expand(n, -1, -1), q.expand(n, -1, -1), drafts, batch, num_drafts=nd
+            )
+        assert int(acc.accept_len.max()) <= d
+        assert chi_square_ok(acc.token_ids[:, 0], p[0])
+        if d == 1:
+            bonus = acc.token_ids[acc.accept_len == 1, 1]  # capped: drawn from p_1 itself
+            assert bonus.numel() > 2000 and chi_square_ok(bonus, p[1])
+        assert acc.token_ids[:, d + 1 :].eq(EMIT_PAD).all()  # never a token past the cap
+    target = torch.tensor([[4, 5, 6], [4, 5, 6]])
+    acc = greedy_verify(target, torch.tensor([[4, 5], [4, 5]]), torch.tensor([1, 0]))
+    assert acc.accept_len.tolist() == [1, 0]
+    assert acc.token_ids.tolist() == [[4, 5, EMIT_PAD], [4, EMIT_PAD, EMIT_PAD]]

@@ -131,8 +131,8 @@ def test_decode_graphs_still_serve_decode_beside_verify(tiny_model_dirs):
     assert ex.graphs.can_run(D, bt) and not ex.graphs.can_run(V, bt)
     every = torch.arange(3)
     with torch.inference_mode():
-        replay = ex.forward(D, bt, every, every_row=True)
+        replay = ex.forward(D, bt, every, every_token=True)
         graphs, ex.graphs = ex.graphs, None
-        eager = ex.forward(D, bt, every, every_row=True)
+        eager = ex.forward(D, bt, every, every_token=True)
         ex.graphs = graphs
     torch.testing.assert_close(replay.logits, eager.logits, atol=1e-5, rtol=1e-5)

@@ -19,13 +19,14 @@ import torch
 from gyrfalcon.forward.batch import ForwardBatch
 from gyrfalcon.ipc.messages import ForwardMode
 
-# The modes graphs are captured for: DECODE (one query token per row), VERIFY (k + 1)
-CAPTURED_MODES = (ForwardMode.DECODE, ForwardMode.VERIFY)
+# The modes graphs are captured for: DECODE (one query token per row), VERIFY (k + 1),
+# DRAFT_EXTEND (a drafter's round over verify rows: k + 1 per row, worker/drafter.py)
+CAPTURED_MODES = (ForwardMode.DECODE, ForwardMode.VERIFY, ForwardMode.DRAFT_EXTEND)
 
 
 def check_capture(mode: ForwardMode, tokens_per_row: int) -> None:
-    """A capture request a backend can serve: DECODE of one token per row, VERIFY of
-    k + 1 >= 2."""
+    """A capture request a backend can serve: DECODE of one token per row, VERIFY and
+    DRAFT_EXTEND of k + 1 >= 2 (extend rows of a constant length)."""
     assert mode in CAPTURED_MODES, f"no graphs for {mode.name}"
     assert (mode == ForwardMode.DECODE) == (tokens_per_row == 1), (mode.name, tokens_per_row)
 
@@ -47,6 +48,10 @@ class AttentionBackend(ABC):
     # (capture_buffers) and rebuilds it in place before every replay
     # (prepare_replay), from the graph runner's static batch.
     supports_cuda_graph: bool = False
+    # Whether single-token (decode) rows attend over the lengths in the device tensor
+    # `batch.seq_lens`, the host lengths only bounding the work: then a draft step's
+    # lengths may live on the device alone (`forward.metadata.advanced_rows`).
+    device_lengths: bool = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim

@@ -51,6 +51,7 @@ def gather(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torc
 
 class TorchRefBackend(AttentionBackend):
     name = "torch_ref"
+    device_lengths = True  # NOTE: decode rows are masked by the device lengths
 
     def build_metadata(self, batch: ForwardBatch) -> TorchRefMeta:
         batch.check()

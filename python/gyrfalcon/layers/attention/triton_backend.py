@@ -86,6 +86,7 @@ def decode_kv_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
 class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graph = True
+    device_lengths = True  # NOTE: the decode kernel reads each row's length on the device
 
     def __init__(
         self,
@@ -160,7 +161,7 @@ class TritonBackend(AttentionBackend):
         tokens_per_row: int = 1,
     ) -> None:
         check_capture(mode, tokens_per_row)
-        if mode == ForwardMode.VERIFY:
+        if mode != ForwardMode.DECODE:
             return  # NOTE: the extend kernel keeps no scratch; its metadata views the batch
         rows: dict[int, int] = {}  # split count -> largest batch size using it
         for bs in range(1, max_bs + 1):
@@ -176,7 +177,7 @@ class TritonBackend(AttentionBackend):
         every replay, so nothing is copied (the kernels take int64 indices)."""
         t = replay_tokens_per_row(batch)
         bs = batch.batch_size
-        if batch.mode == ForwardMode.VERIFY:
+        if batch.mode != ForwardMode.DECODE:  # VERIFY, DRAFT_EXTEND: extend rows
             # every row k + 1 tokens (the capture key's), at q_starts = arange * (k + 1):
             # the extend grid (cdiv(k + 1, BLOCK_M), bs, H) depends on the key alone
             return TritonMeta(

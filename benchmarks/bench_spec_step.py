@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""Cost of one speculative step (verify k + 1 tokens per row, then the drafter's
+round) against one plain decode step, at fixed batch sizes: the in-process engine
+(scheduler + worker, as the server runs them), every row in decode, EOS ignored.
+
+A step's cost does not depend on acceptance (the shapes are fixed by k), so a dummy
+drafter measures it. Reports per batch size the wall time per steady-state step of
+each engine (total over the steps it planned), their ratio (the goal for the
+Llama-3.1-8B shape: <= 1.35x at batch 1) and the tokens emitted per step.
+
+    python benchmarks/bench_spec_step.py benchmarks/models/llama-3.1-8b \
+        benchmarks/models/llama-3.1-8b-eagle3 --load-format dummy --device-kind nvidia-h100-x1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+try:
+    import gyrfalcon  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+
+import torch
+
+from gyrfalcon.bench.provenance import git_commit
+from gyrfalcon.config.server_args import ServerArgs
+from gyrfalcon.engine import LocalEngine
+from gyrfalcon.ipc.messages import SamplingParams
+
+
+def step_times(eng: LocalEngine, bs: int, prompt_len: int, steps: int, seed: int):
+    """(seconds per steady-state step, tokens emitted per step): wall time over `steps`
+    steps the scheduler planned (a spec step may span two scheduler turns: it plans
+    the next step only once a row's accepted count is back)."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = eng.model_cfg.vocab_size
+    sp = SamplingParams(temperature=0.0, max_tokens=steps * 8 + 64, ignore_eos=True)
+    for i in range(bs):
+        eng.add(f"r{i}", torch.randint(3, vocab, (prompt_len,), generator=gen).tolist(), sp)
+    while any(r.num_computed < len(r.prompt_ids) for r in eng.scheduler.requests.values()):
+        eng.step()  # prefill
+    for _ in range(8):
+        eng.step()  # warm: every row decoding
+    submit, planned = eng.worker.submit, [0]
+
+    def counted(plan):
+        planned[0] += 1
+        submit(plan)
+
+    eng.worker.submit = counted
+    emitted = 0
+    if eng.args.device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while planned[0] < steps:
+        emitted += sum(len(o.token_ids) for o in eng.step())
+    while eng.scheduler.num_inflight:  # the last planned steps' results
+        emitted += sum(len(o.token_ids) for o in eng.step())
+    elapsed = time.perf_counter() - t0
+    eng.worker.submit = submit
+    for i in range(bs):
+        eng.abort(f"r{i}")
+    while eng.has_work():
+        eng.step()
+    return elapsed / planned[0], emitted / planned[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model")
+    p.add_argument("draft")
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--num-steps", type=int, default=3, help="k")
+    p.add_argument("--batch-sizes", default="1,16,64")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--kv-cache-memory", default=None)
+    p.add_argument("--device-kind", default="unknown")
+    p.add_argument("--output-dir", default="benchmarks/results")
+    p.add_argument("--tag", default="")
+    ns = p.parse_args(argv)
+    sizes = [int(s) for s in ns.batch_sizes.split(",")]
+    common = dict(
+        model=ns.model, device=ns.device, dtype=ns.dtype, load_format=ns.load_format,
+        kv_cache_memory=ns.kv_cache_memory, max_num_seqs=max(sizes),
+        cuda_graph_max_bs=max(sizes),
+    )  # fmt: skip
+    spec = dict(
+        speculative_algorithm="EAGLE3",
+        speculative_draft_model_path=ns.draft,
+        speculative_num_steps=ns.num_steps,
+    )
+    rows = []
+    results = {}
+    for name, extra in (("plain", {}), ("spec", spec)):
+        eng = LocalEngine(ServerArgs(**common, **extra), ns.model)
+        results[name] = {bs: step_times(eng, bs, ns.prompt_len, ns.steps, bs) for bs in sizes}
+        del eng
+        if ns.device == "cuda":
+            torch.cuda.empty_cache()
+    for bs in sizes:
+        (tp, ep), (ts, es) = results["plain"][bs], results["spec"][bs]
+        rows.append(
+            dict(batch_size=bs, plain_step_ms=tp * 1e3, spec_step_ms=ts * 1e3,
+                 ratio=ts / tp, plain_tokens_per_step=ep, spec_tokens_per_step=es)
+        )  # fmt: skip
+    name = f"spec_step_{Path(ns.model).name}{ns.tag}_k{ns.num_steps}_{ns.device_kind}"
+    report = dict(
+        bench="spec_step", model=ns.model, draft=ns.draft, load_format=ns.load_format,
+        k=ns.num_steps, prompt_len=ns.prompt_len, device_kind=ns.device_kind,
+        commit=os.environ.get("GYRFALCON_COMMIT") or git_commit(), rows=rows,
+    )  # fmt: skip
+    os.makedirs(ns.output_dir, exist_ok=True)
+    with open(os.path.join(ns.output_dir, name + ".json"), "w") as f:
+        json.dump(report, f, indent=2)
+    lines = [
+        f"Spec step cost, {Path(ns.model).name} ({ns.load_format}), k={ns.num_steps}, "
+        f"prompt {ns.prompt_len}, {ns.device_kind}, commit {report['commit']}",
+        "",
+        "| batch | plain step ms | spec step ms | ratio | tokens/step (spec) |",
+        "| ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['batch_size']} | {r['plain_step_ms']:.3f} | {r['spec_step_ms']:.3f} | "
+            f"{r['ratio']:.2f}x | {r['spec_tokens_per_step']:.2f} |"
+        )
+    table = "\n".join(lines) + "\n"
+    with open(os.path.join(ns.output_dir, name + ".md"), "w") as f:
+        f.write(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""The EAGLE3 drafter of one target on one device: its model (sharing the target's
+embedding), its own one-layer KV cache, its attention backends.
+
+The drafter's KV lives in its own pages: a cache of the target's page count and
+geometry, indexed by the same page tables the scheduler hands out, so every page
+a request holds holds its target KV and its drafter KV, and both come back
+together.
+
+One draft round, after the target has verified a step (`DraftRound` lists the
+rows; the module docstring of models/llama_eagle3.py has the token convention):
+
+1. DRAFT_EXTEND over every token the target computed for the drafting rows: the
+   feature fc(aux) at position p with the token at p + 1 (the row's next input,
+   then the tokens it emitted; a prefill chunk's next prompt token). Verify rows
+   extend over all k + 1 positions; those after the last accepted one hold
+   garbage that the next steps overwrite before anything reads them.
+2. The output at each sampling row's last verified position (its anchor,
+   `last_accepted_index`) proposes draft 1.
+3. k - 1 DRAFT_DECODE steps: step j feeds draft j at anchor + j with the previous
+   step's output; its batch is built on the device (`advanced_rows`: the anchor
+   depends on the accept lengths, which the host does not wait for), so the
+   decode backend reads lengths from the device (`device_lengths`).
+
+Nothing here syncs with the host. The drafts are written to the request table's
+`draft_tokens`, where the next verify row reads them.
+
+Graphs: a round whose rows are all verify rows of k drafts (the steady state) runs
+as ONE replay, keyed DRAFT_EXTEND with k + 1 tokens per row: the extend, the anchor
+gather and every draft step are in the captured callable (`_round`), the step
+batches built on the device inside it. The extend's metadata is planned before the
+replay from the static batch, as for VERIFY; the accept lengths, aux states and
+last positions ride in static buffers of their own (`RoundInputs`), padded rows
+with zeros (accept 0, position 0 on the dummy page).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from gyrfalcon.config.draft_config import DraftConfig
+from gyrfalcon.config.model_config import ModelConfig
+from gyrfalcon.config.server_args import ServerArgs
+from gyrfalcon.forward.batch import ForwardBatch
+from gyrfalcon.forward.kv_cache import KVCache
+from gyrfalcon.forward.metadata import BatchTensors, advanced_rows
+from gyrfalcon.ipc.messages import ForwardMode
+from gyrfalcon.layers.attention.registry import create_backends
+from gyrfalcon.layers.context import LayerContext
+from gyrfalcon.layers.embedding import VocabEmbedding
+from gyrfalcon.models.registry import build_draft_model
+from gyrfalcon.worker.cuda_graph import GraphRunner, GraphSpec, padded_batch_size
+from gyrfalcon.worker.sampler import argmax_rows
+from gyrfalcon.worker.spec_accept import last_accepted_indices
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DraftRound:
+    """The drafting rows of one step, as index lists the step's upload carries."""
+
+    ext: BatchTensors  # DRAFT_EXTEND batch: every token of the drafting rows
+    ext_ids_src: torch.Tensor  # [Te] index of each extend token's id in the step's ids
+    ext_aux_idx: torch.Tensor  # [Te] index of each extend token in the target batch
+    # per proposing row (the drafting rows that sample), m of them:
+    anchor_idx: torch.Tensor  # [m] extend index of the row's last input token
+    anchor_pos: torch.Tensor  # [m] its position
+    accept_row: torch.Tensor  # [m] the row's index among the step's sampling rows
+    ext_row: torch.Tensor  # [m] the row's index among the extend rows
+    last_pos: torch.Tensor  # [m] last position its pages and the context hold
+    slots: torch.Tensor  # [m] its request's slot in draft_tokens
+    anchor_pos_cpu: list[int]  # anchor positions with every draft accepted (host bound)
+    last_pos_cpu: list[int]
+    uniform: bool = False  # every extend row is a verify row of k drafts (graphs serve it)
+
+
+@dataclass
+class RoundInputs:
+    """Static inputs of a captured round besides its batch."""
+
+    aux: torch.Tensor  # [max_bs * (k + 1), 3 * H_target] the extend tokens' aux states
+    accept: torch.Tensor  # [max_bs] int64 drafts each row accepted
+    last_pos: torch.Tensor  # [max_bs] int64 last position each row may write
+
+
+class Drafter:
+    def __init__(
+        self,
+        args: ServerArgs,
+        target: ModelConfig,
+        embed_tokens: VocabEmbedding,
+        dtype: torch.dtype,
+        device: torch.device,
+        ctx: LayerContext,
+    ):
+        """Load the drafter of `args.speculative_draft_model_path` for `target` (checked
+        before any weight is copied: ValueError says what does not fit)."""
+        path = args.speculative_draft_model_path
+        assert path is not None and args.speculative_num_steps, "resolved spec args"
+        self.k = args.speculative_num_steps
+        self.cfg = DraftConfig.from_dir(path)
+        self.page_size, self.device, self.args = args.page_size, device, args
+        self.model = build_draft_model(
+            self.cfg, target, path, dtype, device, ctx, embed_tokens, args.load_format, False
+        )
+        self.aux_layers = self.model.aux_layer_ids(target.num_layers)
+        lyr = self.cfg.layer
+        self.heads = ctx.parallel.heads(lyr.num_heads, lyr.num_kv_heads)
+        shape = (self.heads.num_heads, self.heads.num_kv_heads, lyr.head_dim, lyr.head_dim**-0.5)
+        decode = args.decode_attention_backend
+        self.backends = create_backends(args.attention_backend, decode, *shape, kernels=ctx.kernels)
+        if not self.backends.decode.device_lengths:
+            # NOTE: draft steps know their lengths on the device only (module docstring)
+            decode = "triton" if device.type == "cuda" else "torch_ref"
+            logger.info("draft steps attend with %s (device-side lengths)", decode)
+            self.backends = create_backends(
+                args.attention_backend, decode, *shape, kernels=ctx.kernels
+            )
+        self.dtype = dtype
+        self.kv_cache: KVCache | None = None
+        self.graphs: GraphRunner | None = None
+        self.static: RoundInputs | None = None
+
+    def init_kv_cache(self, num_pages: int, kv_dtype: torch.dtype) -> None:
+        """The drafter's own pages: as many as the target's, one layer each."""
+        lyr = self.cfg.layer
+        self.kv_cache = KVCache(
+            1,
+            num_pages,
+            self.page_size,
+            self.heads.num_kv_heads,
+            lyr.head_dim,
+            kv_dtype,
+            self.device,
+            self.model.ctx.kernels,
+        )
+
+    def setup_graphs(self, max_model_len: int) -> None:
+        """Capture the round of verify rows (module docstring) for every capture size, or
+        set up its static replay, per the server arguments."""
+        args, k1 = self.args, self.k + 1
+        mode = args.graph_mode()
+        assert self.kv_cache is not None, "init_kv_cache() first"
+        if mode is None:
+            return
+        extend = self.backends.extend
+        if mode == "cuda" and not extend.supports_cuda_graph:
+            logger.warning("%s backend cannot be captured; draft rounds run eagerly", extend.name)
+            return
+        max_bs = min(args.cuda_graph_max_bs, args.max_num_seqs)
+        i64 = dict(dtype=torch.int64, device=self.device)
+        self.static = RoundInputs(
+            aux=torch.zeros(max_bs * k1, 3 * self.cfg.target_hidden_size, dtype=self.dtype,
+                            device=self.device),
+            accept=torch.zeros(max_bs, **i64),
+            last_pos=torch.zeros(max_bs, **i64),
+        )  # fmt: skip
+        spec = GraphSpec(ForwardMode.DRAFT_EXTEND, k1, self._round, extend)
+        pages = -(-max_model_len // self.page_size)
+        self.graphs = GraphRunner(
+            [spec], self.kv_cache, self.page_size, max_bs, pages, self.device, mode,
+            args.graph_batch_sizes(),
+        )  # fmt: skip
+        self.graphs.capture()
+
+    def _round(self, batch: ForwardBatch) -> tuple[torch.Tensor]:
+        """The captured round over a static batch of verify rows (k + 1 tokens each) ->
+        the drafts laid out per token, [bs * (k + 1)]: row r's k drafts at tokens
+        r * (k + 1) .. r * (k + 1) + k - 1, then a 0 (graph outputs are per token)."""
+        assert self.static is not None
+        bs, k1 = batch.batch_size, self.k + 1
+        st = self.static
+        out = self.model(batch, self.model.fuse(st.aux[: bs * k1]))
+        accepted = st.accept[:bs]
+        anchor = batch.positions[::k1] + accepted  # [bs]
+        cap = batch.page_table.shape[1] * self.page_size - 1
+        bound = [n - 1 for n in batch.seq_lens_cpu]  # NOTE: anchors with every draft accepted
+        drafts = self._steps(
+            out[last_accepted_indices(accepted, self.k)],
+            anchor,
+            st.last_pos[:bs],
+            batch.page_table,
+            bound,
+            [cap] * bs,
+        )
+        return (torch.cat([drafts, drafts.new_zeros(bs, 1)], dim=1).view(-1),)
+
+    def _steps(
+        self,
+        hidden: torch.Tensor,
+        anchor: torch.Tensor,
+        last_pos: torch.Tensor,
+        page_table: torch.Tensor,
+        anchor_cpu: list[int],
+        last_cpu: list[int],
+    ) -> torch.Tensor:
+        """Draft 1 from hidden [m, H] (the extend's output at each anchor), then the k - 1
+        draft steps -> [m, k] drafts (target ids). anchor_cpu / last_cpu: host upper
+        bounds of anchor and last_pos."""
+        drafts = [self._propose(hidden)]
+        for j in range(1, self.k):
+            bound = [min(a + j, last) + 1 for a, last in zip(anchor_cpu, last_cpu)]
+            bt = advanced_rows(drafts[-1], anchor, j, last_pos, page_table, self.page_size, bound)
+            hidden = self._forward(ForwardMode.DRAFT_DECODE, bt, hidden)
+            drafts.append(self._propose(hidden))
+        return torch.stack(drafts, dim=1)
+
+    def _forward(self, mode: ForwardMode, bt: BatchTensors, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.kv_cache is not None, "init_kv_cache() first"
+        attn = self.backends.for_mode(mode)
+        batch = ForwardBatch.from_tensors(mode, bt, self.page_size, self.kv_cache, attn)
+        batch.attn_meta = attn.build_metadata(batch)
+        return self.model(batch, hidden)
+
+    def _propose(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The drafter's greedy token (a target id) after each row of hidden [m, H]."""
+        logits = self.model.compute_logits(hidden)
+        return self.model.to_target_ids(argmax_rows(logits, self.model.ctx.kernels))
+
+    def draft(
+        self,
+        rnd: DraftRound,
+        ids: torch.Tensor,
+        aux: torch.Tensor,
+        accept_len: torch.Tensor,
+        draft_tokens: torch.Tensor,
+    ) -> None:
+        """Run one round (module docstring) and write each proposing row's k drafts into
+        draft_tokens[slot]. ids: the step's token ids that `ext_ids_src` indexes; aux:
+        the target's [T, 3H] aux states; accept_len: [S] drafts accepted by each
+        sampling row of the step (0 for rows without drafts)."""
+        rnd.ext.input_ids.copy_(ids[rnd.ext_ids_src])
+        aux_rows = aux[rnd.ext_aux_idx]  # [Te, 3 * H_target]
+        graphs = self.graphs
+        if rnd.uniform and graphs is not None and graphs.can_run(ForwardMode.DRAFT_EXTEND, rnd.ext):
+            drafts = self._replay(rnd, aux_rows, accept_len[rnd.accept_row], graphs)
+        else:
+            out = self._forward(ForwardMode.DRAFT_EXTEND, rnd.ext, self.model.fuse(aux_rows))
+            if not rnd.slots.numel():
+                return
+            accepted = accept_len[rnd.accept_row]  # [m]
+            drafts = self._steps(
+                out[rnd.anchor_idx + accepted],
+                rnd.anchor_pos + accepted,
+                rnd.last_pos,
+                rnd.ext.page_table[rnd.ext_row],
+                rnd.anchor_pos_cpu,
+                rnd.last_pos_cpu,
+            )
+        draft_tokens.index_copy_(0, rnd.slots, drafts)
+
+    def _replay(
+        self, rnd: DraftRound, aux_rows: torch.Tensor, accepted: torch.Tensor, graphs: GraphRunner
+    ) -> torch.Tensor:
+        """The round through the graph runner -> [bs, k] drafts (`_round`)."""
+        assert self.static is not None
+        st, k1 = self.static, self.k + 1
+        bs = len(rnd.ext.seq_lens_cpu)
+        padded = padded_batch_size(bs, graphs.sizes)
+        st.aux[: bs * k1].copy_(aux_rows)
+        st.accept[:bs].copy_(accepted)
+        st.last_pos[:bs].copy_(rnd.last_pos)
+        if padded > bs:
+            st.aux[bs * k1 : padded * k1].zero_()
+            st.accept[bs:padded].zero_()
+            st.last_pos[bs:padded].zero_()
+        (flat,) = graphs.run(ForwardMode.DRAFT_EXTEND, rnd.ext)
+        return flat.view(bs, k1)[:, : self.k]

@@ -1,0 +1,114 @@
+"""Sampling of a step whose rows verify drafts: the target's logits at every verified
+position -> what each sampling row emits (`Acceptance`) and the logprobs of the
+emitted tokens. No host sync.
+
+Row i of the step's S sampling rows has d_i drafts (0 for rows without, e.g. a
+prefill's last chunk or a penalized request) and 1 + d_i logit rows, consecutive
+from `logit_starts[i]`. The rows are laid out padded, [S, K1] with K1 = max d_i + 1
+(`padded_index`); position m of row i is its (n_i + m + 1)-th output token, so
+`min_tokens` is applied per position (`prepare` of the expanded rows). Greedy
+batches compare argmaxes (`greedy_verify`); others draw by exact rejection
+sampling against the drafter's greedy proposal, q = one-hot(d) (`rejection_sample`):
+d is accepted with probability p(d), a rejection draws from p without d.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gyrfalcon.kernels.dispatch import KernelPolicy
+from gyrfalcon.worker.logprobs import SampleOutput, top_k_lowest_ids
+from gyrfalcon.worker.sampler import (
+    RequestSamplingState,
+    apply_penalties,
+    argmax_rows,
+    prepare,
+    sampling_probs,
+)
+from gyrfalcon.worker.spec_accept import Acceptance, greedy_verify, rejection_sample
+
+
+def padded_index(num_drafts: list[int], width: int) -> list[int]:
+    """For each padded position (i, m), m < width, of rows with num_drafts[i] drafts:
+    the logit row it reads, rows' logit rows being consecutive (1 + d_i each).
+    Positions past a row's drafts repeat its last logit row (never accepted there).
+
+    >>> padded_index([2, 0], 3)
+    [0, 1, 2, 3, 3, 3]
+    """
+    out, start = [], 0
+    for d in num_drafts:
+        assert 0 <= d < width, (d, width)
+        out.extend(start + min(m, d) for m in range(width))
+        start += d + 1
+    return out
+
+
+def emitted_index(num_drafts: list[int], width: int) -> list[int]:
+    """For each logit row: its padded position i * width + m (`padded_index`'s inverse
+    on the real positions).
+
+    >>> emitted_index([2, 0], 3)
+    [0, 1, 2, 3]
+    """
+    return [i * width + m for i, d in enumerate(num_drafts) for m in range(d + 1)]
+
+
+@dataclass
+class VerifyIndex:
+    """The step's host layout of its sampling rows, uploaded with the step."""
+
+    num_drafts: list[int]  # d_i per sampling row
+    width: int  # K1 = max d_i + 1
+    padded: torch.Tensor  # [S * K1] `padded_index`
+    emitted: torch.Tensor  # [N] `emitted_index`
+    num_drafts_t: torch.Tensor  # [S] d_i
+
+
+def verify_sample(
+    logits: torch.Tensor,
+    argmax: torch.Tensor | None,
+    states: list[RequestSamplingState],
+    num_generated: list[int],
+    draft_ids: torch.Tensor,
+    idx: VerifyIndex,
+    vocab_size: int,
+    kernels: KernelPolicy,
+) -> tuple[Acceptance, SampleOutput]:
+    """logits: [N, vocab] the target's at every logit row; argmax: [N] their argmax if a
+    graph computed it; states / num_generated: per sampling row (tokens generated
+    before its first position); draft_ids: [S, >= K1 - 1] each row's drafts (target
+    ids; columns past d_i ignored). Returns (what each row emits, a SampleOutput over
+    the N logit rows: the token each emitted there (padding where none) and, if any
+    row asks, the raw logprobs)."""
+    s, k1 = len(states), idx.width
+    device = logits.device
+    full = sum(idx.num_drafts) == s * (k1 - 1)  # NOTE: no padding: skip the gathers
+    padded = logits if full else logits[idx.padded]  # [S * K1, vocab]
+    expanded = [st for st in states for _ in range(k1)]
+    generated = [n + m for n in num_generated for m in range(k1)]
+    batch = prepare(expanded, vocab_size, device, generated)
+    drafts = draft_ids[:, : k1 - 1]
+    plain = batch.penalties is None and batch.adjust is None
+    if batch.all_greedy:
+        if plain and argmax is not None:
+            top = argmax if full else argmax[idx.padded]
+        else:
+            top = argmax_rows(apply_penalties(padded, batch) if not plain else padded, kernels)
+        acc = greedy_verify(top.view(s, k1), drafts, idx.num_drafts_t)
+    else:
+        p = sampling_probs(padded, batch, kernels).view(s, k1, vocab_size)
+        q = torch.zeros(s, k1 - 1, vocab_size, device=device)
+        q.scatter_(2, drafts[..., None], 1.0)  # the drafter proposes greedily
+        rows = prepare(states, vocab_size, device, num_generated)
+        acc = rejection_sample(p, q, drafts, rows, kernels, idx.num_drafts_t)
+    chosen_ids = acc.token_ids.view(-1)[idx.emitted]  # [N]
+    asked = [st.params.logprobs for st in states if st.params.logprobs is not None]
+    if not asked:
+        return acc, SampleOutput(chosen_ids, None, None, None)
+    all_lp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [N, vocab]
+    chosen = all_lp.gather(1, chosen_ids.clamp_min(0)[:, None]).squeeze(1)
+    top_lp, top_ids = top_k_lowest_ids(all_lp, min(max(asked), vocab_size))
+    return acc, SampleOutput(chosen_ids, chosen, top_ids, top_lp)

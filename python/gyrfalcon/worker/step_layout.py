@@ -1,0 +1,135 @@
+"""A step's host index lists, gathered row by row: placeholder and draft fills, the
+tokens whose logits sample, and the drafter's round over the drafting rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gyrfalcon.forward.metadata import RowInput
+from gyrfalcon.ipc.contract import PLACEHOLDER
+from gyrfalcon.ipc.messages import ScheduledRow
+from gyrfalcon.worker.request_table import WorkerRequest
+
+
+@dataclass
+class StepLayout:
+    """Host index lists of one step, gathered row by row (`add`).
+
+    Token indices are into the step's T tokens (rows' inputs, then their drafts). The
+    drafter's ids come from ids = [T step tokens | S * K1 emitted | next prompt tokens]
+    (`StepWorker._draft`): the token after extend position i of a row is its input i + 1, else
+    (its last input) the first token it emitted, then its further emitted tokens, or
+    for a chunk that does not sample the prompt token after it.
+    """
+
+    num_tokens: int  # T
+    num_emitted: int  # S * K1
+    width: int  # K1
+    ph_pos: list[int] = field(default_factory=list)  # PLACEHOLDER inputs: token index
+    ph_slot: list[int] = field(default_factory=list)  # and the slot holding the id
+    dr_pos: list[int] = field(default_factory=list)  # draft inputs: token index
+    dr_src: list[int] = field(default_factory=list)  # and slot * k + j in draft_tokens
+    logit_tokens: list[int] = field(default_factory=list)  # tokens whose logits sample
+    logit_starts: list[int] = field(default_factory=list)  # per sampling row
+    next_tokens: list[int] = field(default_factory=list)  # after drafted chunks
+    # the drafter's round (drafter.DraftRound)
+    ext_rows: list[RowInput] = field(default_factory=list)
+    ext_ids_src: list[int] = field(default_factory=list)
+    ext_aux_idx: list[int] = field(default_factory=list)
+    anchor_idx: list[int] = field(default_factory=list)
+    anchor_pos: list[int] = field(default_factory=list)
+    accept_row: list[int] = field(default_factory=list)
+    ext_row: list[int] = field(default_factory=list)
+    last_pos: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    anchor_pos_cpu: list[int] = field(default_factory=list)
+    last_pos_cpu: list[int] = field(default_factory=list)
+    _tokens: int = 0
+    _samples: int = 0
+    _full_verify_rows: int = 0  # drafting rows that verify k drafts after one input
+
+    def add(
+        self,
+        row: ScheduledRow,
+        req: WorkerRequest,
+        k: int,
+        drafting: bool,
+        max_model_len: int,
+        page_size: int,
+    ) -> None:
+        t0, n, d = self._tokens, len(row.input_ids), row.num_draft
+        for j, tok in enumerate(row.input_ids):
+            if tok == PLACEHOLDER:
+                self.ph_pos.append(t0 + j)
+                self.ph_slot.append(req.slot)
+        self.dr_pos.extend(range(t0 + n, t0 + n + d))
+        self.dr_src.extend(req.slot * k + j for j in range(d))
+        if row.sample:
+            self.logit_starts.append(len(self.logit_tokens))
+            self.logit_tokens.extend(range(t0 + n - 1, t0 + n + d))
+        if drafting:
+            self._add_drafting(row, req, t0, n, d, max_model_len, page_size)
+            self._full_verify_rows += n == 1 and d == k
+        self._tokens += n + d
+        self._samples += row.sample
+
+    def _add_drafting(
+        self,
+        row: ScheduledRow,
+        req: WorkerRequest,
+        t0: int,
+        n: int,
+        d: int,
+        max_model_len: int,
+        page_size: int,
+    ) -> None:
+        e0 = sum(len(r.input_ids) for r in self.ext_rows)
+        self.ext_rows.append(RowInput(row.start, [0] * (n + d), req.pages))
+        self.ext_aux_idx.extend(range(t0, t0 + n + d))
+        self.ext_ids_src.extend(t0 + i + 1 for i in range(n - 1))
+        if row.sample:
+            first = self.num_tokens + self._samples * self.width
+            self.ext_ids_src.extend(first + m for m in range(d + 1))
+            last_pos = min(len(req.pages) * page_size, max_model_len) - 1
+            self.anchor_idx.append(e0 + n - 1)
+            self.anchor_pos.append(row.start + n - 1)
+            self.accept_row.append(self._samples)
+            self.ext_row.append(len(self.ext_rows) - 1)
+            self.last_pos.append(last_pos)
+            self.slots.append(req.slot)
+            self.anchor_pos_cpu.append(row.start + n - 1 + d)
+            self.last_pos_cpu.append(last_pos)
+        else:
+            assert d == 0, "a row with drafts samples"
+            self.ext_ids_src.append(self.num_tokens + self.num_emitted + len(self.next_tokens))
+            self.next_tokens.append(req.token_at(row.start + n))
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every drafting row verifies k drafts after one input (the layout a
+        captured draft round serves: drafter.py)."""
+        return self._full_verify_rows == len(self.ext_rows)
+
+    def lists(self) -> list[list[int]]:
+        """The main batch's extra lists, in `StepWorker._launch`'s unpacking order (slots after)."""
+        return [
+            self.ph_pos,
+            self.ph_slot,
+            self.dr_pos,
+            self.dr_src,
+            self.logit_tokens,
+            self.next_tokens,
+        ]
+
+    def draft_lists(self) -> list[list[int]]:
+        """The extend batch's extra lists, in `DraftRound`'s field order."""
+        return [
+            self.ext_ids_src,
+            self.ext_aux_idx,
+            self.anchor_idx,
+            self.anchor_pos,
+            self.accept_row,
+            self.ext_row,
+            self.last_pos,
+            self.slots,
+        ]

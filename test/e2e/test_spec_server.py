@@ -1,0 +1,63 @@
+"""A server with EAGLE3 (SmolLM2 and a random drafter of its shape, static-buffer
+graph replay) answers greedy requests exactly like the plain server, stop strings,
+n = 2 and logprobs included, and reports the spec usage fields."""
+
+import pytest
+from conftest import make_tiny_eagle3
+from server_util import start_server, stop_server, wait_drained
+
+SMOLLM2_SHAPE = dict(
+    hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+    vocab_size=49152, draft_vocab_size=2048, target_hidden_size=576,
+    max_position_embeddings=8192, rope_theta=100000.0,
+)  # fmt: skip
+PROMPTS = ["Name three colors.", "What is 12 times 12?", "Write a haiku about rain."]
+
+
+@pytest.fixture(scope="module")
+def spec_server(smollm2_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec-server")
+    draft = str(root / "draft")
+    make_tiny_eagle3(draft, **SMOLLM2_SHAPE)
+    srv = start_server(
+        smollm2_dir, str(root / "server.log"), "--num-kv-pages", "256", "--page-size", "16",
+        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", draft,
+        "--speculative-num-steps", "3", "--static-graph-replay", "--cuda-graph-bs", "1,2,4", "--cuda-graph-max-bs", "4",
+    )  # fmt: skip
+    yield srv
+    assert stop_server(srv) == 0, srv.log()[-3000:]
+
+
+def chat(base_url, **kw):
+    from openai import OpenAI
+
+    c = OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=300)
+    model = c.models.list().data[0].id
+    return c.chat.completions.create(model=model, temperature=0, **kw)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_spec_server_answers_like_the_plain_server(server, spec_server, prompt):
+    body = dict(messages=[{"role": "user", "content": prompt}], max_tokens=24)
+    plain = chat(server.base_url, **body, n=2, logprobs=True, top_logprobs=2)
+    spec = chat(spec_server.base_url, **body, n=2, logprobs=True, top_logprobs=2)
+    for p, s in zip(plain.choices, spec.choices):
+        assert (s.message.content, s.finish_reason) == (p.message.content, p.finish_reason)
+        for pe, se in zip(p.logprobs.content, s.logprobs.content):
+            assert se.token == pe.token and se.logprob == pytest.approx(pe.logprob, abs=1e-3)
+            assert [t.token for t in se.top_logprobs] == [t.token for t in pe.top_logprobs]
+    assert spec.usage.completion_tokens == plain.usage.completion_tokens
+    extra = spec.usage.model_extra
+    assert extra["spec_verify_steps"] > 0 and extra["spec_accept_length"] >= 1.0
+    assert "spec_accept_length" not in (plain.usage.model_extra or {})
+    # a stop string inside the answer ends both at the same place
+    words = p.message.content.split()
+    stop = words[len(words) // 2]
+    a = chat(server.base_url, **body, stop=[stop])
+    b = chat(spec_server.base_url, **body, stop=[stop])
+    assert (b.choices[0].message.content, b.usage.completion_tokens) == (
+        a.choices[0].message.content,
+        a.usage.completion_tokens,
+    )
+    info = wait_drained(spec_server)
+    assert info["integrity_ok"] and info["num_free_pages"] == info["num_total_pages"], info

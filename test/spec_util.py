@@ -1,0 +1,144 @@
+"""Engines with and without EAGLE3 on a tiny random Llama target (4 layers) and a
+tiny random drafter, and a forcing drafter: it proposes what plain greedy decoding
+would emit, made wrong where a pattern says, so tests choose the acceptance."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from conftest import make_tiny_eagle3, make_tiny_hf_model
+
+from gyrfalcon.config.server_args import ServerArgs
+from gyrfalcon.engine import LocalEngine
+from gyrfalcon.ipc.messages import RequestOutput, SamplingParams
+from gyrfalcon.worker.drafter import Drafter, DraftRound
+
+VOCAB = 256
+
+
+def make_pair(root, hidden: int = 64) -> tuple[str, str]:
+    """hidden 256: head_dim 64, flashinfer's smallest."""
+    target, draft = str(root / "target"), str(root / "draft")
+    inter = 2 * hidden
+    make_tiny_hf_model(
+        target, "llama", num_hidden_layers=4, hidden_size=hidden, intermediate_size=inter
+    )
+    make_tiny_eagle3(draft, hidden_size=hidden, target_hidden_size=hidden, intermediate_size=inter)
+    return target, draft
+
+
+def prompts(seed: int, lens: list[int]) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lens]
+
+
+def engine(target: str, draft: str | None = None, k: int = 3, **kw) -> LocalEngine:
+    base = dict(device="cpu", dtype="float32", page_size=4, num_kv_pages=128)
+    base.update(kw)
+    if draft is not None:
+        base.update(
+            speculative_algorithm="EAGLE3",
+            speculative_draft_model_path=draft,
+            speculative_num_steps=k,
+        )
+    return LocalEngine(ServerArgs(model=target, **base), target)
+
+
+def run(eng: LocalEngine, ps: list[list[int]], sp: SamplingParams | list[SamplingParams]):
+    """Outputs (rid -> the RequestOutputs' concatenated ids, logprobs, finish reason)."""
+    sps = sp if isinstance(sp, list) else [sp] * len(ps)
+    for i, (p, s) in enumerate(zip(ps, sps)):
+        eng.add(str(i), p, s)
+    ids: dict[str, list[int]] = {str(i): [] for i in range(len(ps))}
+    lps: dict[str, list] = {str(i): [] for i in range(len(ps))}
+    last = {}
+    while eng.has_work():
+        for out in eng.step():
+            ids[out.rid].extend(out.token_ids)
+            lps[out.rid].extend(out.logprobs or [])
+            last[out.rid] = out
+    eng.check_integrity()
+    assert eng.scheduler.num_free_pages == eng.scheduler.num_usable_pages, "leaked pages"
+    rids = [str(i) for i in range(len(ps))]
+    return Outputs([ids[r] for r in rids], [lps[r] for r in rids], [last[r] for r in rids])
+
+
+@dataclass
+class Outputs:
+    ids: list[list[int]]  # per request, every output token
+    logprobs: list[list]  # per request, every PositionLogprobs
+    final: list[RequestOutput]  # per request, its last output (finish reason, counters)
+
+    @property
+    def verify_steps(self) -> int:
+        return sum(o.num_verify_steps for o in self.final)
+
+    @property
+    def accepted(self) -> int:
+        return sum(o.num_accepted for o in self.final)
+
+
+Pattern = Callable[[str, int], int]  # (rid, anchor position) -> drafts to make right
+
+
+def force_drafts(eng: LocalEngine, sequences: dict[str, list[int]], pattern: Pattern, k: int):
+    """Make the engine's drafter propose sequences[rid][p + 2 + j] for draft j + 1 after
+    anchor p (what greedy decoding emits there), the first pattern(rid, p) of them
+    right and the rest off by one id. Returns the list of (rid, anchor, right) made."""
+    drafter = eng.worker.drafter
+    assert isinstance(drafter, Drafter)
+    table = eng.worker.requests
+    made: list[tuple[str, int, int]] = []
+    real = drafter.draft
+
+    def draft(rnd: DraftRound, ids, aux, accept_len, draft_tokens) -> None:
+        real(rnd, ids, aux, accept_len, draft_tokens)  # NOTE: KV and graphs as usual
+        slot_rid = {table[rid].slot: rid for rid in table._requests}
+        anchors = (rnd.anchor_pos + accept_len[rnd.accept_row]).tolist()
+        for slot, p in zip(rnd.slots.tolist(), anchors):
+            rid = slot_rid[slot]
+            seq, right = sequences[rid], pattern(rid, p)
+            drafts = []
+            for j in range(k):
+                tok = seq[p + 2 + j] if p + 2 + j < len(seq) else 3
+                drafts.append(tok if j < right else (tok + 1) % VOCAB)
+            draft_tokens[slot] = torch.tensor(drafts)
+            made.append((rid, p, right))
+
+    drafter.draft = draft
+    return made
+
+
+def random_pattern(seed: int, k: int) -> Pattern:
+    rng = random.Random(seed)
+    return lambda rid, p: rng.randint(0, k)
+
+
+def check_round_replay(eng: LocalEngine, exact: bool = True) -> list[tuple[int, float]]:
+    """Make every draft round that runs through the drafter's graph runner run eagerly
+    too, from the same state (rewriting the same KV), and compare the drafts. Returns
+    (rows, fraction of drafts equal) per compared round; `exact` asserts all equal."""
+    drafter = eng.worker.drafter
+    assert isinstance(drafter, Drafter) and drafter.graphs is not None
+    real, compared = drafter.draft, []
+
+    def both(rnd: DraftRound, ids, aux, accept_len, draft_tokens) -> None:
+        before = drafter.graphs.num_runs
+        real(rnd, ids, aux, accept_len, draft_tokens)
+        if drafter.graphs.num_runs == before:
+            return  # not a round of verify rows only: eager already
+        replayed = draft_tokens[rnd.slots].clone()
+        graphs, drafter.graphs = drafter.graphs, None
+        try:
+            real(rnd, ids, aux, accept_len, draft_tokens)
+        finally:
+            drafter.graphs = graphs
+        same = (draft_tokens[rnd.slots] == replayed).float().mean().item()
+        assert not exact or same == 1.0, "replayed drafts differ from eager ones"
+        compared.append((len(rnd.slots), same))
+
+    drafter.draft = both
+    return compared
