@@ -1,0 +1,491 @@
+#!/usr/bin/env python3
+"""EAGLE3 speculative decoding against plain decoding, on MT-Bench's first turns.
+
+Starts `gyrfalcon serve MODEL` twice, one after the other: plain, then with
+`--speculative-algorithm EAGLE3 --speculative-draft-model-path DRAFT
+--speculative-num-steps K`. At each concurrency of --concurrency, each server
+answers the first turn of every question of --dataset as a greedy chat
+completion (temperature 0, --max-tokens, EOS honoured), at most that many in
+flight. Per concurrency it reports:
+
+* acceptance length, tokens emitted per verify step (accepted drafts + 1): token-
+  weighted (total completion tokens / total verify steps; the prefill's first
+  token counted too) and the mean of the requests' `usage.spec_accept_length`;
+* output tokens/s of each server (completion tokens / wall time) and the speed-up;
+* mismatches: requests whose greedy output (text, token count or finish reason)
+  differs between the two servers. Speculative decoding must never change an
+  output: anything but 0 is a bug (the exit code is then 1). For scale, the plain
+  outputs are also compared with the plain outputs at the first concurrency.
+
+Writes spec_<tag>_k<K>_<device-kind>.json and .md into --output-dir. Unknown flags
+go to both servers (`gyrfalcon serve --help`), e.g. `--load-format dummy --tokenizer DIR`.
+
+    python benchmarks/bench_spec.py --device cpu --dtype float32 --device-kind cpu-2core
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import datetime
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+try:
+    import gyrfalcon  # noqa: F401
+except ImportError:  # running from a checkout without an installed package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+
+from gyrfalcon.bench.client import ENDPOINT_PATHS, ERROR_BODY_CHARS, build_payload, fetch_model_ids
+from gyrfalcon.bench.datasets import SampleRequest, load_jsonl_requests
+from gyrfalcon.bench.metrics import mean
+from gyrfalcon.bench.provenance import git_commit
+from gyrfalcon.loader.resolve import default_model_name
+
+ROOT = Path(__file__).resolve().parents[1]
+# NOTE: shared/ sits beside the checkout here, inside the copy on the GPU machine
+SHARED = next((p for p in (ROOT.parent / "shared", ROOT / "shared") if p.is_dir()), ROOT / "shared")
+
+
+@dataclass(frozen=True)
+class SpecBenchDefaults:
+    """Every default of the benchmark, in one place."""
+
+    dataset: str = str(SHARED / "data" / "mt_bench_dev.jsonl")
+    draft_model: str = str(SHARED / "models" / "smollm2-eagle3")
+    num_steps: int = 3
+    max_tokens: int = 256
+    concurrency: str = "1,16"
+    device: str = "auto"
+    dtype: str = "auto"
+    output_dir: str = str(ROOT / "benchmarks" / "results")
+    device_kind: str = "unknown"
+    startup_timeout_s: float = 900.0
+    stop_timeout_s: float = 60.0
+    request_timeout_s: float = 3600.0
+    health_poll_s: float = 1.0
+    shown_mismatches: int = 3  # examples kept in the JSON
+    snippet_chars: int = 80  # text kept around a divergence
+
+
+DEFAULTS = SpecBenchDefaults()
+
+
+def parse_concurrency(text: str) -> list[int]:
+    """'1,16' -> [1, 16] (order kept, repeats dropped); ValueError below 1."""
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 1:
+        raise ValueError(f"--concurrency needs integers >= 1, got {text!r}")
+    return list(dict.fromkeys(values))
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    """(this benchmark's flags, the flags passed through to both servers)."""
+    d = DEFAULTS
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Unknown flags go to both servers (gyrfalcon serve --help).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
+    p.add_argument("--model", default=None, help="target (default: the embedded SmolLM2)")
+    p.add_argument("--draft-model", default=d.draft_model, help="EAGLE3 drafter directory")
+    p.add_argument("--num-steps", type=int, default=d.num_steps, help="draft tokens per step, k")
+    p.add_argument("--dataset", default=d.dataset, help="jsonl with 'turns' (first one is sent)")
+    p.add_argument("--num-prompts", type=int, default=None, help="first N questions (all)")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    p.add_argument("--concurrency", type=parse_concurrency, default=d.concurrency)
+    p.add_argument("--device", default=d.device, help="server --device")
+    p.add_argument("--dtype", default=d.dtype, help="server --dtype")
+    p.add_argument("--device-kind", default=d.device_kind, help="machine label, in file names")
+    p.add_argument("--tag", default=None, help="name in the files (default: from the model)")
+    p.add_argument("--output-dir", default=d.output_dir)
+    p.add_argument("--log-dir", default=None, help="server logs (default: a temp dir)")
+    p.add_argument("--startup-timeout", type=float, default=d.startup_timeout_s)
+    p.add_argument("--request-timeout", type=float, default=d.request_timeout_s)
+    ns, extra = p.parse_known_args(argv)  # NOTE: the string default goes through `type` too
+    if ns.num_steps < 1 or ns.max_tokens < 1:
+        p.error("--num-steps and --max-tokens must be >= 1")
+    return ns, extra
+
+
+def file_tag(ns: argparse.Namespace) -> str:
+    """spec_<tag>_k<K>_<device-kind>: the stem of the result files."""
+    tag = ns.tag or re.sub(r"[^a-z0-9.]+", "-", default_model_name(ns.model).lower()).strip("-")
+    return f"spec_{tag}_k{ns.num_steps}_{ns.device_kind}"
+
+
+def server_command(
+    ns: argparse.Namespace, extra: Sequence[str], port: int, spec: bool
+) -> list[str]:
+    """The `gyrfalcon serve` command line of the plain (spec=False) or EAGLE3 server."""
+    cmd = [sys.executable, "-m", "gyrfalcon.cli", "serve", *([ns.model] if ns.model else [])]
+    cmd += ["--port", str(port), "--device", ns.device, "--dtype", ns.dtype, *extra]
+    if spec:
+        cmd += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path"]
+        cmd += [ns.draft_model, "--speculative-num-steps", str(ns.num_steps)]
+    return cmd
+
+
+# ---------------------------------------------------------------- one request
+
+
+@dataclass
+class ChatOutput:
+    """What one greedy chat completion returned (error set when it failed)."""
+
+    text: str = ""
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    spec_accept_length: float | None = None  # usage: mean tokens emitted per verify step
+    spec_verify_steps: int | None = None  # usage: verify steps of this request
+    latency_s: float = 0.0
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+
+Runs = dict[int, tuple[list[ChatOutput], float]]  # concurrency -> (outputs, wall time)
+
+
+def parse_chat_response(body: dict[str, Any]) -> ChatOutput:
+    """A non-streamed chat completion body -> ChatOutput (spec fields None when absent)."""
+    choice = body["choices"][0]
+    usage = body.get("usage") or {}
+    accept, steps = usage.get("spec_accept_length"), usage.get("spec_verify_steps")
+    return ChatOutput(
+        text=(choice.get("message") or {}).get("content") or "",
+        completion_tokens=int(usage.get("completion_tokens") or 0),
+        finish_reason=choice.get("finish_reason"),
+        spec_accept_length=None if accept is None else float(accept),
+        spec_verify_steps=None if steps is None else int(steps),
+    )
+
+
+def chat_payload(model: str, sample: SampleRequest) -> dict[str, Any]:
+    """The bench client's greedy chat body, sent whole (not streamed): usage comes back."""
+    payload = build_payload("chat", model, sample)
+    payload.pop("stream_options")
+    payload["stream"] = False
+    return payload
+
+
+async def send_chat(session: aiohttp.ClientSession, url: str, payload: dict) -> ChatOutput:
+    """POST one chat completion; failures come back as ChatOutput.error, never raised."""
+    start = time.perf_counter()
+    try:
+        async with session.post(url, json=payload) as response:
+            if response.status != 200:
+                body = (await response.text())[:ERROR_BODY_CHARS]
+                raise RuntimeError(f"HTTP {response.status}: {body}")
+            out = parse_chat_response(await response.json())
+    except Exception as e:  # noqa: BLE001 -- a failed request is data, not a crash
+        out = ChatOutput(error=f"{type(e).__name__}: {e}")
+    out.latency_s = time.perf_counter() - start
+    return out
+
+
+async def run_batch(
+    session: aiohttp.ClientSession, url: str, payloads: Sequence[dict], concurrency: int
+) -> tuple[list[ChatOutput], float]:
+    """Every payload, at most `concurrency` in flight: outputs in order, wall time."""
+    limiter = asyncio.Semaphore(concurrency)
+
+    async def one(payload: dict) -> ChatOutput:
+        async with limiter:
+            return await send_chat(session, url, payload)
+
+    start = time.perf_counter()
+    outputs = list(await asyncio.gather(*(one(p) for p in payloads)))
+    return outputs, time.perf_counter() - start
+
+
+async def run_concurrencies(
+    base_url: str, samples: Sequence[SampleRequest], concurrencies: Sequence[int], timeout: float
+) -> Runs:
+    """After one untimed warm-up request, run_batch at each concurrency."""
+    url = base_url + ENDPOINT_PATHS["chat"]
+    client_timeout = aiohttp.ClientTimeout(total=timeout)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=client_timeout, connector=connector) as session:
+        model = (await fetch_model_ids(session, base_url))[0]
+        payloads = [chat_payload(model, s) for s in samples]
+        warm = await send_chat(session, url, payloads[0])
+        if not warm.ok:
+            raise RuntimeError(f"warm-up request failed: {warm.error}")
+        return {c: await run_batch(session, url, payloads, c) for c in concurrencies}
+
+
+# ---------------------------------------------------------------- figures
+
+
+def acceptance(outputs: Sequence[ChatOutput]) -> dict[str, Any]:
+    """Acceptance lengths over the successful requests with at least one verify step
+    (one with none, e.g. done at its prefill, reports 1.0 and is left out).
+
+    token_weighted = sum(completion tokens) / sum(verify steps) (the first token,
+    from the prefill, counted in); per_verify_step = sum(len_i * steps_i) /
+    sum(steps_i), the server's own figure over all requests (first token left out);
+    mean_per_request = mean of usage.spec_accept_length.
+    """
+    reported = [o for o in outputs if o.ok and o.spec_verify_steps is not None]
+    rows = [o for o in reported if o.spec_verify_steps]
+    steps = sum(o.spec_verify_steps or 0 for o in rows)
+    tokens = sum(o.completion_tokens for o in rows)
+    lengths = [o for o in rows if o.spec_accept_length is not None]
+    emitted = sum((o.spec_accept_length or 0.0) * (o.spec_verify_steps or 0) for o in lengths)
+    length_steps = sum(o.spec_verify_steps or 0 for o in lengths)
+    return {
+        "requests_with_spec_usage": len(reported),
+        "requests_verified": len(rows),
+        "total_verify_steps": steps,
+        "accept_length_token_weighted": tokens / steps if steps else None,
+        "accept_length_per_verify_step": emitted / length_steps if length_steps else None,
+        "accept_length_mean_per_request": mean([o.spec_accept_length for o in lengths]),
+    }
+
+
+def throughput(outputs: Sequence[ChatOutput], duration: float) -> dict[str, Any]:
+    """Completion tokens of the successful requests per second of wall time."""
+    tokens = sum(o.completion_tokens for o in outputs if o.ok)
+    return {
+        "completed": sum(o.ok for o in outputs),
+        "failed": sum(not o.ok for o in outputs),
+        "output_tokens": tokens,
+        "duration_s": duration,
+        "output_throughput": tokens / duration if duration > 0 else 0.0,
+    }
+
+
+def first_difference(a: str, b: str) -> int:
+    """Index of the first character where a and b differ (len of the shorter if a prefix)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def compare_outputs(
+    a: Sequence[ChatOutput], b: Sequence[ChatOutput], shown: int = DEFAULTS.shown_mismatches
+) -> dict[str, Any]:
+    """Pairs (same prompt) whose greedy outputs differ: text, token count or finish
+    reason. Pairs with a failed side are counted apart, not compared."""
+    assert len(a) == len(b), "outputs of the same prompts"
+    failed, mismatched, examples = 0, 0, []
+    for i, (x, y) in enumerate(zip(a, b)):
+        if not (x.ok and y.ok):
+            failed += 1
+            continue
+        same = (x.text, x.completion_tokens, x.finish_reason)
+        if same == (y.text, y.completion_tokens, y.finish_reason):
+            continue
+        mismatched += 1
+        if len(examples) < shown:
+            at = first_difference(x.text, y.text)
+            lo, hi = max(0, at - DEFAULTS.snippet_chars // 2), at + DEFAULTS.snippet_chars // 2
+            examples.append({
+                "prompt_index": i, "first_difference_char": at,
+                "tokens": [x.completion_tokens, y.completion_tokens],
+                "finish_reasons": [x.finish_reason, y.finish_reason],
+                "snippets": [x.text[lo:hi], y.text[lo:hi]],
+            })  # fmt: skip
+    return {"compared": len(a) - failed, "failed_pairs": failed, "mismatches": mismatched,
+            "examples": examples}  # fmt: skip
+
+
+def concurrency_row(
+    concurrency: int,
+    plain: tuple[list[ChatOutput], float],
+    spec: tuple[list[ChatOutput], float],
+    plain_reference: Sequence[ChatOutput],
+) -> dict[str, Any]:
+    """Every figure of one concurrency (plain_reference: plain outputs at the first)."""
+    p, s = throughput(*plain), throughput(*spec)
+    speedup = s["output_throughput"] / p["output_throughput"] if p["output_throughput"] else None
+    return {
+        "concurrency": concurrency,
+        "requests": len(plain[0]),
+        "plain": p,
+        "spec": s,
+        "speedup": speedup,
+        "acceptance": acceptance(spec[0]),
+        "plain_vs_spec": compare_outputs(plain[0], spec[0]),
+        "plain_vs_first_concurrency": compare_outputs(plain_reference, plain[0])["mismatches"],
+    }
+
+
+def without_text(output: ChatOutput) -> dict[str, Any]:
+    """One request's figures for the JSON (texts are compared, not kept)."""
+    return {k: v for k, v in dataclasses.asdict(output).items() if k != "text"}
+
+
+def build_report(
+    ns: argparse.Namespace,
+    extra: Sequence[str],
+    num_prompts: int,
+    commands: dict[str, list[str]],
+    runs: dict[str, Runs],
+) -> dict[str, Any]:
+    """The JSON report: setup, one row per concurrency, per-request figures (no texts)."""
+    reference = runs["plain"][ns.concurrency[0]][0]
+    rows = [
+        concurrency_row(c, runs["plain"][c], runs["spec"][c], reference) for c in ns.concurrency
+    ]
+    return {
+        "bench": "spec", "device_kind": ns.device_kind, "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "model": default_model_name(ns.model), "draft_model": ns.draft_model,
+        "num_steps": ns.num_steps, "dataset": Path(ns.dataset).name,
+        "num_prompts": num_prompts, "max_tokens": ns.max_tokens, "server_args": list(extra),
+        "commands": commands, "rows": rows,
+        "per_request": {
+            str(c): {name: [without_text(o) for o in runs[name][c][0]] for name in runs}
+            for c in ns.concurrency
+        },
+    }  # fmt: skip
+
+
+def _num(value: float | None, digits: int = 2) -> str:
+    return "n/a" if value is None else f"{value:,.{digits}f}"
+
+
+def format_markdown(report: dict[str, Any]) -> str:
+    """The results as a short markdown page: a header naming the setup, one row per
+    concurrency."""
+    lines = [
+        f"# EAGLE3 speculative decoding vs. plain (device kind: {report['device_kind']})",
+        "",
+        f"Target `{report['model']}`, drafter `{report['draft_model']}`, "
+        f"k = {report['num_steps']}; {report['num_prompts']} first turns of "
+        f"`{report['dataset']}`, greedy chat completions, max_tokens {report['max_tokens']}; "
+        f"commit {report['commit']}; server flags: `{' '.join(report['server_args']) or '-'}`. "
+        "Accept length: tokens emitted per verify step (accepted + 1). Mismatches: "
+        "requests whose greedy output differs between the two servers (must be 0).",
+        "",
+        "| concurrency | requests | accept length (tokens / verify steps) "
+        "| accept length (mean per request) | plain tok/s | EAGLE3 tok/s | speed-up "
+        "| mismatches | failed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in report["rows"]:
+        acc, cmp = r["acceptance"], r["plain_vs_spec"]
+        speedup = "n/a" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        lines.append(
+            f"| {r['concurrency']} | {r['requests']} "
+            f"| {_num(acc['accept_length_token_weighted'])} "
+            f"| {_num(acc['accept_length_mean_per_request'])} "
+            f"| {_num(r['plain']['output_throughput'], 1)} "
+            f"| {_num(r['spec']['output_throughput'], 1)} | {speedup} "
+            f"| {cmp['mismatches']} of {cmp['compared']} "
+            f"| {r['plain']['failed'] + r['spec']['failed']} |"
+        )
+    drift = [f"{r['plain_vs_first_concurrency']} at {r['concurrency']}" for r in report["rows"]]
+    if any(r["plain_vs_first_concurrency"] for r in report["rows"]):
+        lines += ["", "Plain outputs differing from plain at the first concurrency (batch "
+                  f"numerics, no speculation involved): {', '.join(drift)}."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- servers
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def healthy(base_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{base_url}/health", timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+@contextlib.contextmanager
+def running_server(cmd: list[str], port: int, log_path: Path, timeout: float) -> Iterator[str]:
+    """Start cmd (its own session, output to log_path), yield its URL once /health is
+    200, stop it with SIGTERM (SIGKILL to the group if it lingers) on the way out."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "python"), env.get("PYTHONPATH")]))
+    print("+", " ".join(cmd), f"> {log_path}", flush=True)
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)  # fmt: skip
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while not healthy(base_url):
+            if proc.poll() is not None:
+                tail = log_path.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"server exited with {proc.returncode}:\n{tail}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server not healthy after {timeout:.0f} s, see {log_path}")
+            time.sleep(DEFAULTS.health_poll_s)
+        yield base_url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(DEFAULTS.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Serve plain, then EAGLE3; run every concurrency on each; write JSON + markdown.
+    Exit code 1 when any output differs or any request failed."""
+    ns, extra = parse_args(argv)
+    samples = load_jsonl_requests(ns.dataset, ns.max_tokens, ns.num_prompts)
+    samples = [dataclasses.replace(s, output_len=ns.max_tokens) for s in samples]
+    log_dir = Path(ns.log_dir or tempfile.mkdtemp(prefix="bench_spec_"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    commands: dict[str, list[str]] = {}
+    runs: dict[str, Runs] = {}
+    for name, spec in (("plain", False), ("spec", True)):
+        port = free_port()
+        commands[name] = cmd = server_command(ns, extra, port, spec)
+        log = log_dir / f"server_{name}.log"
+        try:
+            with running_server(cmd, port, log, ns.startup_timeout) as url:
+                runs[name] = asyncio.run(
+                    run_concurrencies(url, samples, ns.concurrency, ns.request_timeout)
+                )
+        except (RuntimeError, aiohttp.ClientError, OSError) as e:
+            print(f"error ({name} server): {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
+    report = build_report(ns, extra, len(samples), commands, runs)
+    out = Path(ns.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / file_tag(ns)  # NOTE: not with_suffix: tags such as llama-3.1-8b hold dots
+    Path(f"{stem}.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+    markdown = format_markdown(report)
+    Path(f"{stem}.md").write_text(markdown)
+    print(markdown + f"Wrote {stem}.json, {stem}.md (server logs in {log_dir})")
+    rows = report["rows"]
+    if not any(r["acceptance"]["requests_with_spec_usage"] for r in rows):
+        print("warning: the EAGLE3 server reported no spec_verify_steps in usage", file=sys.stderr)
+    bad = any(r["plain_vs_spec"]["mismatches"] or r["plain_vs_spec"]["failed_pairs"] for r in rows)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
