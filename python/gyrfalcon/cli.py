@@ -1,4 +1,5 @@
-"""Command line: `gyrfalcon serve`, `gyrfalcon bench serve`, `gyrfalcon convert`."""
+"""Command line: `gyrfalcon serve`, `gyrfalcon bench serve`, `gyrfalcon convert`,
+`gyrfalcon train-eagle3`."""
 
 from __future__ import annotations
 
@@ -39,7 +40,13 @@ def _convert(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"serve": _serve, "bench": _bench, "convert": _convert}
+def _train_eagle3(argv: list[str]) -> int:
+    from gyrfalcon.train.trainer import main
+
+    return main(argv)
+
+
+COMMANDS = {"serve": _serve, "bench": _bench, "convert": _convert, "train-eagle3": _train_eagle3}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,171 @@
+"""Arguments of `gyrfalcon train-eagle3`: one frozen dataclass; the CLI is generated
+from its fields (every default lives here), "auto" values resolved once by
+`TrainArgs.resolved()`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+# NOTE: evaluation sets: a drafter trained on them reports acceptance it has memorized
+EVAL_SET_MARKERS = ("mt_bench", "mt-bench")
+
+
+@dataclass(frozen=True)
+class TrainArgs:
+    prompts: str | None = field(
+        default=None,
+        metadata={
+            "help": "JSONL of training prompts, one object with a 'prompt' field a line "
+            "(e.g. ../shared/data/train_prompts.jsonl); never an evaluation set"
+        },
+    )
+    output_dir: str | None = field(
+        default=None, metadata={"help": "where the checkpoint goes (config.json, safetensors)"}
+    )
+    target_model: str | None = field(
+        default=None,
+        metadata={
+            "help": "the target: HF directory or id, a .gguf file, or nothing for the "
+            "embedded SmolLM2-135M-Instruct (as `gyrfalcon serve`)"
+        },
+    )
+    tokenizer: str | None = field(
+        default=None, metadata={"help": "tokenizer directory (default: the target's)"}
+    )
+    no_chat_template: bool = field(
+        default=False,
+        metadata={"help": "tokenize the prompt text as is (targets without a chat template)"},
+    )
+    cache_dir: str | None = field(
+        default=None, metadata={"help": "where converted models are cached (as serve)"}
+    )
+    num_prompts: int = field(
+        default=4000, metadata={"help": "prompts drawn (seeded) from the file; 0 = all"}
+    )
+    holdout: int = field(
+        default=64, metadata={"help": "of those, prompts held out to measure acceptance"}
+    )
+    max_new_tokens: int = field(
+        default=256, metadata={"help": "length of the target's greedy answers"}
+    )
+    max_num_seqs: int = field(
+        default=256, metadata={"help": "answers generated at once (the engine's batch)"}
+    )
+    kv_cache_memory: str = field(
+        default="4GiB",
+        metadata={
+            "help": "the engine's KV cache (generation, features); the rest of the "
+            "device's memory is left to training"
+        },
+    )
+    draft_vocab_size: int = field(
+        default=32000,
+        metadata={
+            "help": "the drafter's vocabulary: the most frequent answer tokens "
+            "(capped at the target's vocabulary)"
+        },
+    )
+    ttt_steps: int = field(
+        default=4, metadata={"help": "training-time test: draft steps unrolled per position"}
+    )
+    step_loss_decay: float = field(
+        default=0.8, metadata={"help": "weight of unroll step j's loss: decay ** j"}
+    )
+    max_steps: int = field(default=3000, metadata={"help": "optimizer steps"})
+    batch_size: int = field(default=16, metadata={"help": "sequences per step"})
+    lr: float = field(default=3e-4, metadata={"help": "peak learning rate (AdamW)"})
+    warmup_steps: int | None = field(
+        default=None, metadata={"help": "linear warm-up steps (default: 5%% of max-steps)"}
+    )
+    max_grad_norm: float = field(default=0.5, metadata={"help": "gradient clipping norm"})
+    eval_every: int = field(
+        default=500, metadata={"help": "steps between acceptance reports (0: at the end only)"}
+    )
+    device: str = field(default="auto", metadata={"help": "auto|cpu|cuda"})
+    dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "the target's dtype; auto = bfloat16 on CUDA, float32 on CPU",
+            "choices": ["auto", "float32", "bfloat16", "float16"],
+        },
+    )
+    seed: int = field(default=0, metadata={"help": "seed of prompt sampling, init, batches"})
+
+    def resolved(self) -> TrainArgs:
+        """A copy with "auto" resolved; ValueError names a flag that cannot work."""
+        import torch
+
+        if self.prompts is None:
+            raise ValueError("--prompts is required: a JSONL file of training prompts")
+        lowered = self.prompts.lower()
+        if any(m in lowered for m in EVAL_SET_MARKERS):
+            raise ValueError(
+                f"--prompts {self.prompts!r} is MT-Bench, an evaluation set: never train a "
+                "drafter on it (use ../shared/data/train_prompts.jsonl)"
+            )
+        if self.output_dir is None:
+            raise ValueError("--output-dir is required")
+        positive = {
+            "--max-new-tokens": self.max_new_tokens,
+            "--max-steps": self.max_steps,
+            "--batch-size": self.batch_size,
+            "--ttt-steps": self.ttt_steps,
+            "--draft-vocab-size": self.draft_vocab_size,
+        }
+        for flag, value in positive.items():
+            if value < 1:
+                raise ValueError(f"{flag} must be at least 1, got {value}")
+        if self.holdout < 1:
+            raise ValueError(f"--holdout must be at least 1, got {self.holdout}")
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = self.dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if device.startswith("cuda") else "float32"
+        warmup = self.warmup_steps
+        if warmup is None:
+            warmup = max(1, self.max_steps // 20)
+        return dataclasses.replace(self, device=device, dtype=dtype, warmup_steps=warmup)
+
+    @classmethod
+    def parser(cls) -> argparse.ArgumentParser:
+        parser = argparse.ArgumentParser(
+            prog="gyrfalcon train-eagle3",
+            description="Train an EAGLE3 draft head on the target's own greedy answers.",
+        )
+        for f in dataclasses.fields(cls):
+            meta = dict(f.metadata)
+            help_text = meta.pop("help", "")
+            flag = "--" + f.name.replace("_", "-")
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
+                continue
+            parser.add_argument(
+                flag,
+                type=_parse_type(f.type),
+                default=f.default,
+                help=f"{help_text} (default: {f.default})",
+                **meta,
+            )
+        return parser
+
+    @classmethod
+    def from_argv(cls, argv: list[str]) -> TrainArgs:
+        ns = cls.parser().parse_args(argv)
+        return cls(**vars(ns))
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _parse_type(annotation: Any) -> Any:
+    text = str(annotation)
+    if text.startswith("int"):
+        return int
+    if text.startswith("float"):
+        return float
+    return str

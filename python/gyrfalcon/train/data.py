@@ -1,0 +1,133 @@
+"""Training data: prompts, the target's own greedy answers, the draft vocabulary.
+
+EAGLE3 learns to predict what the target will say, so the text is the target's own:
+each prompt through the chat template, answered greedily by our engine
+(`LocalEngine`, the server's scheduler and worker in-process). A sequence is the
+prompt's ids followed by the answer's; the loss covers the answer only.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from gyrfalcon.engine import LocalEngine
+from gyrfalcon.ipc.messages import SamplingParams
+
+
+@dataclass(frozen=True)
+class TrainSequence:
+    ids: list[int]  # prompt ids then answer ids
+    prompt_len: int  # positions [prompt_len, len(ids)) are the answer
+
+
+def load_prompts(path: str, num_prompts: int, seed: int) -> list[str]:
+    """The 'prompt' field of each line of a JSONL file, `num_prompts` of them drawn
+    with `seed` (0: all, shuffled). ValueError names a line without a prompt."""
+    prompts: list[str] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                prompt = json.loads(line).get("prompt")
+            except (ValueError, AttributeError) as exc:
+                raise ValueError(f"{path}:{lineno}: not a JSON object ({exc})") from exc
+            if not isinstance(prompt, str) or not prompt:
+                raise ValueError(f"{path}:{lineno}: no non-empty 'prompt' string field")
+            prompts.append(prompt)
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    random.Random(seed).shuffle(prompts)
+    return prompts[:num_prompts] if num_prompts > 0 else prompts
+
+
+def encode_prompts(tokenizer: Any, prompts: Sequence[str], chat_template: bool) -> list[list[int]]:
+    """Each prompt as one user turn through the chat template with the generation
+    prompt (the template writes BOS and special tokens, so encoding adds none), or the
+    raw text encoded as the tokenizer does by default when `chat_template` is off."""
+    if chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "the tokenizer has no chat template: pass --no-chat-template to train on the "
+            "raw prompt text, or --tokenizer with a template"
+        )
+    out = []
+    for prompt in prompts:
+        if chat_template:
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
+            out.append(tokenizer.encode(text, add_special_tokens=False))
+        else:
+            out.append(tokenizer.encode(prompt))
+    return out
+
+
+def generate_answers(
+    engine: LocalEngine, prompts: Sequence[list[int]], max_new_tokens: int
+) -> list[TrainSequence]:
+    """The target's greedy answers (EOS included when it stops on one), as sequences.
+    Prompts that leave no room for an answer in the context, and empty answers, are
+    dropped."""
+    context = engine.scheduler.cfg.max_model_len
+    kept = [p for p in prompts if p and len(p) + 2 <= context]
+    if len(kept) < len(prompts):
+        tqdm.write(f"dropped {len(prompts) - len(kept)} prompts longer than the context")
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+    answers: dict[str, list[int]] = {}
+    for i, p in enumerate(kept):
+        engine.add(str(i), p, greedy)
+        answers[str(i)] = []
+    bar = tqdm(total=len(kept), desc="generating answers", unit="prompt")
+    tokens = 0
+    while engine.has_work():
+        for out in engine.step():
+            answers[out.rid].extend(out.token_ids)
+            tokens += len(out.token_ids)
+            if out.finish_reason is not None:
+                if out.error is not None:
+                    answers[out.rid] = []
+                bar.update(1)
+        bar.set_postfix(tokens=tokens, refresh=False)
+    bar.close()
+    seqs = [TrainSequence(p + answers[str(i)], len(p)) for i, p in enumerate(kept)]
+    return [s for s in seqs if len(s.ids) > s.prompt_len]
+
+
+def build_draft_vocab(
+    seqs: Sequence[TrainSequence], vocab_size: int, draft_vocab_size: int
+) -> torch.Tensor:
+    """The draft vocabulary: [draft_vocab] target ids, increasing, the
+    `draft_vocab_size` most frequent answer tokens (ties to the lower id), filled up
+    with the most frequent prompt tokens, then the lowest unused ids. Draft id i is
+    target id out[i]; the checkpoint stores d2t = out - arange (`d2t_offsets`)."""
+    if not 1 <= draft_vocab_size <= vocab_size:
+        raise ValueError(f"draft_vocab_size {draft_vocab_size} is not in [1, {vocab_size}]")
+    answer: Counter[int] = Counter()
+    prompt: Counter[int] = Counter()
+    for s in seqs:
+        answer.update(s.ids[s.prompt_len :])
+        prompt.update(s.ids[: s.prompt_len])
+    chosen: dict[int, None] = {}  # NOTE: an ordered set
+    for counts in (answer, prompt):
+        for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+            if len(chosen) == draft_vocab_size:
+                break
+            chosen.setdefault(t)
+    t = 0
+    while len(chosen) < draft_vocab_size:
+        chosen.setdefault(t)
+        t += 1
+    return torch.tensor(sorted(chosen), dtype=torch.int64)
+
+
+def d2t_offsets(draft_to_target: torch.Tensor) -> torch.Tensor:
+    """d2t as checkpoints store it: target id = draft id + d2t[draft id]."""
+    return draft_to_target - torch.arange(draft_to_target.numel(), device=draft_to_target.device)

@@ -1,0 +1,148 @@
+"""What the drafter learns from: the target's hidden states at every position.
+
+One PREFILL forward of the target over whole sequences (the engine's own model,
+paged KV cache and extend attention backend, `forward_aux`) gives, per token, the
+three aux hidden states the drafter's fc reads (`DraftConfig.aux_layer_ids`: the
+inputs of those layers) and the final (normed) hidden state, from which the
+target's logits are `compute_logits(final)`: storing H numbers a token instead of a
+vocabulary's worth. No gradient reaches the target.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from gyrfalcon.forward.batch import ForwardBatch
+from gyrfalcon.forward.kv_cache import KVCache
+from gyrfalcon.forward.metadata import RowInput, build_batch_tensors
+from gyrfalcon.ipc.contract import DUMMY_PAGE
+from gyrfalcon.ipc.messages import ForwardMode
+from gyrfalcon.layers.attention.base import AttentionBackend
+from gyrfalcon.train.data import TrainSequence
+
+
+@dataclass
+class TrainBatch:
+    """B sequences padded to S (padding repeats each sequence's last token)."""
+
+    ids: torch.Tensor  # [B, S] int64
+    aux: torch.Tensor  # [B, S, 3 * Ht] the target's aux hidden states
+    final: torch.Tensor  # [B, S, Ht] the target's final normed hidden state
+    lengths: torch.Tensor  # [B] int64
+    prompt_lens: torch.Tensor  # [B] int64
+
+
+@dataclass
+class Features:
+    """The target states of a set of sequences, flat: sequence i is rows
+    starts[i] .. starts[i] + lengths[i] - 1."""
+
+    ids: torch.Tensor  # [N] int64
+    aux: torch.Tensor  # [N, 3 * Ht]
+    final: torch.Tensor  # [N, Ht]
+    starts: list[int]
+    lengths: list[int]
+    prompt_lens: list[int]
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def batch(self, indices: Sequence[int]) -> TrainBatch:
+        device = self.ids.device
+        lengths = torch.tensor([self.lengths[i] for i in indices], device=device)
+        starts = torch.tensor([self.starts[i] for i in indices], device=device)
+        pos = torch.arange(int(lengths.max()), device=device)  # [S]
+        rows = starts[:, None] + torch.minimum(pos[None, :], lengths[:, None] - 1)  # [B, S]
+        return TrainBatch(
+            ids=self.ids[rows],
+            aux=self.aux[rows],
+            final=self.final[rows],
+            lengths=lengths,
+            prompt_lens=torch.tensor([self.prompt_lens[i] for i in indices], device=device),
+        )
+
+
+@dataclass(frozen=True)
+class TargetRunner:
+    """The target as the engine holds it: model, paged KV cache (free between
+    requests), the extend attention backend, and how many tokens one forward takes."""
+
+    model: torch.nn.Module
+    kv_cache: KVCache
+    backend: AttentionBackend
+    page_size: int
+    max_tokens: int
+
+    @torch.no_grad()
+    def forward_aux(
+        self, seqs: Sequence[list[int]], aux_layers: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One PREFILL over the sequences (fresh requests, pages 1..) -> (aux [T, 3 Ht]
+        in aux_layers' order, final [T, Ht]), T their tokens in order."""
+        rows, next_page = [], DUMMY_PAGE + 1
+        for ids in seqs:
+            n = -(-len(ids) // self.page_size)
+            rows.append(RowInput(0, list(ids), list(range(next_page, next_page + n))))
+            next_page += n
+        assert next_page <= self.kv_cache.num_pages, "the group needs more KV pages"
+        device = self.kv_cache.k.device
+        bt = build_batch_tensors(rows, self.page_size, device)
+        batch = ForwardBatch.from_tensors(
+            ForwardMode.PREFILL, bt, self.page_size, self.kv_cache, self.backend
+        )
+        batch.attn_meta = self.backend.build_metadata(batch)
+        final, aux = self.model.forward_aux(batch, aux_layers)
+        return torch.cat(aux, dim=-1), final
+
+    def groups(self, seqs: Sequence[TrainSequence]) -> list[list[int]]:
+        """Indices of seqs in forward-sized groups: at most max_tokens tokens (a longer
+        sequence alone) and the KV pages there are."""
+        pages_free = self.kv_cache.num_pages - 1  # NOTE: page 0 is the dummy page
+        out: list[list[int]] = [[]]
+        tokens = pages = 0
+        for i, s in enumerate(seqs):
+            n, p = len(s.ids), -(-len(s.ids) // self.page_size)
+            if p > pages_free:
+                raise ValueError(
+                    f"a sequence of {n} tokens needs {p} KV pages; there are "
+                    f"{pages_free}: raise --kv-cache-memory"
+                )
+            if out[-1] and (tokens + n > self.max_tokens or pages + p > pages_free):
+                out.append([])
+                tokens = pages = 0
+            out[-1].append(i)
+            tokens, pages = tokens + n, pages + p
+        return [g for g in out if g]
+
+
+def compute_features(
+    runner: TargetRunner,
+    seqs: Sequence[TrainSequence],
+    aux_layers: Sequence[int],
+    device: torch.device,
+    desc: str = "target features",
+) -> Features:
+    """The target's states for every token of seqs, stored on `device` in the
+    target's dtype."""
+    lengths = [len(s.ids) for s in seqs]
+    starts = [sum(lengths[:i]) for i in range(len(seqs))]
+    total = sum(lengths)
+    ids = torch.tensor([t for s in seqs for t in s.ids], dtype=torch.int64, device=device)
+    aux = final = None
+    bar = tqdm(total=total, desc=desc, unit="tok")
+    for group in runner.groups(seqs):
+        a, f = runner.forward_aux([seqs[i].ids for i in group], aux_layers)
+        if aux is None or final is None:
+            aux = a.new_empty(total, a.shape[-1], device=device)
+            final = f.new_empty(total, f.shape[-1], device=device)
+        lo = starts[group[0]]
+        hi = lo + a.shape[0]
+        aux[lo:hi], final[lo:hi] = a, f
+        bar.update(hi - lo)
+    bar.close()
+    assert aux is not None and final is not None, "no sequences"
+    return Features(ids, aux, final, starts, lengths, [s.prompt_len for s in seqs])

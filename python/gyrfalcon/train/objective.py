@@ -1,0 +1,127 @@
+"""The loss of the unrolled drafter against the target, and acceptance.
+
+Row p of unroll step j predicts the token at p + 2 + j; the target's distribution
+for it is the target's logits at position q = p + 1 + j (`ttt` has the layout).
+Rows count where that token is an answer token of the sequence (`answer_mask`).
+
+Loss (EAGLE3): at each step, the cross-entropy of the drafter's distribution
+against the target's restricted to the draft vocabulary (softmax of the target's
+logits at the draft ids), over rows whose target argmax is in the draft vocabulary
+(elsewhere the draft vocabulary cannot express the target's choice); step j
+weighted decay ** j.
+
+Acceptance at step j: the fraction of rows where the drafter's argmax, mapped to a
+target id, equals the target's argmax over the whole vocabulary. The inputs of step
+j are the true tokens, so it is the chance of accepting draft token j + 1 given
+the first j were accepted; the mean acceptance length of a round of k drafts is
+1 + sum_{j<k} prod_{i<=j} acc_i (`acceptance_length`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from gyrfalcon.models.llama_eagle3 import LlamaForCausalLMEagle3
+from gyrfalcon.train.features import Features
+from gyrfalcon.train.ttt import draft_logits
+
+
+def answer_mask(
+    lengths: torch.Tensor, prompt_lens: torch.Tensor, seq_len: int, step: int
+) -> torch.Tensor:
+    """[B, S] bool: row p of unroll step `step` predicts an answer token that exists,
+    prompt_len <= p + 2 + step < length."""
+    t = torch.arange(seq_len, device=lengths.device)[None, :] + 2 + step
+    return (t >= prompt_lens[:, None]) & (t < lengths[:, None])
+
+
+@dataclass
+class TargetView:
+    """The target's choices at every position of a batch."""
+
+    probs: torch.Tensor  # [B, S, draft_vocab] float32, softmax over the draft ids
+    argmax: torch.Tensor  # [B, S] target ids: argmax over the whole vocabulary
+
+    @classmethod
+    @torch.no_grad()
+    def of(
+        cls, target: torch.nn.Module, final: torch.Tensor, draft_to_target: torch.Tensor
+    ) -> TargetView:
+        """final: [B, S, Ht] the target's final normed hidden states."""
+        logits = target.compute_logits(final.flatten(0, 1))  # [B * S, vocab]
+        probs = torch.softmax(logits[:, draft_to_target].float(), dim=-1)
+        b, s = final.shape[:2]
+        return cls(probs.view(b, s, -1), logits.argmax(-1).view(b, s))
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # scalar, the mean cross-entropy over the scored rows (0 without)
+    hits: torch.Tensor  # scalar int64: rows where the drafter's argmax is the target's
+    rows: int  # rows counted for acceptance
+
+
+def step_result(
+    drafter: LlamaForCausalLMEagle3,
+    out: torch.Tensor,
+    view: TargetView,
+    lengths: torch.Tensor,
+    prompt_lens: torch.Tensor,
+    step: int,
+) -> StepResult:
+    """Loss and acceptance of unroll step `step`'s output out [B, S, H]. The LM head
+    runs on the counted rows only."""
+    mask = answer_mask(lengths, prompt_lens, out.shape[1], step)
+    b, p = mask.nonzero(as_tuple=True)  # NOTE: the one host sync of a step
+    q = p + 1 + step  # the target's position whose logits score row p
+    logits = draft_logits(drafter, out[b, p]).float()  # [n, draft_vocab]
+    target_ids = view.argmax[b, q]  # [n]
+    hits = (drafter.to_target_ids(logits.detach().argmax(-1)) == target_ids).sum()
+    scored = drafter.t2d[target_ids].to(logits.dtype)  # [n] the target's choice is drafted
+    ce = -(view.probs[b, q] * F.log_softmax(logits, dim=-1)).sum(-1)  # [n]
+    loss = (ce * scored).sum() / scored.sum().clamp(min=1)
+    return StepResult(loss, hits, int(b.numel()))
+
+
+def ttt_loss(
+    drafter: LlamaForCausalLMEagle3,
+    outs: list[torch.Tensor],
+    view: TargetView,
+    lengths: torch.Tensor,
+    prompt_lens: torch.Tensor,
+    decay: float,
+) -> tuple[torch.Tensor, list[StepResult]]:
+    """sum_j decay ** j * loss_j over the unroll steps, and each step's result."""
+    results = [
+        step_result(drafter, out, view, lengths, prompt_lens, j) for j, out in enumerate(outs)
+    ]
+    zero = torch.zeros((), device=outs[0].device)  # NOTE: float32 even under autocast
+    total = sum((decay**j * r.loss for j, r in enumerate(results)), zero)
+    return total, results
+
+
+def acceptance_length(rates: list[float]) -> float:
+    """Mean tokens per round with len(rates) chained drafts accepted at these
+    per-step rates (conditional on the earlier drafts' acceptance): 1 + sum_j prod_{i<=j}."""
+    total, chain = 1.0, 1.0
+    for r in rates:
+        chain *= r
+        total += chain
+    return total
+
+
+@torch.no_grad()
+def greedy_agreement(target: torch.nn.Module, features: Features) -> float:
+    """The fraction of answer tokens that are the target's argmax at the position
+    before them: the features' logits against the engine's greedy answers, 1 up to
+    rounding (a misaligned sequence or feature shows here first)."""
+    hits = total = 0
+    for start, n, prompt_len in zip(features.starts, features.lengths, features.prompt_lens):
+        logits = target.compute_logits(features.final[start + prompt_len - 1 : start + n - 1])
+        answer = features.ids[start + prompt_len : start + n]
+        hits += int((logits.argmax(-1) == answer).sum())
+        total += n - prompt_len
+    return hits / max(1, total)

@@ -1,0 +1,288 @@
+"""`gyrfalcon train-eagle3`: the phases in order, the training loop, evaluation.
+
+generate (the target's greedy answers, `data`) -> features (the target's hidden
+states, `features`) -> train (TTT unroll, `ttt` + `objective`; AdamW, warm-up then
+cosine decay, gradient clipping) with acceptance on held-out prompts every
+--eval-every steps and at the end -> checkpoint (`drafter.export_drafter`) and
+training_args.json (the arguments and the results).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import math
+import os
+import random
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from gyrfalcon.config.model_config import ModelConfig
+from gyrfalcon.config.server_args import ServerArgs
+from gyrfalcon.engine import LocalEngine
+from gyrfalcon.ipc.messages import ForwardMode
+from gyrfalcon.loader.resolve import resolve_model
+from gyrfalcon.models.llama_eagle3 import LlamaForCausalLMEagle3
+from gyrfalcon.train.args import TrainArgs
+from gyrfalcon.train.data import (
+    TrainSequence,
+    build_draft_vocab,
+    encode_prompts,
+    generate_answers,
+    load_prompts,
+)
+from gyrfalcon.train.drafter import (
+    build_drafter,
+    draft_config_for,
+    export_drafter,
+    trainable_parameters,
+)
+from gyrfalcon.train.features import Features, TargetRunner, TrainBatch, compute_features
+from gyrfalcon.train.objective import (
+    StepResult,
+    TargetView,
+    acceptance_length,
+    greedy_agreement,
+    ttt_loss,
+)
+from gyrfalcon.train.ttt import ttt_unroll
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MIN_LR_RATIO = 0.1  # the cosine decays to this fraction of --lr
+BUCKET_BATCHES = 32  # batches drawn together and sorted by length (less padding)
+ADAM_BETAS = (0.9, 0.95)
+POSTFIX_EVERY = 10  # steps between progress-bar updates (each reads the loss: a sync)
+
+
+def log(msg: str) -> None:
+    tqdm.write(f"[train-eagle3] {msg}", file=sys.stderr)
+
+
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    """Linear warm-up over `warmup` steps, then cosine from 1 to MIN_LR_RATIO."""
+    if step < warmup:
+        return (step + 1) / warmup
+    t = (step - warmup) / max(1, total - warmup)
+    return MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+
+
+def batches(features: Features, batch_size: int, seed: int) -> Iterator[list[int]]:
+    """Endless batches of sequence indices: each epoch shuffled, then sorted by length
+    within groups of BUCKET_BATCHES batches, the batches shuffled again."""
+    rng = random.Random(seed)
+    order = list(range(len(features)))
+    while True:
+        rng.shuffle(order)
+        out = []
+        span = batch_size * BUCKET_BATCHES
+        for lo in range(0, len(order), span):
+            chunk = sorted(order[lo : lo + span], key=lambda i: features.lengths[i])
+            out += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
+        rng.shuffle(out)
+        yield from out
+
+
+def autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """bfloat16 autocast on CUDA (float32 master weights); float32 elsewhere."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def run_batch(
+    drafter: LlamaForCausalLMEagle3,
+    target: torch.nn.Module,
+    batch: TrainBatch,
+    args: TrainArgs,
+    device: torch.device,
+) -> tuple[torch.Tensor, list[StepResult]]:
+    """(weighted loss, per-step results) of the unrolled drafter on one batch."""
+    view = TargetView.of(target, batch.final, drafter.draft_to_target)
+    aux = batch.aux if device.type == "cuda" else batch.aux.float()
+    with autocast(device):
+        outs = ttt_unroll(drafter, batch.ids, aux, args.ttt_steps)
+        return ttt_loss(drafter, outs, view, batch.lengths, batch.prompt_lens, args.step_loss_decay)
+
+
+@torch.no_grad()
+def evaluate(
+    drafter: LlamaForCausalLMEagle3,
+    target: torch.nn.Module,
+    features: Features,
+    args: TrainArgs,
+    device: torch.device,
+) -> list[float]:
+    """Acceptance per unroll step over the held-out sequences."""
+    hits = [0] * args.ttt_steps
+    rows = [0] * args.ttt_steps
+    for lo in range(0, len(features), args.batch_size):
+        idx = list(range(lo, min(lo + args.batch_size, len(features))))
+        _, results = run_batch(drafter, target, features.batch(idx), args, device)
+        for j, r in enumerate(results):
+            hits[j] += int(r.hits)
+            rows[j] += r.rows
+    return [h / max(1, n) for h, n in zip(hits, rows)]
+
+
+def report(step: int, rates: list[float]) -> str:
+    per_step = ", ".join(f"{r:.3f}" for r in rates)
+    return (
+        f"step {step}: held-out acceptance per draft step [{per_step}], mean acceptance "
+        f"length {acceptance_length(rates):.2f} (k={len(rates)})"
+    )
+
+
+def generate(args: TrainArgs, prompts: list[str]) -> tuple[str, LocalEngine, list[TrainSequence]]:
+    """(the target's directory, the engine holding it, its answered sequences)."""
+    from transformers import AutoTokenizer
+
+    model_dir = resolve_model(args.target_model, args.cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir)
+    prompt_ids = encode_prompts(tokenizer, prompts, chat_template=not args.no_chat_template)
+    server_args = ServerArgs(
+        model=model_dir,
+        device=args.device,
+        dtype=args.dtype,  # type: ignore[arg-type]
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs,
+        seed=args.seed,
+    )
+    engine = LocalEngine(server_args, model_dir, check_invariants=False)  # NOTE: big pool
+    seqs = generate_answers(engine, prompt_ids, args.max_new_tokens)
+    if len(seqs) <= args.holdout:
+        raise ValueError(f"{len(seqs)} answered prompts; --holdout {args.holdout} leaves none")
+    return model_dir, engine, seqs
+
+
+def target_runner(engine: LocalEngine) -> TargetRunner:
+    """The engine's target, KV cache (free once generation is done) and extend backend."""
+    executor = engine.worker.executor
+    assert executor.kv_cache is not None
+    budget = engine.args.max_num_batched_tokens
+    assert budget is not None, "resolved server args"
+    backend = executor.backend_for(ForwardMode.PREFILL)
+    return TargetRunner(executor.model, executor.kv_cache, backend, executor.page_size, budget)
+
+
+def train_loop(
+    drafter: LlamaForCausalLMEagle3,
+    target: torch.nn.Module,
+    train_feats: Features,
+    held_feats: Features,
+    args: TrainArgs,
+    device: torch.device,
+) -> tuple[list[float], list[dict[str, Any]]]:
+    """(the loss of every step, the held-out evaluations)."""
+    params = trainable_parameters(drafter)
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=ADAM_BETAS, weight_decay=0.0)
+    warmup = args.warmup_steps or 1
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, warmup, args.max_steps))
+    order = batches(train_feats, args.batch_size, args.seed)
+    losses: list[torch.Tensor] = []
+    evals: list[dict[str, Any]] = []
+    bar = tqdm(range(args.max_steps), desc="training", unit="step")
+    for step in bar:
+        loss, results = run_batch(drafter, target, train_feats.batch(next(order)), args, device)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+        opt.step()
+        sched.step()
+        losses.append(loss.detach())
+        done = step + 1
+        if done % POSTFIX_EVERY == 0:
+            acc0 = int(results[0].hits) / max(1, results[0].rows)
+            bar.set_postfix(loss=f"{float(losses[-1]):.3f}", acc0=f"{acc0:.2f}", refresh=False)
+        if done == args.max_steps or (args.eval_every and done % args.eval_every == 0):
+            rates = evaluate(drafter, target, held_feats, args, device)
+            evals.append({"step": done, "acceptance": rates})
+            log(report(done, rates))
+    bar.close()
+    return torch.stack(losses).tolist(), evals
+
+
+def train(args: TrainArgs, prompts: list[str]) -> dict[str, Any]:
+    """Every phase; returns the results written to training_args.json."""
+    assert args.output_dir is not None
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+    times: dict[str, float] = {}
+    t0 = time.perf_counter()
+    model_dir, engine, seqs = generate(args, prompts)
+    train_seqs, held_seqs = seqs[: -args.holdout], seqs[-args.holdout :]
+    answer_tokens = sum(len(s.ids) - s.prompt_len for s in train_seqs)
+    log(
+        f"{len(train_seqs)} training sequences ({answer_tokens} answer tokens), "
+        f"{len(held_seqs)} held out"
+    )
+    times["generate"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    target_cfg = ModelConfig.from_dir(model_dir)
+    draft_vocab = min(args.draft_vocab_size, target_cfg.vocab_size)
+    draft_ids = build_draft_vocab(train_seqs, target_cfg.vocab_size, draft_vocab)
+    cfg = draft_config_for(target_cfg, draft_vocab, args.dtype)
+    aux_layers = cfg.aux_layer_ids(target_cfg.num_layers)
+    runner = target_runner(engine)
+    train_feats = compute_features(runner, train_seqs, aux_layers, device)
+    held_feats = compute_features(runner, held_seqs, aux_layers, device, "held-out features")
+    target = runner.model
+    agreement = greedy_agreement(target, held_feats)
+    log(
+        f"the target's argmax is its generated answer token at {agreement:.4f} of held-out "
+        "positions (1 up to rounding)"
+    )
+    del engine, runner  # NOTE: frees the KV cache (and graphs) for training
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    times["features"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    drafter = build_drafter(cfg, target, draft_ids, device, args.seed)
+    history, evals = train_loop(drafter, target, train_feats, held_feats, args, device)
+    times["train"] = time.perf_counter() - t0
+    export_drafter(drafter, args.output_dir, DTYPES[args.dtype])
+
+    window = max(1, min(20, len(history) // 10))
+    rates = evals[-1]["acceptance"]
+    results = {
+        "initial_loss": sum(history[:window]) / window,
+        "final_loss": sum(history[-window:]) / window,
+        "acceptance": rates,
+        "mean_acceptance_length": acceptance_length(rates),
+        "greedy_agreement": agreement,
+        "evaluations": evals,
+        "train_sequences": len(train_seqs),
+        "held_out_sequences": len(held_seqs),
+        "aux_layers": list(aux_layers),
+        "target_model_dir": model_dir,
+        "seconds": times,
+    }
+    with open(os.path.join(args.output_dir, "training_args.json"), "w") as f:
+        json.dump({"args": args.to_json(), "results": results}, f, indent=2)
+    print(
+        f"train-eagle3: loss {results['initial_loss']:.3f} -> {results['final_loss']:.3f}, "
+        f"{report(args.max_steps, rates)}; generate {times['generate']:.0f} s, features "
+        f"{times['features']:.0f} s, train {times['train']:.0f} s; saved {args.output_dir}",
+        flush=True,
+    )
+    return results
+
+
+def main(argv: list[str]) -> int:
+    try:
+        args = TrainArgs.from_argv(argv).resolved()
+        assert args.prompts is not None
+        prompts = load_prompts(args.prompts, args.num_prompts, args.seed)
+    except (ValueError, OSError) as exc:
+        print(f"gyrfalcon train-eagle3: error: {exc}", file=sys.stderr)
+        return 2
+    train(args, prompts)
+    return 0

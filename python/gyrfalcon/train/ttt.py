@@ -1,0 +1,133 @@
+"""The drafter's differentiable forward, with training-time test (TTT).
+
+The engine's `LlamaForCausalLMEagle3.forward` writes a paged KV cache and runs
+inference kernels; this is the same math as plain tensor ops on the SAME
+parameters (read from the module, never copied), batched [B, S] with causal SDPA,
+so gradients reach them and the trained module is the one the server loads.
+test/unit/train/test_ttt_equivalence.py proves step 0 equals a DRAFT_EXTEND and
+steps 1, 2 equal DRAFT_DECODE steps fed the previous outputs.
+
+Unroll (full sequence ids t_0..t_{S-1}, target features f_p):
+
+    step 0, row p:  token t_{p+1}, hidden fc(f_p), position p        (DRAFT_EXTEND)
+    step j, row p:  token t_{p+1+j}, hidden out_{j-1}[p], position p + j
+                    (DRAFT_DECODE: the draft at feature position p + j consumes
+                    its own output from position p + j - 1)
+    out_j[p] predicts t_{p+2+j}
+
+Row p of step j attends to the keys of step 0 at rows <= p (the features the target
+computed: the engine's cached prefix) and to its own row of steps 1..j (the
+earlier draft steps of this round): `ttt_mask`, what the engine's cache holds when
+it drafts token j + 1 after feature position p, and what SpecForge computes.
+NOTE: the EAGLE repository's trainer also masks step-0 keys p - j + 1 .. p at step
+j (SafeAILab/EAGLE#247, SpecForge#245): the engine never masks them, so neither
+do we.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from gyrfalcon.layers.norm import RMSNorm
+from gyrfalcon.models.llama_eagle3 import LlamaForCausalLMEagle3
+
+
+def ttt_mask(seq_len: int, step: int, device: torch.device | None = None) -> torch.Tensor:
+    """[S, (step + 1) * S] bool, True where query row p of unroll step `step` attends
+    key column c * S + r (row r of step c): c == 0 and r <= p (causal over the
+    target's features), or 1 <= c <= step and r == p (its own earlier draft steps)."""
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+    diagonal = torch.eye(seq_len, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [diagonal] * step, dim=1)
+
+
+def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x [B, S, ...] moved n positions left along dim 1, zero-filled at the end."""
+    if n == 0:
+        return x
+    pad = x.new_zeros(x.shape[0], min(n, x.shape[1]), *x.shape[2:])
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+def rms_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+    """`RMSNorm.forward`'s torch math (float32 statistics) with norm's weight."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.eps)
+    return norm.weight * h.to(dtype)
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """RoPE, rotate-half layout (`RotaryEmbedding.forward`): x [B, S, heads, D],
+    positions [S] -> x rotated."""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [S, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def draft_step(
+    drafter: LlamaForCausalLMEagle3,
+    ids: torch.Tensor,
+    hidden: torch.Tensor,
+    positions: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+) -> torch.Tensor:
+    """One unroll step: ids [B, S], hidden [B, S, H], positions [S] -> out [B, S, H]
+    (pre-final-norm, as `LlamaForCausalLMEagle3.forward`). Appends this step's keys
+    and values [B, S, KVH, D] to keys, values; attends per `ttt_mask`."""
+    layer, attn = drafter.midlayer, drafter.midlayer.self_attn
+    b, s, _ = hidden.shape
+    embeds = F.embedding(ids, drafter.embed_tokens.weight).to(hidden.dtype)
+    normed = rms_norm(hidden, layer.hidden_norm)
+    residual = normed if drafter.cfg.norm_before_residual else hidden
+    x = torch.cat([rms_norm(embeds, layer.input_layernorm), normed], dim=-1)  # [B, S, 2H]
+    qkv = F.linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias)
+    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    q = q.reshape(b, s, attn.num_heads, attn.head_dim)
+    k = k.reshape(b, s, attn.num_kv_heads, attn.head_dim)
+    v = v.reshape(b, s, attn.num_kv_heads, attn.head_dim)
+    if attn.q_norm is not None and attn.k_norm is not None:
+        q, k = rms_norm(q, attn.q_norm), rms_norm(k, attn.k_norm)
+    inv_freq = attn.rotary.inv_freq
+    q, k = rotate(q, positions, inv_freq), rotate(k, positions, inv_freq)
+    keys.append(k)
+    values.append(v)
+    group = attn.num_heads // attn.num_kv_heads
+    all_k = torch.cat(keys, dim=1).transpose(1, 2).repeat_interleave(group, dim=1)
+    all_v = torch.cat(values, dim=1).transpose(1, 2).repeat_interleave(group, dim=1)
+    mask = ttt_mask(s, len(keys) - 1, hidden.device)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), all_k, all_v, attn_mask=mask, scale=attn.head_dim**-0.5
+    )  # [B, heads, S, D]
+    out = out.transpose(1, 2).reshape(b, s, attn.num_heads * attn.head_dim)
+    h = F.linear(out, attn.o_proj.weight) + residual
+    mlp = layer.mlp
+    gate_up = F.linear(rms_norm(h, layer.post_attention_layernorm), mlp.gate_up_proj.weight)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return h + F.linear(F.silu(gate) * up, mlp.down_proj.weight)
+
+
+def ttt_unroll(
+    drafter: LlamaForCausalLMEagle3, ids: torch.Tensor, aux: torch.Tensor, steps: int
+) -> list[torch.Tensor]:
+    """The unrolled drafter over whole sequences: ids [B, S] (t_0..t_{S-1}), aux
+    [B, S, 3 Ht] (the target's aux states at each position) -> out_j [B, S, H] for
+    j < steps, out_j[:, p] predicting t_{p+2+j} (module docstring)."""
+    hidden = F.linear(aux, drafter.fc.weight, drafter.fc.bias)  # `fuse`
+    positions = torch.arange(ids.shape[1], device=ids.device)
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    outs = []
+    for j in range(steps):
+        hidden = draft_step(drafter, shift_left(ids, 1 + j), hidden, positions + j, keys, values)
+        outs.append(hidden)
+    return outs
+
+
+def draft_logits(drafter: LlamaForCausalLMEagle3, out: torch.Tensor) -> torch.Tensor:
+    """out [..., H] -> [..., draft_vocab] (`compute_logits`: final norm, LM head)."""
+    return F.linear(rms_norm(out, drafter.norm), drafter.lm_head.weight)

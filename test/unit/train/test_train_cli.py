@@ -1,0 +1,93 @@
+"""`gyrfalcon train-eagle3` end to end on a tiny random target with a synthetic
+tokenizer (its chat template included): answers from the engine, features, a few
+dozen steps of TTT training; the loss falls, the checkpoint and training_args.json
+are written, and `build_draft_model` loads the checkpoint against the target."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+from conftest import make_tiny_hf_model
+
+from gyrfalcon.bench.synthetic_tokenizer import make_synthetic_tokenizer
+from gyrfalcon.cli import main as cli_main
+from gyrfalcon.config.draft_config import DraftConfig
+from gyrfalcon.config.model_config import ModelConfig
+from gyrfalcon.layers.context import LayerContext
+from gyrfalcon.loader.hf_weights import iter_hf_weights
+from gyrfalcon.models.registry import build_draft_model, build_model
+
+CPU = torch.device("cpu")
+STEPS = 60
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train-eagle3")
+    target, tok = str(root / "target"), str(root / "tokenizer")
+    model = make_tiny_hf_model(target, "llama", num_hidden_layers=4)  # aux layers (2, 2, 1)
+    with torch.no_grad():  # NOTE: a peaked target (entropy ~0.9 nats, not ~4.3): learnable
+        model.lm_head.weight.mul_(4)
+    model.save_pretrained(target)
+    make_synthetic_tokenizer(target, tok)
+    rng = random.Random(0)
+    with open(root / "prompts.jsonl", "w") as f:
+        for _ in range(28):
+            words = " ".join(f"<{rng.randint(3, 255)}>" for _ in range(rng.randint(3, 10)))
+            f.write(json.dumps({"prompt": words}) + "\n")
+    return root, target, tok
+
+
+@pytest.fixture
+def one_thread():
+    """NOTE: tiny tensors: one torch thread is as fast alone and many times faster on a
+    busy 2-core machine (threads spinning against other processes)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_train_eagle3_end_to_end(setup, one_thread):
+    root, target_dir, tok = setup
+    out = str(root / "drafter")
+    argv = [
+        "train-eagle3", "--target-model", target_dir, "--tokenizer", tok,
+        "--prompts", str(root / "prompts.jsonl"), "--num-prompts", "0", "--holdout", "4",
+        "--max-new-tokens", "20", "--max-steps", str(STEPS), "--batch-size", "4",
+        "--lr", "1e-2", "--ttt-steps", "3", "--draft-vocab-size", "64", "--eval-every", "30",
+        "--device", "cpu", "--kv-cache-memory", "16MiB", "--output-dir", out,
+    ]  # fmt: skip
+    assert cli_main(argv) == 0
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "training_args.json"]
+    with open(os.path.join(out, "training_args.json")) as f:
+        record = json.load(f)
+    results = record["results"]
+    assert record["args"]["max_steps"] == STEPS and record["args"]["prompts"].endswith(".jsonl")
+    assert results["final_loss"] < 0.7 * results["initial_loss"], results
+    assert [e["step"] for e in results["evaluations"]] == [30, 60]
+    assert len(results["acceptance"]) == 3 and results["mean_acceptance_length"] >= 1.0
+    assert results["held_out_sequences"] == 4 and results["aux_layers"] == [2, 2, 1]
+    # the features line up with the engine's answers (float32: the same argmax)
+    assert results["greedy_agreement"] == 1.0
+
+    # the server's loading path accepts it for this target (validate_draft included)
+    target_cfg = ModelConfig.from_dir(target_dir)
+    cfg = DraftConfig.from_dir(out)
+    assert cfg.draft_vocab_size == 64 and cfg.eagle_aux_layer_ids is None
+    assert (cfg.hidden_size, cfg.layer.num_heads, cfg.layer.num_kv_heads) == (64, 4, 2)
+    assert cfg.layer.intermediate_size == target_cfg.intermediate_size
+    ctx = LayerContext()
+    target = build_model(target_cfg, target_dir, torch.float32, CPU, ctx, show_progress=False)
+    drafter = build_draft_model(
+        cfg, target_cfg, out, torch.float32, CPU, ctx, target.embed_tokens, show_progress=False
+    )
+    tensors = dict(iter_hf_weights(out, show_progress=False))
+    assert tensors["fc.weight"].dtype == torch.float32  # CPU: float32 (CUDA: bfloat16)
+    hot = torch.arange(64) + tensors["d2t"]
+    assert torch.equal(drafter.to_target_ids(torch.arange(64)), hot)
+    assert hot.tolist() == sorted(set(hot.tolist()))

@@ -1,0 +1,152 @@
+"""The training forward IS the engine's drafter: `ttt_unroll` on the parameters of a
+`LlamaForCausalLMEagle3` equals its engine forward over a paged KV cache (torch_ref),
+step 0 a DRAFT_EXTEND and steps 1, 2 DRAFT_DECODE steps fed the previous outputs, for
+every row of a padded batch of two sequences, in float32; the loss reaches every
+trainable parameter and never the target's embedding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_hf_model
+
+from gyrfalcon.config.model_config import ModelConfig
+from gyrfalcon.forward.batch import ForwardBatch
+from gyrfalcon.forward.kv_cache import KVCache
+from gyrfalcon.forward.metadata import RowInput, build_batch_tensors
+from gyrfalcon.ipc.messages import ForwardMode
+from gyrfalcon.layers.attention.torch_ref import TorchRefBackend
+from gyrfalcon.layers.context import LayerContext
+from gyrfalcon.models.registry import build_model
+from gyrfalcon.train import ttt
+from gyrfalcon.train.drafter import build_drafter, draft_config_for
+from gyrfalcon.train.objective import TargetView, ttt_loss
+from gyrfalcon.train.ttt import draft_logits, ttt_unroll
+
+CPU = torch.device("cpu")
+PAGE = 4
+STEPS = 3
+LENGTHS = (12, 9)  # a padded batch: the second sequence is shorter
+TOL = dict(atol=2e-5, rtol=2e-5)
+RIGHT_MASK = ttt.ttt_mask
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tiny-target"))
+    make_tiny_hf_model(path, "llama", num_hidden_layers=4)
+    cfg = ModelConfig.from_dir(path)
+    return build_model(cfg, path, torch.float32, CPU, LayerContext(), show_progress=False)
+
+
+def make_drafter(target, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    draft_ids = torch.randperm(target.cfg.vocab_size, generator=gen)[:48].sort().values
+    cfg = draft_config_for(target.cfg, 48, "float32")
+    drafter = build_drafter(cfg, target, draft_ids, CPU, seed)
+    with torch.no_grad():  # NOTE: norms off one, head off the target's: every one matters
+        for name, p in drafter.named_parameters():
+            if not name.startswith("embed_tokens."):
+                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+    return drafter
+
+
+def engine_round(drafter, ids: torch.Tensor, fused: torch.Tensor) -> list[torch.Tensor]:
+    """Row p (p < n - STEPS for n = len(ids)) extends feature positions 0..p (ids
+    t_1..t_{p+1}), then drafts STEPS - 1 tokens, step j feeding t_{p+1+j} and the
+    previous step's output at position p + j. Returns, per step, [rows, H]: the extend's
+    output at p, then each decode step's; rows interleave their pages."""
+    lyr = drafter.cfg.layer
+    backend = TorchRefBackend(lyr.num_heads, lyr.num_kv_heads, lyr.head_dim, lyr.head_dim**-0.5)
+    rows = len(ids) - STEPS
+    need = -(-(rows + STEPS) // PAGE)
+    pages = [[1 + r + i * rows for i in range(need)] for r in range(rows)]
+    cache = KVCache(1, 1 + need * rows, PAGE, lyr.num_kv_heads, lyr.head_dim, torch.float32, CPU)
+
+    def run(mode, batch_rows, hidden):
+        bt = build_batch_tensors(batch_rows, PAGE, CPU)
+        batch = ForwardBatch.from_tensors(mode, bt, PAGE, cache, backend)
+        batch.attn_meta = backend.build_metadata(batch)
+        with torch.inference_mode():
+            return drafter(batch, hidden)
+
+    ext = [RowInput(0, ids[1 : p + 2].tolist(), pages[p]) for p in range(rows)]
+    out = run(ForwardMode.DRAFT_EXTEND, ext, torch.cat([fused[: p + 1] for p in range(rows)]))
+    last = torch.arange(1, rows + 1).cumsum(0) - 1
+    outs = [out[last]]
+    for j in range(1, STEPS):
+        dec = [RowInput(p + j, [int(ids[p + 1 + j])], pages[p]) for p in range(rows)]
+        outs.append(run(ForwardMode.DRAFT_DECODE, dec, outs[-1]))
+    return outs
+
+
+def padded_batch(target, seed: int = 3):
+    gen = torch.Generator().manual_seed(seed)
+    s, h = max(LENGTHS), target.cfg.hidden_size
+    ids = torch.randint(0, target.cfg.vocab_size, (len(LENGTHS), s), generator=gen)
+    aux = torch.randn(len(LENGTHS), s, 3 * h, generator=gen)
+    for b, n in enumerate(LENGTHS):  # NOTE: what `Features.batch` pads with
+        ids[b, n:], aux[b, n:] = ids[b, n - 1], aux[b, n - 1]
+    return ids, aux
+
+
+def assert_unroll_equals_engine(drafter, ids, aux) -> None:
+    with torch.no_grad():
+        outs = ttt_unroll(drafter, ids, aux, STEPS)  # STEPS x [B, S, H]
+    assert len(outs) == STEPS and outs[0].shape == (*ids.shape, drafter.cfg.hidden_size)
+    for b, n in enumerate(LENGTHS):
+        with torch.no_grad():
+            fused = drafter.fuse(aux[b, :n])
+        want = engine_round(drafter, ids[b, :n], fused)
+        for j in range(STEPS):
+            got = outs[j][b, : want[j].shape[0]]
+            torch.testing.assert_close(got, want[j], **TOL, msg=f"sequence {b}, step {j}")
+            torch.testing.assert_close(
+                draft_logits(drafter, got), drafter.compute_logits(want[j]), **TOL
+            )
+
+
+def test_unroll_equals_the_engine_extend_and_decode_steps(target):
+    assert_unroll_equals_engine(make_drafter(target), *padded_batch(target))
+
+
+def eagle_repo_mask(seq_len: int, step: int, device=None) -> torch.Tensor:
+    """The EAGLE repository trainer's mask: also hides step-0 keys p - step + 1 .. p."""
+    mask = RIGHT_MASK(seq_len, step, device).clone()
+    for i in range(step):
+        rows = torch.arange(i, seq_len)
+        mask[rows, rows - i] = False
+    return mask
+
+
+def no_draft_keys_mask(seq_len: int, step: int, device=None) -> torch.Tensor:
+    mask = RIGHT_MASK(seq_len, step, device).clone()
+    mask[:, seq_len:] = False
+    return mask
+
+
+@pytest.mark.parametrize("wrong", [eagle_repo_mask, no_draft_keys_mask])
+def test_another_mask_would_be_caught(target, monkeypatch, wrong):
+    """Guard on the guard: masks the engine does not use fail at step 1."""
+    monkeypatch.setattr(ttt, "ttt_mask", wrong)
+    with pytest.raises(AssertionError, match="step 1"):
+        assert_unroll_equals_engine(make_drafter(target), *padded_batch(target))
+
+
+def test_the_loss_trains_every_drafter_parameter_and_never_the_target(target):
+    drafter = make_drafter(target)
+    ids, aux = padded_batch(target)
+    final = torch.randn(*ids.shape, target.cfg.hidden_size)
+    view = TargetView.of(target, final, drafter.draft_to_target)
+    lengths, prompt_lens = torch.tensor(LENGTHS), torch.tensor([3, 2])
+    outs = ttt_unroll(drafter, ids, aux, STEPS)
+    loss, results = ttt_loss(drafter, outs, view, lengths, prompt_lens, 0.8)
+    loss.backward()
+    # row p of step j predicts the token at p + 2 + j, an answer token that exists
+    want_rows = [sum(n - max(pl, 2 + j) for n, pl in zip(LENGTHS, (3, 2))) for j in range(STEPS)]
+    assert [r.rows for r in results] == want_rows == [16, 15, 13]
+    for name, p in drafter.named_parameters():
+        if name.startswith("embed_tokens."):
+            assert p.grad is None and not p.requires_grad, name
+        else:
+            assert p.grad is not None and p.grad.abs().sum() > 0, name

@@ -1,0 +1,81 @@
+"""The pure index math of training-time test: the attention mask, the shift of the
+inputs, which rows count, the acceptance length, the learning-rate schedule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gyrfalcon.train.objective import acceptance_length, answer_mask
+from gyrfalcon.train.trainer import lr_factor
+from gyrfalcon.train.ttt import shift_left, ttt_mask
+
+
+def test_step_zero_is_plain_causal():
+    assert torch.equal(ttt_mask(4, 0), torch.ones(4, 4, dtype=torch.bool).tril())
+
+
+def test_step_two_attends_the_features_causally_and_its_own_earlier_drafts():
+    # columns: step 0 rows 0..3 | step 1 rows 0..3 | step 2 rows 0..3
+    want = torch.tensor(
+        [
+            [1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0],
+            [1, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0],
+            [1, 1, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0],
+            [1, 1, 1, 1, 0, 0, 0, 1, 0, 0, 0, 1],
+        ],
+        dtype=torch.bool,
+    )
+    assert torch.equal(ttt_mask(4, 2), want)
+
+
+def test_mask_by_rule():
+    s, step = 7, 3
+    m = ttt_mask(s, step)
+    assert m.shape == (s, (step + 1) * s)
+    for p in range(s):
+        for c in range(step + 1):
+            for r in range(s):
+                attends = r <= p if c == 0 else r == p
+                assert bool(m[p, c * s + r]) == attends, (p, c, r)
+    # row p attends p + 1 features and `step` drafts: what the engine's cache holds
+    assert m.sum(1).tolist() == [p + 1 + step for p in range(s)]
+
+
+def test_shift_left():
+    x = torch.arange(10).view(2, 5)
+    assert shift_left(x, 0) is x
+    assert shift_left(x, 2).tolist() == [[2, 3, 4, 0, 0], [7, 8, 9, 0, 0]]
+    assert shift_left(x, 7).tolist() == [[0] * 5, [0] * 5]
+    h = torch.randn(2, 5, 3)
+    assert torch.equal(shift_left(h, 1)[:, :4], h[:, 1:]) and not shift_left(h, 1)[:, 4].any()
+
+
+def test_answer_mask_counts_rows_predicting_existing_answer_tokens():
+    lengths, prompt_lens = torch.tensor([8, 5]), torch.tensor([4, 1])
+    # step 0: row p predicts token p + 2: answer tokens 4..7 and 2..4 (token 1 cannot be
+    # predicted: no row has a feature before it)
+    assert answer_mask(lengths, prompt_lens, 8, 0).int().tolist() == [
+        [0, 0, 1, 1, 1, 1, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0, 0],
+    ]
+    assert answer_mask(lengths, prompt_lens, 8, 2).int().tolist() == [
+        [1, 1, 1, 1, 0, 0, 0, 0],
+        [1, 0, 0, 0, 0, 0, 0, 0],
+    ]
+
+
+def test_acceptance_length():
+    assert acceptance_length([]) == 1.0
+    assert acceptance_length([1.0, 1.0, 1.0]) == 4.0
+    assert acceptance_length([0.0, 1.0]) == 1.0
+    assert acceptance_length([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_lr_schedule_warms_up_then_decays_to_a_tenth():
+    assert lr_factor(0, 10, 100) == pytest.approx(0.1)
+    assert lr_factor(9, 10, 100) == pytest.approx(1.0)
+    assert lr_factor(10, 10, 100) == pytest.approx(1.0)
+    assert lr_factor(100, 10, 100) == pytest.approx(0.1)
+    values = [lr_factor(s, 10, 100) for s in range(10, 101)]
+    assert all(a >= b for a, b in zip(values, values[1:]))
