@@ -42,3 +42,53 @@ def test_slot_of_matches_table_walk():
 def test_row_without_enough_pages_is_rejected():
     with pytest.raises(AssertionError, match="KV slots"):
         build_batch_tensors([RowInput(3, [1, 2], [1])], page_size=4, device=torch.device("cpu"))
+
+
+def test_each_draft_step_gets_its_own_positions_slots_and_lengths():
+    """advanced_rows (a draft step's batch, built on the device) == the metadata builder
+    on the same rows at step j: position anchor + j, its own slot, length + 1; capped at
+    the row's last position (spec-decode bug class 3)."""
+    from gyrfalcon.forward.metadata import advanced_rows
+
+    ps = 4
+    pages = [[5, 2, 7], [3, 9, 1]]
+    table = torch.tensor(pages)
+    anchor, last = torch.tensor([5, 2]), torch.tensor([8, 11])
+    ids = torch.tensor([11, 12])
+    for j in (1, 2, 3, 4):
+        bt = advanced_rows(ids, anchor, j, last, table, ps, [12, 12])
+        pos = [min(a + j, e) for a, e in zip(anchor.tolist(), last.tolist())]
+        ref = build_batch_tensors(
+            [RowInput(p, [i], pg) for p, i, pg in zip(pos, ids.tolist(), pages)],
+            ps,
+            torch.device("cpu"),
+        )
+        assert bt.positions.tolist() == pos == ref.positions.tolist()
+        assert bt.out_cache_loc.tolist() == ref.out_cache_loc.tolist()
+        assert bt.seq_lens.tolist() == ref.seq_lens.tolist()
+        assert bt.input_ids.tolist() == [11, 12]
+    assert pos[0] == 8  # row 0 capped at its last position from step 3
+
+
+def test_a_draft_step_sees_only_its_own_slots():
+    """A draft step's batch holds m slots for m rows; a backend handed the whole round's
+    slot list ([m * k]) is refused by the shape checks every metadata build runs
+    (spec-decode bug class 4)."""
+    import dataclasses
+
+    from gyrfalcon.forward.batch import ForwardBatch
+    from gyrfalcon.forward.metadata import advanced_rows
+    from gyrfalcon.ipc.messages import ForwardMode
+    from gyrfalcon.layers.attention.torch_ref import TorchRefBackend
+
+    table = torch.tensor([[1, 2], [3, 4]])
+    bt = advanced_rows(torch.tensor([5, 6]), torch.tensor([1, 2]), 1, torch.tensor([7, 7]),
+                       table, 4, [4, 5])  # fmt: skip
+    backend = TorchRefBackend(2, 2, 8, 1.0)
+    batch = ForwardBatch.from_tensors(ForwardMode.DRAFT_DECODE, bt, 4, None, backend)
+    batch.check()
+    assert batch.out_cache_loc.shape == (2,) and batch.num_decode_rows == 2
+    whole = torch.cat([bt.out_cache_loc, bt.out_cache_loc + 1, bt.out_cache_loc + 2])
+    bad = dataclasses.replace(batch, out_cache_loc=whole)
+    with pytest.raises(AssertionError):
+        bad.check()

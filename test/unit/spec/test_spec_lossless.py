@@ -99,3 +99,15 @@ def test_draft_round_graph_replay_equals_eager(pair, plain3, k):
     got = run(eng, prompts(2, LENS3), GREEDY)
     assert got.ids == plain3.ids
     assert 3 in [rows for rows, _ in compared]  # a padded round
+
+
+def test_spec_graphs_capture_in_a_pool_of_a_few_pages(pair):
+    """VERIFY and draft-round capture (padded rows on the dummy page, lengths >= 1,
+    accept 0) needs no page beyond the dummy one: a pool of 4 pages captures and then
+    serves (spec-decode bug class 5)."""
+    target, draft = pair
+    ps, sp = prompts(5, [3]), SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    small = dict(num_kv_pages=4, static_graph_replay=True, cuda_graph_max_bs=4)
+    eng = engine(target, draft, 3, **small)
+    assert eng.worker.drafter.graphs is not None and eng.worker.executor.graphs is not None
+    assert run(eng, ps, sp).ids == run(engine(target, num_kv_pages=4), ps, sp).ids
