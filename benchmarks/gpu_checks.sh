@@ -11,6 +11,14 @@
 #           .fi-cache/ here and send that folder along (carry): restored into flashinfer's
 #           AOT folder, they load without ninja, so a fresh machine compiles nothing
 #           flashinfer has already built.
+#   stage:  copy the carried .stage*/ parts to /tmp/stage (before the wheels: the parts
+#           and .whl do not fit one transfer), join the SmolLM2 GGUF once all are there;
+#   train-drafter: train the SmolLM2 EAGLE3 drafter (docs/train_eagle3.md; prompts from
+#           .data/train_prompts.jsonl, carried) into drafters/smollm2-eagle3, sent back
+#           as $OUT/drafter.tgz.part* (15 MiB parts);
+#   spec:   bench_spec.py (MT-Bench first turns, .data/mt_bench_dev.jsonl) with the drafter
+#           in drafters/smollm2-eagle3 (or restored from .drafter/drafter.tgz.part*),
+#           then bench_spec_step.py for the 8B and SmolLM2 shapes (dummy weights).
 #   PYTEST_K selects tests (pytest -k), e.g. "not flashinfer_matches_torch_ref" skips the
 #   slowest (~4 min) when flashinfer is unchanged.
 #   SERVER_FLAGS adds server flags (e.g. "--kv-cache-dtype fp8_e4m3"); TAG suffixes the
@@ -25,6 +33,14 @@ case "$GPU" in
   *) KIND=${DEVICE_KIND:-unknown} ;;
 esac
 echo "device kind: $KIND ($GPU)"
+if [ "${1:-}" = stage ]; then
+  mkdir -p /tmp/stage && cp .stage*/* /tmp/stage/ 2>/dev/null; ls -la /tmp/stage
+  if [ "$(ls /tmp/stage | wc -l)" -ge 2 ] && [ ! -f /tmp/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
+    cat /tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf.part* > /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
+    sha256sum /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
+  fi
+  exit 0
+fi
 if [ ! -f /tmp/site/.installed ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
@@ -90,6 +106,30 @@ case "${1:-tests}" in
     ls /tmp/fi-pack
     tar czf - -C /tmp/fi-pack . | split -b 15M - "$OUT/fi-aot.tgz.part"
     ls -la "$OUT" ;;
+  train-drafter)
+    rm -rf drafters/smollm2-eagle3
+    /usr/bin/time -v python3 -m gyrfalcon.cli train-eagle3 --prompts .data/train_prompts.jsonl \
+      --device cuda --output-dir drafters/smollm2-eagle3 --num-prompts ${NUM_PROMPTS:-4000} \
+      --holdout 64 --max-new-tokens 256 --max-steps ${MAX_STEPS:-3000} --batch-size 16 \
+      --lr ${LR:-3e-4} --ttt-steps 4 --draft-vocab-size 16384 --eval-every 500 \
+      > "$OUT/train_drafter.log" 2>&1
+    echo "train exit $?"; grep -aE "Elapsed|acceptance|accept|loss|phase|summary" "$OUT/train_drafter.log" | tail -25
+    tar czf - -C drafters smollm2-eagle3 | split -b 15M - "$OUT/drafter.tgz.part"; ls -la "$OUT" ;;
+  spec)
+    if [ ! -d drafters/smollm2-eagle3 ] && compgen -G ".drafter/drafter.tgz.part*" >/dev/null; then
+      mkdir -p drafters && cat .drafter/drafter.tgz.part* | tar xzf - -C drafters
+    fi
+    python3 benchmarks/bench_spec.py --model "$GYRFALCON_SMOLLM2_GGUF" \
+      --draft-model drafters/smollm2-eagle3 --dataset .data/mt_bench_dev.jsonl --device cuda \
+      --concurrency ${CONCURRENCY:-1,16} --device-kind "$KIND" --output-dir "$OUT" \
+      > "$OUT/bench_spec.log" 2>&1; echo "bench_spec exit $?"; tail -15 "$OUT/bench_spec.log"
+    if [ "${STEP:-1}" = 1 ]; then
+      S="python3 benchmarks/bench_spec_step.py --device-kind $KIND --output-dir $OUT --load-format dummy"
+      $S benchmarks/models/llama-3.1-8b benchmarks/models/llama-3.1-8b-eagle3 --steps 40 \
+        --kv-cache-memory 16GiB 2>&1 | tail -6
+      $S benchmarks/models/smollm2-135m benchmarks/models/smollm2-135m-eagle3 --steps 200 \
+        --batch-sizes 1,16 --kv-cache-memory 4GiB 2>&1 | tail -5
+    fi ;;
   tests)
     nvidia-smi -L
     python3 -m pytest -m gpu test/gpu ${PYTEST_K:+-k "$PYTEST_K"} -q -p no:cacheprovider -rA --durations=10 \
