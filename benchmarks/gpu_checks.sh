@@ -109,6 +109,7 @@ case "${1:-tests}" in
   train-drafter)
     rm -rf drafters/smollm2-eagle3
     /usr/bin/time -v python3 -m gyrfalcon.cli train-eagle3 --prompts .data/train_prompts.jsonl \
+      --target-model "$GYRFALCON_SMOLLM2_GGUF" \
       --device cuda --output-dir drafters/smollm2-eagle3 --num-prompts ${NUM_PROMPTS:-4000} \
       --holdout 64 --max-new-tokens 256 --max-steps ${MAX_STEPS:-3000} --batch-size 16 \
       --lr ${LR:-3e-4} --ttt-steps 4 --draft-vocab-size 16384 --eval-every 500 \
