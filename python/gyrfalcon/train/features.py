@@ -77,7 +77,9 @@ class TargetRunner:
     page_size: int
     max_tokens: int
 
-    @torch.no_grad()
+    # NOTE: inference mode, as the engine runs: its backends' buffers are inference
+    # tensors (the flashinfer plan updates them in place)
+    @torch.inference_mode()
     def forward_aux(
         self, seqs: Sequence[list[int]], aux_layers: Sequence[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,9 +138,9 @@ def compute_features(
     bar = tqdm(total=total, desc=desc, unit="tok")
     for group in runner.groups(seqs):
         a, f = runner.forward_aux([seqs[i].ids for i in group], aux_layers)
-        if aux is None or final is None:
-            aux = a.new_empty(total, a.shape[-1], device=device)
-            final = f.new_empty(total, f.shape[-1], device=device)
+        if aux is None or final is None:  # NOTE: normal tensors, usable under autograd
+            aux = torch.empty(total, a.shape[-1], dtype=a.dtype, device=device)
+            final = torch.empty(total, f.shape[-1], dtype=f.dtype, device=device)
         lo = starts[group[0]]
         hi = lo + a.shape[0]
         aux[lo:hi], final[lo:hi] = a, f
