@@ -239,6 +239,7 @@ class Scheduler:
         if s.num_draft:
             req.num_verify_steps += 1
             req.num_accepted += a
+            self.counters.add_verified(a)
         n, reason = cut_at_finish(
             req, row.token_ids, self.cfg.eos_token_ids, self.cfg.max_model_len
         )

@@ -23,6 +23,13 @@ class StepCounters:
     prompt_tokens: int = 0  # tokens of prefill rows (recomputed prompts included)
     generated_tokens: int = 0  # rows that sample, plus the accepted drafts they kept
     preemptions: int = 0
+    verify_steps: int = 0  # sampling rows that verified drafts (speculative decoding)
+    accepted: int = 0  # drafts they accepted
+
+    def add_verified(self, num_accepted: int) -> None:
+        """A row that verified drafts came back with num_accepted of them accepted."""
+        self.verify_steps += 1
+        self.accepted += num_accepted
 
     def add(self, decisions: Iterable[Decision]) -> None:
         """Count one step's decisions (one per DP rank) before they are applied."""
@@ -59,12 +66,17 @@ class ThroughputLog:
         d_prompt = now.prompt_tokens - self.last.prompt_tokens
         d_gen = now.generated_tokens - self.last.generated_tokens
         d_pre = now.preemptions - self.last.preemptions
+        d_verify = now.verify_steps - self.last.verify_steps
+        d_accepted = now.accepted - self.last.accepted
         self.last_t, self.last = t, replace(now)
         if d_steps == 0:
             return None
+        spec = ""
+        if d_verify:  # NOTE: tokens emitted per verify step: accepted drafts + 1
+            spec = f", spec accept length {(d_verify + d_accepted) / d_verify:.2f}"
         return (
             f"{d_steps / dt:.1f} steps/s, prompt {d_prompt / dt:.0f} tok/s, "
             f"generation {d_gen / dt:.0f} tok/s, running {running}, waiting {waiting}, "
             f"KV {100.0 * used_pages / max(1, total_pages):.1f}% of {total_pages} pages, "
-            f"preempted {d_pre}"
+            f"preempted {d_pre}{spec}"
         )

@@ -90,7 +90,6 @@ def test_loop_serves_every_rank(layout):
                 break
         assert done == {"a": [7] * 4, "b": [7] * 3, "c": [7] * 3}
         assert loop.sched.num_free_pages == loop.sched.num_usable_pages
-        assert all(s == seen[0] for s in seen) and seen[0]  # every rank ran every plan
     finally:
         loop.to_workers.send_nowait(Shutdown())
         for t in ranks:
@@ -98,3 +97,6 @@ def test_loop_serves_every_rank(layout):
         to_sched.close()
         from_sched.close()
     assert not any(t.is_alive() for t in ranks)
+    # NOTE: after the joins: a rank that does not report may still be on the last plan
+    # when the reporting rank's result has finished every request
+    assert all(s == seen[0] for s in seen) and seen[0]  # every rank ran every plan

@@ -53,3 +53,18 @@ def test_interval_zero_never_logs():
     log = ThroughputLog(0.0, clock)
     clock.t += 1000.0
     assert log.line(StepCounters(steps=5), 1, 0, 1, 10) is None
+
+
+def test_spec_acceptance_joins_the_line_over_the_interval():
+    """A server with speculative decoding logs tokens emitted per verify step (accepted
+    drafts + 1) over the interval; verify steps and accepts count as results arrive."""
+    clock = Clock()
+    log = ThroughputLog(10.0, clock)
+    c = StepCounters(steps=10, generated_tokens=30)
+    for a in (3, 1, 0, 2):
+        c.add_verified(a)
+    clock.t += 10.0
+    assert log.line(c, 1, 0, 1, 10).endswith("preempted 0, spec accept length 2.50")
+    c.steps += 1
+    clock.t += 10.0
+    assert "spec" not in log.line(c, 1, 0, 1, 10)  # no verify step in this interval

@@ -111,3 +111,85 @@ def test_spec_graphs_capture_in_a_pool_of_a_few_pages(pair):
     eng = engine(target, draft, 3, **small)
     assert eng.worker.drafter.graphs is not None and eng.worker.executor.graphs is not None
     assert run(eng, ps, sp).ids == run(engine(target, num_kv_pages=4), ps, sp).ids
+
+
+def test_penalties_logprobs_and_preemption_in_a_tiny_pool(pair):
+    """A batch mixing a penalized request (it decodes one token per step), logprobs and
+    stop ids, in a pool small enough to preempt, with every draft right: the same
+    tokens, finish reasons and logprobs as plain decoding, and no page leaked."""
+    target, draft = pair
+    ps = prompts(6, [9, 14, 6, 11])
+    sps = [
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, min_tokens=4),
+    ]
+    small = dict(
+        num_kv_pages=12, chunked_prefill_size=6, max_num_batched_tokens=12,
+        schedule_conservativeness=0.0,
+    )  # fmt: skip
+    plain = run(engine(target, **small), ps, sps)
+    sps[2] = SamplingParams(
+        temperature=0.0, max_tokens=16, ignore_eos=True, stop_token_ids=[plain.ids[2][5]]
+    )
+    plain = run(engine(target, **small), ps, sps)
+    eng = engine(target, draft, 3, **small)
+    seqs = {str(i): p + o for i, (p, o) in enumerate(zip(ps, plain.ids))}
+    force_drafts(eng, seqs, PATTERNS["all_k"](3), 3)
+    got = run(eng, ps, sps)
+    assert got.ids == plain.ids
+    assert [o.finish_reason for o in got.final] == [o.finish_reason for o in plain.final]
+    assert got.final[0].num_verify_steps == 0  # penalized: never drafted
+    assert eng.scheduler.counters.preemptions > 0
+    assert got.accepted > 0
+    for want, have in zip(plain.logprobs[1], got.logprobs[1]):
+        assert have.token_id == want.token_id
+        assert have.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert [t.token_id for t in have.top] == [t.token_id for t in want.top]
+
+
+def test_seeded_sampling_with_spec_is_reproducible(pair):
+    """A seeded sampled request gives the same output every time, whatever runs beside
+    it (its draws come from its own generator)."""
+    target, draft = pair
+    ps = prompts(7, [8, 12])
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=16, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    alone = run(engine(target, draft, 3), ps[:1], seeded).ids[0]
+    together = run(engine(target, draft, 3), ps, [seeded, other]).ids[0]
+    assert alone == together and len(alone) == 16
+
+
+def _pooled_chi2(a: list[int], b: list[int], bins: int = 12) -> tuple[float, int]:
+    """Two-sample chi-square statistic over the `bins` most common tokens plus the
+    rest pooled, and its degrees of freedom."""
+    from collections import Counter
+
+    ca, cb = Counter(a), Counter(b)
+    top = [t for t, _ in (ca + cb).most_common(bins)]
+    rows = [(ca[t], cb[t]) for t in top]
+    rows.append((len(a) - sum(x for x, _ in rows), len(b) - sum(y for _, y in rows)))
+    na, nb = len(a), len(b)
+    stat = 0.0
+    for x, y in rows:
+        if x + y:
+            stat += (x * nb - y * na) ** 2 / (na * nb * (x + y))
+    return stat, len(rows) - 1
+
+
+def test_sampled_outputs_follow_the_plain_distribution(pair):
+    """Temperature sampling through the whole engine: the tokens at output positions 1
+    and 2 (emitted by verify steps, drafts accepted or resampled) are distributed as
+    without speculation (two-sample chi-square, p = 0.001)."""
+    target, draft = pair
+    n = 1200
+    p = prompts(8, [6])[0]
+    sp = SamplingParams(temperature=0.7, max_tokens=3, ignore_eos=True)
+    plain = run(engine(target, max_num_seqs=256), [p] * n, sp).ids
+    eng = engine(target, draft, 3, max_num_seqs=256)
+    spec = run(eng, [p] * n, sp)
+    assert spec.verify_steps > 0
+    for pos in (1, 2):
+        stat, df = _pooled_chi2([o[pos] for o in plain], [o[pos] for o in spec.ids])
+        assert stat < {12: 32.909}[df], (pos, stat)
