@@ -193,3 +193,59 @@ def test_sampled_outputs_follow_the_plain_distribution(pair):
     for pos in (1, 2):
         stat, df = _pooled_chi2([o[pos] for o in plain], [o[pos] for o in spec.ids])
         assert stat < {12: 32.909}[df], (pos, stat)
+
+
+def test_abort_mid_spec_frees_every_page(pair):
+    """Requests aborted while their verify rows (and the drafter's round) are in flight
+    end, and every target and drafter page comes back; the others are unaffected."""
+    target, draft = pair
+    ps = prompts(9, [7, 10, 5])
+    plain = run(engine(target), ps, GREEDY)
+    eng = engine(target, draft, 3)
+    for i, p in enumerate(ps):
+        eng.add(str(i), p, GREEDY)
+    got: dict[str, list[int]] = {str(i): [] for i in range(len(ps))}
+    finished: dict[str, str] = {}
+    aborted = False
+    while eng.has_work():
+        for out in eng.step():
+            got[out.rid].extend(out.token_ids)
+            if out.finish_reason:
+                finished[out.rid] = out.finish_reason
+        if not aborted and eng.scheduler.requests["1"].num_pending_drafts:
+            eng.abort("1")  # its verify row is in flight
+            aborted = True
+        eng.check_integrity()
+    assert aborted and finished["1"] == "abort"
+    assert got["0"] == plain.ids[0] and got["2"] == plain.ids[2]
+    assert eng.scheduler.num_free_pages == eng.scheduler.num_usable_pages
+    assert not len(eng.worker.requests)  # the worker dropped its state too
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(vocab_size=128), "vocab_size 128 is not the target's 256"),
+        (dict(target_hidden_size=32), "target hidden states of width 32"),
+        ("d2t_collision", "both to target id"),
+        ("no_d2t", "has no d2t"),
+    ],
+)
+def test_a_drafter_that_does_not_fit_fails_at_start_up(pair, tmp_path, overrides, message):
+    """The engine refuses such a drafter while it starts, saying what is wrong."""
+    from conftest import make_tiny_eagle3
+    from safetensors.torch import save_file
+
+    target, _ = pair
+    bad = str(tmp_path / "bad")
+    tensors = make_tiny_eagle3(bad, **(overrides if isinstance(overrides, dict) else {}))
+    if overrides == "d2t_collision":  # draft ids 0 and 1 -> one target id
+        tensors["d2t"][1] = tensors["d2t"][0] - 1
+        tensors.pop("t2d")
+    if overrides == "no_d2t":
+        tensors.pop("d2t")
+        tensors.pop("t2d")
+    if isinstance(overrides, str):
+        save_file(tensors, f"{bad}/model.safetensors")
+    with pytest.raises(ValueError, match=message):
+        engine(target, bad, 3)
