@@ -55,8 +55,15 @@ except ImportError:  # running from a checkout without an installed package
 
 from gyrfalcon.bench.client import ENDPOINT_PATHS, ERROR_BODY_CHARS, build_payload, fetch_model_ids
 from gyrfalcon.bench.datasets import SampleRequest, load_jsonl_requests
-from gyrfalcon.bench.metrics import mean
 from gyrfalcon.bench.provenance import git_commit
+from gyrfalcon.bench.spec_report import (
+    ChatOutput,
+    Runs,
+    concurrency_row,
+    format_markdown,
+    parse_chat_response,
+    without_text,
+)
 from gyrfalcon.loader.resolve import default_model_name
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,8 +88,6 @@ class SpecBenchDefaults:
     stop_timeout_s: float = 60.0
     request_timeout_s: float = 3600.0
     health_poll_s: float = 1.0
-    shown_mismatches: int = 3  # examples kept in the JSON
-    snippet_chars: int = 80  # text kept around a divergence
 
 
 DEFAULTS = SpecBenchDefaults()
@@ -147,40 +152,6 @@ def server_command(
 # ---------------------------------------------------------------- one request
 
 
-@dataclass
-class ChatOutput:
-    """What one greedy chat completion returned (error set when it failed)."""
-
-    text: str = ""
-    completion_tokens: int = 0
-    finish_reason: str | None = None
-    spec_accept_length: float | None = None  # usage: mean tokens emitted per verify step
-    spec_verify_steps: int | None = None  # usage: verify steps of this request
-    latency_s: float = 0.0
-    error: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return not self.error
-
-
-Runs = dict[int, tuple[list[ChatOutput], float]]  # concurrency -> (outputs, wall time)
-
-
-def parse_chat_response(body: dict[str, Any]) -> ChatOutput:
-    """A non-streamed chat completion body -> ChatOutput (spec fields None when absent)."""
-    choice = body["choices"][0]
-    usage = body.get("usage") or {}
-    accept, steps = usage.get("spec_accept_length"), usage.get("spec_verify_steps")
-    return ChatOutput(
-        text=(choice.get("message") or {}).get("content") or "",
-        completion_tokens=int(usage.get("completion_tokens") or 0),
-        finish_reason=choice.get("finish_reason"),
-        spec_accept_length=None if accept is None else float(accept),
-        spec_verify_steps=None if steps is None else int(steps),
-    )
-
-
 def chat_payload(model: str, sample: SampleRequest) -> dict[str, Any]:
     """The bench client's greedy chat body, sent whole (not streamed): usage comes back."""
     payload = build_payload("chat", model, sample)
@@ -238,103 +209,6 @@ async def run_concurrencies(
 # ---------------------------------------------------------------- figures
 
 
-def acceptance(outputs: Sequence[ChatOutput]) -> dict[str, Any]:
-    """Acceptance lengths over the successful requests with at least one verify step
-    (one with none, e.g. done at its prefill, reports 1.0 and is left out).
-
-    token_weighted = sum(completion tokens) / sum(verify steps) (the first token,
-    from the prefill, counted in); per_verify_step = sum(len_i * steps_i) /
-    sum(steps_i), the server's own figure over all requests (first token left out);
-    mean_per_request = mean of usage.spec_accept_length.
-    """
-    reported = [o for o in outputs if o.ok and o.spec_verify_steps is not None]
-    rows = [o for o in reported if o.spec_verify_steps]
-    steps = sum(o.spec_verify_steps or 0 for o in rows)
-    tokens = sum(o.completion_tokens for o in rows)
-    lengths = [o for o in rows if o.spec_accept_length is not None]
-    emitted = sum((o.spec_accept_length or 0.0) * (o.spec_verify_steps or 0) for o in lengths)
-    length_steps = sum(o.spec_verify_steps or 0 for o in lengths)
-    return {
-        "requests_with_spec_usage": len(reported),
-        "requests_verified": len(rows),
-        "total_verify_steps": steps,
-        "accept_length_token_weighted": tokens / steps if steps else None,
-        "accept_length_per_verify_step": emitted / length_steps if length_steps else None,
-        "accept_length_mean_per_request": mean([o.spec_accept_length for o in lengths]),
-    }
-
-
-def throughput(outputs: Sequence[ChatOutput], duration: float) -> dict[str, Any]:
-    """Completion tokens of the successful requests per second of wall time."""
-    tokens = sum(o.completion_tokens for o in outputs if o.ok)
-    return {
-        "completed": sum(o.ok for o in outputs),
-        "failed": sum(not o.ok for o in outputs),
-        "output_tokens": tokens,
-        "duration_s": duration,
-        "output_throughput": tokens / duration if duration > 0 else 0.0,
-    }
-
-
-def first_difference(a: str, b: str) -> int:
-    """Index of the first character where a and b differ (len of the shorter if a prefix)."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def compare_outputs(
-    a: Sequence[ChatOutput], b: Sequence[ChatOutput], shown: int = DEFAULTS.shown_mismatches
-) -> dict[str, Any]:
-    """Pairs (same prompt) whose greedy outputs differ: text, token count or finish
-    reason. Pairs with a failed side are counted apart, not compared."""
-    assert len(a) == len(b), "outputs of the same prompts"
-    failed, mismatched, examples = 0, 0, []
-    for i, (x, y) in enumerate(zip(a, b)):
-        if not (x.ok and y.ok):
-            failed += 1
-            continue
-        same = (x.text, x.completion_tokens, x.finish_reason)
-        if same == (y.text, y.completion_tokens, y.finish_reason):
-            continue
-        mismatched += 1
-        if len(examples) < shown:
-            at = first_difference(x.text, y.text)
-            lo, hi = max(0, at - DEFAULTS.snippet_chars // 2), at + DEFAULTS.snippet_chars // 2
-            examples.append({
-                "prompt_index": i, "first_difference_char": at,
-                "tokens": [x.completion_tokens, y.completion_tokens],
-                "finish_reasons": [x.finish_reason, y.finish_reason],
-                "snippets": [x.text[lo:hi], y.text[lo:hi]],
-            })  # fmt: skip
-    return {"compared": len(a) - failed, "failed_pairs": failed, "mismatches": mismatched,
-            "examples": examples}  # fmt: skip
-
-
-def concurrency_row(
-    concurrency: int,
-    plain: tuple[list[ChatOutput], float],
-    spec: tuple[list[ChatOutput], float],
-    plain_reference: Sequence[ChatOutput],
-) -> dict[str, Any]:
-    """Every figure of one concurrency (plain_reference: plain outputs at the first)."""
-    p, s = throughput(*plain), throughput(*spec)
-    speedup = s["output_throughput"] / p["output_throughput"] if p["output_throughput"] else None
-    return {
-        "concurrency": concurrency,
-        "requests": len(plain[0]),
-        "plain": p,
-        "spec": s,
-        "speedup": speedup,
-        "acceptance": acceptance(spec[0]),
-        "plain_vs_spec": compare_outputs(plain[0], spec[0]),
-        "plain_vs_first_concurrency": compare_outputs(plain_reference, plain[0])["mismatches"],
-    }
-
-
-def without_text(output: ChatOutput) -> dict[str, Any]:
-    """One request's figures for the JSON (texts are compared, not kept)."""
-    return {k: v for k, v in dataclasses.asdict(output).items() if k != "text"}
-
-
 def build_report(
     ns: argparse.Namespace,
     extra: Sequence[str],
@@ -359,50 +233,6 @@ def build_report(
             for c in ns.concurrency
         },
     }  # fmt: skip
-
-
-def _num(value: float | None, digits: int = 2) -> str:
-    return "n/a" if value is None else f"{value:,.{digits}f}"
-
-
-def format_markdown(report: dict[str, Any]) -> str:
-    """The results as a short markdown page: a header naming the setup, one row per
-    concurrency."""
-    lines = [
-        f"# EAGLE3 speculative decoding vs. plain (device kind: {report['device_kind']})",
-        "",
-        f"Target `{report['model']}`, drafter `{report['draft_model']}`, "
-        f"k = {report['num_steps']}; {report['num_prompts']} first turns of "
-        f"`{report['dataset']}`, greedy chat completions, max_tokens {report['max_tokens']}; "
-        f"commit {report['commit']}; server flags: `{' '.join(report['server_args']) or '-'}`. "
-        "Accept length: tokens emitted per verify step (accepted + 1). Mismatches: "
-        "requests whose greedy output differs between the two servers (must be 0).",
-        "",
-        "| concurrency | requests | accept length (tokens / verify steps) "
-        "| accept length (mean per request) | plain tok/s | EAGLE3 tok/s | speed-up "
-        "| mismatches | failed |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in report["rows"]:
-        acc, cmp = r["acceptance"], r["plain_vs_spec"]
-        speedup = "n/a" if r["speedup"] is None else f"{r['speedup']:.2f}x"
-        lines.append(
-            f"| {r['concurrency']} | {r['requests']} "
-            f"| {_num(acc['accept_length_token_weighted'])} "
-            f"| {_num(acc['accept_length_mean_per_request'])} "
-            f"| {_num(r['plain']['output_throughput'], 1)} "
-            f"| {_num(r['spec']['output_throughput'], 1)} | {speedup} "
-            f"| {cmp['mismatches']} of {cmp['compared']} "
-            f"| {r['plain']['failed'] + r['spec']['failed']} |"
-        )
-    drift = [f"{r['plain_vs_first_concurrency']} at {r['concurrency']}" for r in report["rows"]]
-    if any(r["plain_vs_first_concurrency"] for r in report["rows"]):
-        lines += ["", "Plain outputs differing from plain at the first concurrency (batch "
-                  f"numerics, no speculation involved): {', '.join(drift)}."]  # fmt: skip
-    return "\n".join(lines) + "\n"
-
-
-# ---------------------------------------------------------------- servers
 
 
 def free_port() -> int:

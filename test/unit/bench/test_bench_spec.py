@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from gyrfalcon.bench import spec_report
 from gyrfalcon.bench.datasets import SampleRequest
 from gyrfalcon.config.server_args import ServerArgs, resolve_speculative
 
@@ -125,29 +126,29 @@ def test_acceptance_token_weighted_and_mean(bs: ModuleType) -> None:
         out(bs, tokens=9, spec_accept_length=9.0, spec_verify_steps=1, error="HTTP 500"),
         out(bs, tokens=1, spec_accept_length=1.0, spec_verify_steps=0),  # one token: no verify
     ]
-    acc = bs.acceptance(outputs)
+    acc = spec_report.acceptance(outputs)
     assert acc["requests_with_spec_usage"] == 3 and acc["requests_verified"] == 2
     assert acc["total_verify_steps"] == 6
     assert acc["accept_length_token_weighted"] == pytest.approx(17 / 6)
     assert acc["accept_length_per_verify_step"] == pytest.approx((2.25 * 4 + 3.0 * 2) / 6)
     assert acc["accept_length_mean_per_request"] == pytest.approx(2.625)
-    none = bs.acceptance([out(bs), out(bs, error="x")])
+    none = spec_report.acceptance([out(bs), out(bs, error="x")])
     assert none["requests_with_spec_usage"] == 0
     assert none["accept_length_token_weighted"] is None
     assert none["accept_length_mean_per_request"] is None
 
 
 def test_throughput_counts_successful_tokens(bs: ModuleType) -> None:
-    t = bs.throughput([out(bs, tokens=30), out(bs, tokens=10), out(bs, error="e")], 4.0)
+    t = spec_report.throughput([out(bs, tokens=30), out(bs, tokens=10), out(bs, error="e")], 4.0)
     assert (t["completed"], t["failed"], t["output_tokens"]) == (2, 1, 40)
     assert t["output_throughput"] == 10.0
-    assert bs.throughput([], 0.0)["output_throughput"] == 0.0
+    assert spec_report.throughput([], 0.0)["output_throughput"] == 0.0
 
 
 def test_first_difference(bs: ModuleType) -> None:
-    assert bs.first_difference("abc", "abd") == 2
-    assert bs.first_difference("ab", "abc") == 2
-    assert bs.first_difference("", "x") == 0
+    assert spec_report.first_difference("abc", "abd") == 2
+    assert spec_report.first_difference("ab", "abc") == 2
+    assert spec_report.first_difference("", "x") == 0
 
 
 def test_compare_outputs_counts_mismatches_and_failures(bs: ModuleType) -> None:
@@ -159,13 +160,13 @@ def test_compare_outputs_counts_mismatches_and_failures(bs: ModuleType) -> None:
         bs.ChatOutput(text="y", completion_tokens=2, finish_reason="length"),
         out(bs, "", error="HTTP 500"),  # failed: not compared
     ]
-    c = bs.compare_outputs(plain, spec)
+    c = spec_report.compare_outputs(plain, spec)
     assert (c["compared"], c["failed_pairs"], c["mismatches"]) == (4, 1, 3)
     first = c["examples"][0]
     assert first["prompt_index"] == 1 and first["first_difference_char"] == 8
     assert first["snippets"] == ["one two three", "one two four"]
-    assert len(bs.compare_outputs(plain, spec, shown=1)["examples"]) == 1
-    assert bs.compare_outputs(plain, plain)["mismatches"] == 0
+    assert len(spec_report.compare_outputs(plain, spec, shown=1)["examples"]) == 1
+    assert spec_report.compare_outputs(plain, plain)["mismatches"] == 0
 
 
 def fake_runs(bs: ModuleType, spec_texts: list[str]) -> dict[str, Any]:
