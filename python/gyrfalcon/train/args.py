@@ -48,6 +48,13 @@ class TrainArgs:
     holdout: int = field(
         default=64, metadata={"help": "of those, prompts held out to measure acceptance"}
     )
+    follow_up_turns: int = field(
+        default=0,
+        metadata={
+            "help": "training prompts that also get a second turn: a generic follow-up "
+            "question after the target's answer, answered by the target too"
+        },
+    )
     max_new_tokens: int = field(
         default=256, metadata={"help": "length of the target's greedy answers"}
     )
@@ -108,6 +115,8 @@ class TrainArgs:
             )
         if self.output_dir is None:
             raise ValueError("--output-dir is required")
+        if self.follow_up_turns and self.no_chat_template:
+            raise ValueError("--follow-up-turns needs the chat template (a conversation)")
         positive = {
             "--max-new-tokens": self.max_new_tokens,
             "--max-steps": self.max_steps,

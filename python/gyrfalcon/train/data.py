@@ -4,6 +4,11 @@ EAGLE3 learns to predict what the target will say, so the text is the target's o
 each prompt through the chat template, answered greedily by our engine
 (`LocalEngine`, the server's scheduler and worker in-process). A sequence is the
 prompt's ids followed by the answer's; the loss covers the answer only.
+
+Follow-up turns (`follow_up_conversations`) widen that text: a prompt, the target's
+answer, then a generic follow-up question (`FOLLOW_UPS`, written for this purpose,
+none from an evaluation set), and the target's second answer, which alone is
+trained on.
 """
 
 from __future__ import annotations
@@ -20,6 +25,18 @@ from tqdm.auto import tqdm
 
 from gyrfalcon.engine import LocalEngine
 from gyrfalcon.ipc.messages import SamplingParams
+
+# Generic second turns: what a user asks after an answer, whatever the topic
+FOLLOW_UPS = (
+    "Can you explain that in more detail?",
+    "Summarize your answer in two sentences.",
+    "Give me another example.",
+    "Rewrite your answer so that a ten-year-old can follow it.",
+    "What is the most important point here, and why?",
+    "Answer again, as a short list.",
+    "Are there any mistakes or caveats in your answer?",
+    "Write a short title for your answer.",
+)
 
 
 @dataclass(frozen=True)
@@ -67,6 +84,28 @@ def encode_prompts(tokenizer: Any, prompts: Sequence[str], chat_template: bool) 
             out.append(tokenizer.encode(text, add_special_tokens=False))
         else:
             out.append(tokenizer.encode(prompt))
+    return out
+
+
+def follow_up_conversations(
+    tokenizer: Any,
+    prompts: Sequence[str],
+    answers: Sequence[list[int]],
+    seed: int,
+) -> list[list[int]]:
+    """Each prompt, the target's answer (decoded, special tokens dropped) and a
+    follow-up drawn with `seed` from FOLLOW_UPS, through the chat template with the
+    generation prompt: the ids of a conversation awaiting its second answer."""
+    rng = random.Random(seed)
+    out = []
+    for prompt, answer in zip(prompts, answers, strict=True):
+        messages = [
+            {"role": "user", "content": prompt},
+            {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)},
+            {"role": "user", "content": rng.choice(FOLLOW_UPS)},
+        ]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        out.append(tokenizer.encode(text, add_special_tokens=False))
     return out
 
 

@@ -34,6 +34,7 @@ from gyrfalcon.train.data import (
     TrainSequence,
     build_draft_vocab,
     encode_prompts,
+    follow_up_conversations,
     generate_answers,
     load_prompts,
 )
@@ -155,6 +156,19 @@ def generate(args: TrainArgs, prompts: list[str]) -> tuple[str, LocalEngine, lis
     )
     engine = LocalEngine(server_args, model_dir, check_invariants=False)  # NOTE: big pool
     seqs = generate_answers(engine, prompt_ids, args.max_new_tokens)
+    if args.follow_up_turns:
+        # NOTE: second turns of training prompts only; the held-out sequences stay last
+        text_of = {tuple(ids): text for ids, text in zip(prompt_ids, prompts)}
+        base = seqs[: len(seqs) - args.holdout][: args.follow_up_turns]
+        convs = follow_up_conversations(
+            tokenizer,
+            [text_of[tuple(s.ids[: s.prompt_len])] for s in base],
+            [s.ids[s.prompt_len :] for s in base],
+            args.seed,
+        )
+        second = generate_answers(engine, convs, args.max_new_tokens)
+        cut = len(seqs) - args.holdout
+        seqs = seqs[:cut] + second + seqs[cut:]
     if len(seqs) <= args.holdout:
         raise ValueError(f"{len(seqs)} answered prompts; --holdout {args.holdout} leaves none")
     return model_dir, engine, seqs

@@ -91,3 +91,37 @@ def test_train_eagle3_end_to_end(setup, one_thread):
     hot = torch.arange(64) + tensors["d2t"]
     assert torch.equal(drafter.to_target_ids(torch.arange(64)), hot)
     assert hot.tolist() == sorted(set(hot.tolist()))
+
+
+def test_follow_up_turns_add_second_answers(setup, one_thread):
+    """--follow-up-turns N: N training prompts get a second turn (the target's answer,
+    then a generic follow-up) answered by the target: N more training sequences whose
+    trained part is the second answer; the held-out ones are unchanged."""
+    from transformers import AutoTokenizer
+
+    from gyrfalcon.train.data import FOLLOW_UPS, follow_up_conversations
+
+    root, target_dir, tok_dir = setup
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    answer = tok.encode("<9> <11>", add_special_tokens=False)
+    (conv,) = follow_up_conversations(tok, ["<5> <7>"], [answer], seed=0)
+
+    def rendered(follow_up: str) -> list[int]:
+        turns = [("user", "<5> <7>"), ("assistant", "<9> <11>"), ("user", follow_up)]
+        messages = [{"role": r, "content": c} for r, c in turns]
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tok.encode(text, add_special_tokens=False)
+
+    assert any(conv == rendered(f) for f in FOLLOW_UPS)
+    out = str(root / "drafter-follow-up")
+    argv = [
+        "train-eagle3", "--target-model", target_dir, "--tokenizer", tok_dir,
+        "--prompts", str(root / "prompts.jsonl"), "--num-prompts", "0", "--holdout", "4",
+        "--max-new-tokens", "12", "--max-steps", "4", "--batch-size", "4", "--ttt-steps", "2",
+        "--draft-vocab-size", "64", "--eval-every", "0", "--follow-up-turns", "6",
+        "--device", "cpu", "--kv-cache-memory", "16MiB", "--output-dir", out,
+    ]  # fmt: skip
+    assert cli_main(argv) == 0
+    with open(os.path.join(out, "training_args.json")) as f:
+        results = json.load(f)["results"]
+    assert results["train_sequences"] == 24 + 6 and results["held_out_sequences"] == 4
