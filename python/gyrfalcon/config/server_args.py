@@ -270,29 +270,35 @@ class ServerArgs:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        for f in dataclasses.fields(cls):
-            meta = dict(f.metadata)
-            help_text = meta.pop("help", "")
-            if meta.pop("positional", False):
-                parser.add_argument(f.name, nargs="?", default=f.default, help=help_text)
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            if f.type in ("bool", bool):
-                parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
-                continue
-            typ = _parse_type(f.type)
-            parser.add_argument(
-                flag,
-                type=typ,
-                default=f.default,
-                help=f"{help_text} (default: {f.default})",
-                **meta,
-            )
+        add_dataclass_args(parser, cls)
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One flag per field of the dataclass `cls`: --field-name, its type from the
+    annotation, its default, and the field's metadata ("help", "positional", the
+    rest passed to argparse); bool fields are store_true switches."""
+    for f in dataclasses.fields(cls):
+        meta = dict(f.metadata)
+        help_text = meta.pop("help", "")
+        if meta.pop("positional", False):
+            parser.add_argument(f.name, nargs="?", default=f.default, help=help_text)
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
+            continue
+        parser.add_argument(
+            flag,
+            type=_parse_type(f.type),
+            default=f.default,
+            help=f"{help_text} (default: {f.default})",
+            **meta,
+        )
 
 
 def _parse_type(annotation: Any) -> Any:

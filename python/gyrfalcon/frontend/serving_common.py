@@ -210,7 +210,6 @@ class ChoiceResult:
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     finish_reason: str | None = None
-    num_output_tokens: int = 0
     error: str | None = None
 
     @property
@@ -224,7 +223,6 @@ class ChoiceResult:
             self.logprobs.extend(delta.logprobs)
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
-        self.num_output_tokens = max(self.num_output_tokens, delta.num_output_tokens)
         if delta.finished:
             self.finish_reason, self.error = delta.finish_reason, delta.error
 

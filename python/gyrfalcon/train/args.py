@@ -9,6 +9,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from gyrfalcon.config.server_args import add_dataclass_args
+
 # NOTE: evaluation sets: a drafter trained on them reports acceptance it has memorized
 EVAL_SET_MARKERS = ("mt_bench", "mt-bench")
 
@@ -146,20 +148,7 @@ class TrainArgs:
             prog="gyrfalcon train-eagle3",
             description="Train an EAGLE3 draft head on the target's own greedy answers.",
         )
-        for f in dataclasses.fields(cls):
-            meta = dict(f.metadata)
-            help_text = meta.pop("help", "")
-            flag = "--" + f.name.replace("_", "-")
-            if f.type in ("bool", bool):
-                parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
-                continue
-            parser.add_argument(
-                flag,
-                type=_parse_type(f.type),
-                default=f.default,
-                help=f"{help_text} (default: {f.default})",
-                **meta,
-            )
+        add_dataclass_args(parser, cls)
         return parser
 
     @classmethod
@@ -169,12 +158,3 @@ class TrainArgs:
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def _parse_type(annotation: Any) -> Any:
-    text = str(annotation)
-    if text.startswith("int"):
-        return int
-    if text.startswith("float"):
-        return float
-    return str

@@ -47,7 +47,7 @@ from gyrfalcon.forward.batch import ForwardBatch
 from gyrfalcon.forward.kv_cache import KVCache
 from gyrfalcon.forward.metadata import BatchTensors, advanced_rows
 from gyrfalcon.ipc.messages import ForwardMode
-from gyrfalcon.layers.attention.registry import create_backends
+from gyrfalcon.layers.attention.registry import backend_class, create_backends
 from gyrfalcon.layers.context import LayerContext
 from gyrfalcon.layers.embedding import VocabEmbedding
 from gyrfalcon.models.registry import build_draft_model
@@ -111,14 +111,11 @@ class Drafter:
         self.heads = ctx.parallel.heads(lyr.num_heads, lyr.num_kv_heads)
         shape = (self.heads.num_heads, self.heads.num_kv_heads, lyr.head_dim, lyr.head_dim**-0.5)
         decode = args.decode_attention_backend
-        self.backends = create_backends(args.attention_backend, decode, *shape, kernels=ctx.kernels)
-        if not self.backends.decode.device_lengths:
+        if not backend_class(decode).device_lengths:
             # NOTE: draft steps know their lengths on the device only (module docstring)
             decode = "triton" if device.type == "cuda" else "torch_ref"
             logger.info("draft steps attend with %s (device-side lengths)", decode)
-            self.backends = create_backends(
-                args.attention_backend, decode, *shape, kernels=ctx.kernels
-            )
+        self.backends = create_backends(args.attention_backend, decode, *shape, kernels=ctx.kernels)
         self.dtype = dtype
         self.kv_cache: KVCache | None = None
         self.graphs: GraphRunner | None = None

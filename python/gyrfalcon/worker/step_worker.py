@@ -274,7 +274,8 @@ class StepWorker:
                     out.logits, out.argmax, step.states, num_generated, drafts, idx, vocab, kernels
                 )
                 ids = torch.cat([acc.accept_len, acc.token_ids.view(-1), per_row.token_ids])
-                step.copy = HostCopy(SampleOutput(ids, *_logprob_fields(per_row)))
+                lp = (per_row.logprobs, per_row.top_ids, per_row.top_logprobs)
+                step.copy = HostCopy(SampleOutput(ids, *lp))
                 last, emitted, accept_len = acc.last_token_ids, acc.token_ids, acc.accept_len
             self.requests.record_last(slots, last)
         if layout.ext_rows:
@@ -328,10 +329,6 @@ class StepWorker:
             logits = self.executor.compute_logits(hidden[first : first + n])
             next_ids = upload(req.prompt_ids[row.start + 1 : end + 1], torch.int64, self.device)
             results[i].prompt_logprobs = prompt_logprobs(logits, next_ids, k)
-
-
-def _logprob_fields(out: SampleOutput) -> tuple:
-    return out.logprobs, out.top_ids, out.top_logprobs
 
 
 def build_worker(

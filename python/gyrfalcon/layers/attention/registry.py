@@ -19,6 +19,25 @@ if TYPE_CHECKING:
     from gyrfalcon.layers.attention.flashinfer_backend import FlashInferWorkspace
 
 
+def backend_class(name: str) -> type[AttentionBackend]:
+    """The backend class called `name`, imported on demand."""
+    if name == "torch_ref":
+        from gyrfalcon.layers.attention.torch_ref import TorchRefBackend
+
+        return TorchRefBackend
+    if name == "triton":
+        from gyrfalcon.layers.attention.triton_backend import TritonBackend
+
+        return TritonBackend
+    if name == "flashinfer":
+        from gyrfalcon.layers.attention.flashinfer_backend import FlashInferBackend
+
+        return FlashInferBackend
+    raise ValueError(
+        f"unknown attention backend {name!r} (available: torch_ref, triton, flashinfer)"
+    )
+
+
 def create_backend(
     name: str,
     num_heads: int,
@@ -30,21 +49,12 @@ def create_backend(
 ) -> AttentionBackend:
     """num_heads, num_kv_heads: the heads this rank holds; kernels: the model's kernel
     policy (PDL launches of the triton backend's kernels)."""
-    if name == "torch_ref":
-        from gyrfalcon.layers.attention.torch_ref import TorchRefBackend
-
-        return TorchRefBackend(num_heads, num_kv_heads, head_dim, scale)
+    cls = backend_class(name)
     if name == "triton":
-        from gyrfalcon.layers.attention.triton_backend import TritonBackend
-
-        return TritonBackend(num_heads, num_kv_heads, head_dim, scale, kernels=kernels)
+        return cls(num_heads, num_kv_heads, head_dim, scale, kernels=kernels)
     if name == "flashinfer":
-        from gyrfalcon.layers.attention.flashinfer_backend import FlashInferBackend
-
-        return FlashInferBackend(num_heads, num_kv_heads, head_dim, scale, workspace=workspace)
-    raise ValueError(
-        f"unknown attention backend {name!r} (available: torch_ref, triton, flashinfer)"
-    )
+        return cls(num_heads, num_kv_heads, head_dim, scale, workspace=workspace)
+    return cls(num_heads, num_kv_heads, head_dim, scale)
 
 
 @dataclass(frozen=True)
