@@ -71,6 +71,24 @@ def step_times(eng: LocalEngine, bs: int, prompt_len: int, steps: int, seed: int
     return elapsed / planned[0], emitted / planned[0]
 
 
+def profile(eng: LocalEngine, bs: int, ns: argparse.Namespace, path: str) -> None:
+    """step_times at batch bs under cProfile; the top functions by own and cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    step_times(eng, bs, ns.prompt_len, ns.steps, bs)
+    prof.disable()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    buf = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(45)
+    with open(path, "w") as f:
+        f.write(buf.getvalue())
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model")
@@ -86,6 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device-kind", default="unknown")
     p.add_argument("--output-dir", default="benchmarks/results")
     p.add_argument("--tag", default="")
+    p.add_argument(
+        "--profile-dir",
+        default=None,
+        help="also run each engine's steps at the first batch size under cProfile and write "
+        "the host functions by own time there (where the host time of a step goes)",
+    )
     ns = p.parse_args(argv)
     sizes = [int(s) for s in ns.batch_sizes.split(",")]
     common = dict(
@@ -103,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, extra in (("plain", {}), ("spec", spec)):
         eng = LocalEngine(ServerArgs(**common, **extra), ns.model)
         results[name] = {bs: step_times(eng, bs, ns.prompt_len, ns.steps, bs) for bs in sizes}
+        if ns.profile_dir:
+            profile(eng, sizes[0], ns, os.path.join(ns.profile_dir, f"host_{name}.txt"))
         del eng
         if ns.device == "cuda":
             torch.cuda.empty_cache()

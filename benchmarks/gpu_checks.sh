@@ -17,8 +17,9 @@
 #           .data/train_prompts.jsonl, carried) into drafters/smollm2-eagle3, sent back
 #           as $OUT/drafter.tgz.part* (15 MiB parts);
 #   spec:   bench_spec.py (MT-Bench first turns, .data/mt_bench_dev.jsonl) with the drafter
-#           in drafters/smollm2-eagle3 (or restored from .drafter/drafter.tgz.part*),
-#           then bench_spec_step.py for the 8B and SmolLM2 shapes (dummy weights).
+#           in drafters/smollm2-eagle3 (or staged: .drafter/drafter.tgz.part* carried with a
+#           stage part), then bench_spec_step.py for the 8B and SmolLM2 shapes (dummy
+#           weights) with host profiles of the first batch size.
 #   PYTEST_K selects tests (pytest -k), e.g. "not flashinfer_matches_torch_ref" skips the
 #   slowest (~4 min) when flashinfer is unchanged.
 #   SERVER_FLAGS adds server flags (e.g. "--kv-cache-dtype fp8_e4m3"); TAG suffixes the
@@ -35,6 +36,10 @@ esac
 echo "device kind: $KIND ($GPU)"
 if [ "${1:-}" = stage ]; then
   mkdir -p /tmp/stage && cp .stage*/* /tmp/stage/ 2>/dev/null; ls -la /tmp/stage
+  if compgen -G ".drafter/drafter.tgz.part*" >/dev/null; then  # a drafter staged with a part
+    mkdir -p /tmp/drafters && cat .drafter/drafter.tgz.part* | tar xzf - -C /tmp/drafters
+    ls /tmp/drafters/*
+  fi
   if [ "$(ls /tmp/stage | wc -l)" -ge 2 ] && [ ! -f /tmp/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
     cat /tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf.part* > /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
     sha256sum /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -117,19 +122,22 @@ case "${1:-tests}" in
     echo "train exit $?"; grep -aE "Elapsed|acceptance|accept|loss|phase|summary" "$OUT/train_drafter.log" | tail -25
     tar czf - -C drafters smollm2-eagle3 | split -b 15M - "$OUT/drafter.tgz.part"; ls -la "$OUT" ;;
   spec)
-    if [ ! -d drafters/smollm2-eagle3 ] && compgen -G ".drafter/drafter.tgz.part*" >/dev/null; then
-      mkdir -p drafters && cat .drafter/drafter.tgz.part* | tar xzf - -C drafters
+    DRAFTER=drafters/smollm2-eagle3
+    [ -d "$DRAFTER" ] || DRAFTER=/tmp/drafters/smollm2-eagle3  # staged (mode stage)
+    if [ ! -d "$DRAFTER" ] && compgen -G ".drafter/drafter.tgz.part*" >/dev/null; then
+      mkdir -p /tmp/drafters && cat .drafter/drafter.tgz.part* | tar xzf - -C /tmp/drafters
     fi
     python3 benchmarks/bench_spec.py --model "$GYRFALCON_SMOLLM2_GGUF" \
-      --draft-model drafters/smollm2-eagle3 --dataset .data/mt_bench_dev.jsonl --device cuda \
+      --draft-model "$DRAFTER" --dataset .data/mt_bench_dev.jsonl --device cuda \
       --concurrency ${CONCURRENCY:-1,16} --device-kind "$KIND" --output-dir "$OUT" \
       > "$OUT/bench_spec.log" 2>&1; echo "bench_spec exit $?"; tail -15 "$OUT/bench_spec.log"
     if [ "${STEP:-1}" = 1 ]; then
       S="python3 benchmarks/bench_spec_step.py --device-kind $KIND --output-dir $OUT --load-format dummy"
       $S benchmarks/models/llama-3.1-8b benchmarks/models/llama-3.1-8b-eagle3 --steps 40 \
-        --kv-cache-memory 16GiB 2>&1 | tail -6
+        --kv-cache-memory 16GiB --profile-dir "$OUT/host_profile_8b" 2>&1 | tail -6
       $S benchmarks/models/smollm2-135m benchmarks/models/smollm2-135m-eagle3 --steps 200 \
-        --batch-sizes 1,16 --kv-cache-memory 4GiB 2>&1 | tail -5
+        --batch-sizes 1,16 --kv-cache-memory 4GiB --profile-dir "$OUT/host_profile_smollm2" \
+        2>&1 | tail -5
     fi ;;
   tests)
     nvidia-smi -L

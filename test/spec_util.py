@@ -97,7 +97,7 @@ def force_drafts(eng: LocalEngine, sequences: dict[str, list[int]], pattern: Pat
     def draft(rnd: DraftRound, ids, aux, accept_len, draft_tokens) -> None:
         real(rnd, ids, aux, accept_len, draft_tokens)  # NOTE: KV and graphs as usual
         slot_rid = {table[rid].slot: rid for rid in table._requests}
-        anchors = (rnd.anchor_pos + accept_len[rnd.accept_row]).tolist()
+        anchors = (rnd.ext.positions[rnd.anchor_idx] + accept_len[rnd.accept_row]).tolist()
         for slot, p in zip(rnd.slots.tolist(), anchors):
             rid = slot_rid[slot]
             seq, right = sequences[rid], pattern(rid, p)

@@ -32,6 +32,7 @@ class LocalEngine:
                 context_len,
                 self.model_cfg.eos_token_ids,
                 check_invariants=check_invariants,
+                float_rows=self.worker.floats_rows,
             )
         )
 

@@ -183,6 +183,15 @@ class ServerArgs:
     speculative_num_draft_tokens: int | None = field(
         default=None, metadata={"help": "tokens verified per step, k + 1 (default: from k)"}
     )
+    speculative_attention_mode: str = field(
+        default="decode",
+        metadata={
+            "help": "backend of target verify and draft extend: the decode backend's "
+            "(default: it reads lengths on the device, so a verify row may be planned "
+            "before the previous one's accept length is back) or the prefill backend's",
+            "choices": ["prefill", "decode"],
+        },
+    )
 
     # ---- helpers -------------------------------------------------------
 
@@ -243,6 +252,13 @@ class ServerArgs:
             chunked_prefill_size=chunk,
             cpu_threads=threads,
         )
+
+    @property
+    def spec_attention_backend(self) -> str:
+        """The backend of VERIFY and DRAFT_EXTEND (resolved args)."""
+        if self.speculative_attention_mode == "decode":
+            return self.decode_attention_backend
+        return self.attention_backend
 
     @property
     def num_draft_tokens(self) -> int:

@@ -160,3 +160,25 @@ def advanced_rows(
         token_rows=token_rows,
         leading_single_rows=m,
     )
+
+
+def shift_rows(
+    bt: BatchTensors,
+    rows: torch.Tensor,
+    shift: torch.Tensor,
+    tokens: torch.Tensor,
+    token_rows: torch.Tensor,
+    page_size: int,
+) -> None:
+    """Move rows of bt by a number of positions known on the device only, in place
+    (floating rows: the host built them at their latest start; shift <= 0 brings them
+    to where the request's previous row ended). rows: [R] batch rows; shift: [R];
+    tokens: [F] indices of those rows' tokens in [T]; token_rows: [F] each token's
+    index into `rows`. Positions and lengths move by the shift, KV slots follow the
+    positions through the page table; host values (seq_lens_cpu) stay upper bounds."""
+    assert rows.shape == shift.shape and tokens.shape == token_rows.shape
+    pos = bt.positions[tokens] + shift[token_rows]  # [F]
+    page = bt.page_table[rows[token_rows], pos // page_size]
+    bt.positions[tokens] = pos
+    bt.out_cache_loc[tokens] = page * page_size + pos % page_size
+    bt.seq_lens.index_add_(0, rows, shift)

@@ -154,6 +154,10 @@ class ScheduledRow(msgspec.Struct, array_like=True):
     draft tokens of its own after the input and verifies them in this row; the
     row's pages hold their KV positions too. The draft tokens never leave the
     worker; the row emits 1 .. num_draft + 1 tokens (`RowResult`).
+    `drafts_in_flight` > 0 makes it a floating row (scheduler/request.py): planned
+    while the request's previous row, with that many drafts, is in flight, it starts
+    where that row ends, start + (drafts it accepts), a position the worker takes
+    from the device; `new_pages` cover the latest start.
     """
 
     rid: str
@@ -163,6 +167,7 @@ class ScheduledRow(msgspec.Struct, array_like=True):
     sample: bool
     reset: bool = False
     num_draft: int = 0
+    drafts_in_flight: int = 0
 
 
 class RankBatch(msgspec.Struct, array_like=True):
@@ -194,6 +199,7 @@ class WorkerReady(msgspec.Struct, tag=True):
     rank: int
     num_kv_pages: int
     max_model_len: int
+    floats_rows: bool = False  # starts floating rows on the device (ScheduledRow)
 
 
 class RowResult(msgspec.Struct, array_like=True):

@@ -2,7 +2,8 @@
 
 Requests new to the rank's workers are sent once in full (`NewRequest`); rows
 send deltas: start position, input ids (PLACEHOLDER for tokens in flight), new
-pages, whether to sample, how many draft slots to verify. Draft tokens never
+pages, whether to sample, how many draft slots to verify, and for a floating
+row how many drafts in flight its start may still move by. Draft tokens never
 appear here: the worker makes them.
 """
 
@@ -34,6 +35,8 @@ def rank_batch(decision: Decision, finished_rids: list[str]) -> RankBatch:
             new_requests.append(NewRequest(req.rid, req.prompt_ids, req.sampling))
             req.sent_to_worker = True
         ids = req.tokens_slice(s.start, s.start + s.num_tokens)
-        row = ScheduledRow(req.rid, s.start, ids, s.new_pages, s.samples, s.reset, s.num_draft)
+        row = ScheduledRow(
+            req.rid, s.start, ids, s.new_pages, s.samples, s.reset, s.num_draft, s.drafts_in_flight
+        )
         rows.append(row)
     return RankBatch(forward_mode(decision), rows, new_requests, finished_rids)

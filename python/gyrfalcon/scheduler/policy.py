@@ -6,10 +6,10 @@ requests, then new requests FCFS. Limits: a token budget per step
 max_num_seqs running requests, and free KV pages. A request with a sampled token
 still in flight (overlap scheduling) only advances as a decode, and not past
 max_tokens or the context length counting that token. A request whose row in
-flight may emit more than one token (it has draft slots) is not planned at all
-until that result is in: where its next row starts depends on how many drafts
-are accepted (request.py). Today no row has draft slots unless `num_draft` is set,
-so overlap keeps every decode going. When a decode needs a page and none is free,
+flight may emit more than one token (it has draft slots) is planned again before
+that result is in only as a floating row (`floats`): its start is then known on
+the device alone (request.py), so it gets pages for the start at its latest; else
+it waits for the result. When a decode needs a page and none is free,
 the most recently admitted running request is preempted (its pages freed,
 recomputed later from position 0).
 
@@ -38,6 +38,9 @@ class Limits:
     page_size: int
     max_model_len: int = 1 << 62
     num_draft: int = 0  # draft slots per decode row (speculative decoding; 0 = off)
+    # the workers start a row where the request's row in flight ends, on the device
+    # (floating rows: overlap scheduling for speculative decoding)
+    float_rows: bool = False
     # KV positions the drafter writes past a sampling row's last emitted token (its
     # draft steps after the first: k - 1 with EAGLE3); held with the row's pages
     draft_lookahead: int = 0
@@ -55,8 +58,11 @@ class Scheduled:
     new_pages: list[int]
     reset: bool  # request was preempted since the worker last saw it
     samples: bool  # the step reaches the last token, so it samples the next
-    start: int  # first position computed (req.num_computed when planned)
+    start: int  # first position computed (req.num_computed when planned): a lower bound
     num_draft: int = 0  # draft tokens the worker appends and verifies (KV held for them)
+    # drafts of rows in flight that may still be accepted (a floating row's start is
+    # start + their accepted count, known on the device only; request.py)
+    drafts_in_flight: int = 0
 
 
 @dataclass
@@ -95,10 +101,26 @@ def drafts_for(req: Request, limits: Limits) -> bool:
     return limits.num_draft > 0 and verifies_drafts(req.sampling)
 
 
+def floats(req: Request, limits: Limits) -> bool:
+    """Whether req, with a row in flight that may emit several tokens, is planned again
+    now, as a floating row: only where the workers take its start from the device
+    (`float_rows`), its row gets k drafts whatever the row in flight accepts (so
+    draft counts, random draws and outputs are those of planning after the result),
+    and min_tokens no longer holds stop tokens back (the worker's count of tokens
+    generated is a lower bound for a floating row)."""
+    left = req.tokens_left(limits.max_model_len) - req.num_pending_drafts
+    return (
+        limits.float_rows
+        and left > limits.num_draft
+        and req.num_generated >= req.sampling.min_tokens
+    )
+
+
 def row_end(req: Request, n: int, num_draft: int, limits: Limits) -> int:
-    """End of the KV positions a row of req from num_computed writes, the drafter's
-    lookahead included for a sampling row (never past the context length)."""
-    end = kv_end(req.num_computed, n, num_draft)
+    """End of the KV positions a row of req from num_computed writes with every draft
+    in flight accepted (its latest start), the drafter's lookahead included for a
+    sampling row (never past the context length)."""
+    end = kv_end(req.num_computed + req.num_pending_drafts, n, num_draft)
     if req.num_computed + n == req.num_tokens and drafts_for(req, limits):
         end = min(end + limits.draft_lookahead, limits.max_model_len)
     return end
@@ -114,7 +136,7 @@ def _take(
     reset, req.needs_reset = req.needs_reset, False
     samples = start + n == req.num_tokens
     assert samples or not num_draft, "only a sampling row verifies drafts"
-    return Scheduled(req, n, new_pages, reset, samples, start, num_draft)
+    return Scheduled(req, n, new_pages, reset, samples, start, num_draft, req.num_pending_drafts)
 
 
 def reserved_tokens(req: Request, ratio: float) -> int:
@@ -178,9 +200,9 @@ def schedule(
             break
         if req.remaining != 1 or req.status is not Status.RUNNING:
             continue
-        if req.num_pending_drafts:
-            continue  # NOTE: its row in flight may emit 1..d+1 tokens: next position unknown
-        left = req.tokens_left(limits.max_model_len)
+        if req.num_pending_drafts and not floats(req, limits):
+            continue  # NOTE: its row in flight may emit 1..d+1 tokens: wait for them
+        left = req.tokens_left(limits.max_model_len) - req.num_pending_drafts
         if left <= 0:
             continue  # its last token is in flight; the result finishes it
         d = draft_slots(limits.num_draft, left) if drafts_for(req, limits) else 0

@@ -103,7 +103,10 @@ class SchedulerLoop:
         context = min(r.max_model_len for r in ready.values())
         a = self.args
         eos = self.model_cfg.eos_token_ids
-        cfg = SchedulerConfig.from_args(a, num_pages, context, eos, dp_size=self.layout.dp_size)
+        floats = all(r.floats_rows for r in ready.values())
+        cfg = SchedulerConfig.from_args(
+            a, num_pages, context, eos, dp_size=self.layout.dp_size, float_rows=floats
+        )
         self.sched = Scheduler(cfg)
         self.to_frontend.send(EngineReady(context, num_pages, a.page_size, a.num_draft_tokens))
         logger.info(

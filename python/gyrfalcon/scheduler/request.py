@@ -23,17 +23,20 @@ s + n .. s + n + a. When the result arrives:
     num_computed += a  (the accepted drafts' KV is valid; rejected slots are
                         simply overwritten later)
 
-so the request is in decode again: its last emitted token, at
-next_start(s, n, a) == num_computed, is the next row's input. Emitted tokens are
-checked in order (stop ids, EOS, max_tokens, min_tokens, context length); the
-output ends at the first one that finishes the request and the tokens after it
-are dropped, never counted (`cut_at_finish`).
+so the request is in decode again: its last emitted token, at position
+s + n + a, is the next row's input. Emitted tokens are checked in order (stop
+ids, EOS, max_tokens, min_tokens, context length); the output ends at the first
+one that finishes the request and the tokens after it are dropped, never counted
+(`cut_at_finish`).
 
 A pending token is fed to the next step as PLACEHOLDER; the worker substitutes
-the last token it emitted for that request, on the device. That is only right
-while the row in flight emits exactly one token, so a request whose row in
-flight may emit more (num_pending_drafts > 0) is not planned again before its
-result is in: its next position is not known (policy.py).
+the last token it emitted for that request, on the device. While a row in flight
+may emit several tokens (num_pending_drafts > 0), num_computed is a lower bound:
+the next row, if planned before that result (a floating row, policy.floats),
+starts at num_computed + (drafts the row in flight accepts), a position the
+worker knows on the device only (it starts the row where the previous one ended),
+and holds pages for the latest start, num_computed + num_pending_drafts. The
+`num_computed += a` above then makes the bound exact again.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     num_pending: int = 0  # sampling rows in flight (see the module docstring)
-    num_pending_drafts: int = 0  # draft slots of those rows: > 0 = next position unknown
+    num_pending_drafts: int = 0  # draft slots of those rows: > 0 = num_computed is a bound
     pages: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
@@ -113,13 +116,6 @@ def kv_end(start: int, num_tokens: int, num_draft: int = 0) -> int:
     """End of the KV positions a row writes: its inputs [start, start + num_tokens),
     then the worker's num_draft draft tokens after them."""
     return start + num_tokens + num_draft
-
-
-def next_start(start: int, num_tokens: int, num_accepted: int) -> int:
-    """Where the request's next row starts after this row's result (== num_computed
-    then): the row's inputs and its accepted drafts are computed; the last emitted
-    token, at this position, is not yet."""
-    return start + num_tokens + num_accepted
 
 
 def draft_slots(num_draft: int, tokens_left: int) -> int:

@@ -31,7 +31,7 @@ from gyrfalcon.scheduler.page_allocator import PageAllocator
 from gyrfalcon.scheduler.plan import rank_batch
 from gyrfalcon.scheduler.policy import Limits, ReserveRatio, Scheduled, schedule
 from gyrfalcon.scheduler.ranks import RankState, pick_rank
-from gyrfalcon.scheduler.request import Request, Status, cut_at_finish, kv_end, next_start
+from gyrfalcon.scheduler.request import Request, Status, cut_at_finish
 from gyrfalcon.scheduler.step_log import StepCounters
 
 
@@ -49,6 +49,7 @@ class SchedulerConfig:
     conservativeness: float = 1.0  # scales the admission reserve (ReserveRatio.scaled)
     dp_size: int = 1  # DP ranks: one RankBatch, page pool and running set each
     num_draft_tokens: int = 0  # draft slots per decode row (speculative decoding; 0 = off)
+    float_rows: bool = False  # workers start floating rows on the device (policy.floats)
 
     @classmethod
     def from_args(
@@ -59,6 +60,7 @@ class SchedulerConfig:
         eos_token_ids: tuple[int, ...],
         check_invariants: bool | None = None,
         dp_size: int = 1,
+        float_rows: bool = False,
     ) -> SchedulerConfig:
         """The scheduler's limits from resolved server args and what the workers sized."""
         check = args.check_invariants if check_invariants is None else check_invariants
@@ -77,6 +79,7 @@ class SchedulerConfig:
             conservativeness=args.schedule_conservativeness,
             dp_size=dp_size,
             num_draft_tokens=args.num_draft_tokens,
+            float_rows=float_rows and not args.disable_overlap_schedule,
         )
 
 
@@ -91,6 +94,7 @@ class Scheduler:
             cfg.max_model_len,
             cfg.num_draft_tokens,
             draft_lookahead=max(0, cfg.num_draft_tokens - 1),
+            float_rows=cfg.float_rows,
         )
         self.ranks = [
             RankState(r, PageAllocator(cfg.num_pages), ReserveRatio.scaled(cfg.conservativeness))
@@ -251,10 +255,10 @@ class Scheduler:
         if reason is not None:
             self._finish(req, reason)
             return
-        # NOTE: a preempted request (WAITING) recomputes from position 0 instead
+        # NOTE: a preempted request (WAITING) recomputes from position 0 instead; a
+        # floating row of it in flight starts after these accepted drafts (request.py)
         if a and req.status is Status.RUNNING:
-            assert req.num_computed == kv_end(s.start, s.num_tokens), "a row of it is in flight"
-            req.num_computed = next_start(s.start, s.num_tokens, a)
+            req.num_computed += a
         self._outputs.append(delta_output(req))
 
     def take_outputs(self) -> list[RequestOutput]:

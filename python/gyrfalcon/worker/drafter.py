@@ -67,7 +67,6 @@ class DraftRound:
     ext_aux_idx: torch.Tensor  # [Te] index of each extend token in the target batch
     # per proposing row (the drafting rows that sample), m of them:
     anchor_idx: torch.Tensor  # [m] extend index of the row's last input token
-    anchor_pos: torch.Tensor  # [m] its position
     accept_row: torch.Tensor  # [m] the row's index among the step's sampling rows
     ext_row: torch.Tensor  # [m] the row's index among the extend rows
     last_pos: torch.Tensor  # [m] last position its pages and the context hold
@@ -115,7 +114,9 @@ class Drafter:
             # NOTE: draft steps know their lengths on the device only (module docstring)
             decode = "triton" if device.type == "cuda" else "torch_ref"
             logger.info("draft steps attend with %s (device-side lengths)", decode)
-        self.backends = create_backends(args.attention_backend, decode, *shape, kernels=ctx.kernels)
+        # NOTE: DRAFT_EXTEND (the extend role) attends like the target's VERIFY
+        extend = args.spec_attention_backend
+        self.backends = create_backends(extend, decode, *shape, kernels=ctx.kernels)
         self.dtype = dtype
         self.kv_cache: KVCache | None = None
         self.graphs: GraphRunner | None = None
@@ -241,7 +242,7 @@ class Drafter:
             accepted = accept_len[rnd.accept_row]  # [m]
             drafts = self._steps(
                 out[rnd.anchor_idx + accepted],
-                rnd.anchor_pos + accepted,
+                rnd.ext.positions[rnd.anchor_idx] + accepted,
                 rnd.last_pos,
                 rnd.ext.page_table[rnd.ext_row],
                 rnd.anchor_pos_cpu,

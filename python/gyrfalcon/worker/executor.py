@@ -71,7 +71,11 @@ class ModelExecutor:
         # NOTE: one instance per role (extend, decode, verify): no step overwrites the
         # plan of a step of another role
         self.backends = create_backends(
-            args.attention_backend, args.decode_attention_backend, *shape, kernels=kernels
+            args.attention_backend,
+            args.decode_attention_backend,
+            *shape,
+            kernels=kernels,
+            verify=args.spec_attention_backend,
         )
         self.attn, self.decode_attn = self.backends.extend, self.backends.decode
         self.kv_cache: KVCache | None = None

@@ -45,7 +45,9 @@ def run_worker(
     reports = layout.reports(rank)
     try:
         runner, context_len = build_worker(args, model_dir, cfg, rank, layout.dp_rank(rank))
-        outbox.send(WorkerReady(rank, runner.executor.kv_cache.num_pages, context_len))
+        outbox.send(
+            WorkerReady(rank, runner.executor.kv_cache.num_pages, context_len, runner.floats_rows)
+        )
         stop.serving()
         while not stop.requested:
             if runner.pending:

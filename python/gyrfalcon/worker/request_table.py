@@ -7,7 +7,9 @@ its rank batch lists it in `finished_rids`: its prompt, its sampling state
 sampling row emitted, so the next plan's PLACEHOLDER inputs are filled on the
 device. With speculative decoding the slot also indexes `draft_tokens`, the k draft
 tokens the drafter proposed for the request's next verify row, written and read
-on the device only.
+on the device only, and `next_pos`, the position of the last token the request's
+latest sampling row emitted, where its next row starts: a floating row
+(ipc/messages.ScheduledRow) takes its start from there.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class RequestTable:
         self._free_slots: list[int] = []
         self.last_tokens = torch.zeros(0, dtype=torch.int64, device=device)  # [slots]
         self.draft_tokens = torch.zeros(0, num_draft, dtype=torch.int64, device=device)
+        self.next_pos = torch.zeros(0, dtype=torch.int64, device=device)  # [slots]
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -70,6 +73,7 @@ class RequestTable:
             n = self.last_tokens.shape[0]
             self.last_tokens = _grown(self.last_tokens, max(MIN_SLOTS, 2 * n))
             self.draft_tokens = _grown(self.draft_tokens, max(MIN_SLOTS, 2 * n))
+            self.next_pos = _grown(self.next_pos, max(MIN_SLOTS, 2 * n))
             self._free_slots = list(range(self.last_tokens.shape[0] - 1, n - 1, -1))
         req = WorkerRequest(list(new.prompt_ids), state, [], self._free_slots.pop())
         self._requests[new.rid] = req
@@ -92,6 +96,11 @@ class RequestTable:
         """Scatter the last token each sampling row emitted into its request's slot (on
         the device). slots, token_ids: [rows] int64."""
         self.last_tokens.index_copy_(0, slots, token_ids)
+
+    def record_next_pos(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """Scatter where each sampling row's request goes on (the position of its last
+        emitted token; on the device). slots, positions: [rows] int64."""
+        self.next_pos.index_copy_(0, slots, positions)
 
 
 def _grown(t: torch.Tensor, rows: int) -> torch.Tensor:

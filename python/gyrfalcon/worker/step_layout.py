@@ -1,5 +1,6 @@
 """A step's host index lists, gathered row by row: placeholder and draft fills, the
-tokens whose logits sample, and the drafter's round over the drafting rows."""
+tokens whose logits sample, floating rows, and the drafter's round over the drafting
+rows."""
 
 from __future__ import annotations
 
@@ -11,6 +12,12 @@ from gyrfalcon.ipc.messages import ScheduledRow
 from gyrfalcon.worker.request_table import WorkerRequest
 
 
+def latest_start(row: ScheduledRow) -> int:
+    """The row's start with every draft in flight accepted: its own start but for a
+    floating row, whose device start may be up to drafts_in_flight earlier."""
+    return row.start + row.drafts_in_flight
+
+
 @dataclass
 class StepLayout:
     """Host index lists of one step, gathered row by row (`add`).
@@ -20,6 +27,10 @@ class StepLayout:
     (`StepWorker._draft`): the token after extend position i of a row is its input i + 1, else
     (its last input) the first token it emitted, then its further emitted tokens, or
     for a chunk that does not sample the prompt token after it.
+
+    A floating row (`ScheduledRow.drafts_in_flight` > 0) is laid out at its latest
+    start (`latest_start`); the worker moves it to the device's start with
+    `forward.metadata.shift_rows`, in the step's batch and in the drafter's.
     """
 
     num_tokens: int  # T
@@ -31,13 +42,21 @@ class StepLayout:
     dr_src: list[int] = field(default_factory=list)  # and slot * k + j in draft_tokens
     logit_tokens: list[int] = field(default_factory=list)  # tokens whose logits sample
     logit_starts: list[int] = field(default_factory=list)  # per sampling row
+    sample_tokens: list[int] = field(default_factory=list)  # per sampling row: last input
     next_tokens: list[int] = field(default_factory=list)  # after drafted chunks
+    # floating rows: batch rows, request slots, their tokens and each token's index
+    # into fl_rows; the same rows in the drafter's extend batch
+    fl_rows: list[int] = field(default_factory=list)
+    fl_slots: list[int] = field(default_factory=list)
+    fl_tokens: list[int] = field(default_factory=list)
+    fl_token_rows: list[int] = field(default_factory=list)
+    fl_ext_rows: list[int] = field(default_factory=list)
+    fl_ext_tokens: list[int] = field(default_factory=list)
     # the drafter's round (drafter.DraftRound)
     ext_rows: list[RowInput] = field(default_factory=list)
     ext_ids_src: list[int] = field(default_factory=list)
     ext_aux_idx: list[int] = field(default_factory=list)
     anchor_idx: list[int] = field(default_factory=list)
-    anchor_pos: list[int] = field(default_factory=list)
     accept_row: list[int] = field(default_factory=list)
     ext_row: list[int] = field(default_factory=list)
     last_pos: list[int] = field(default_factory=list)
@@ -45,6 +64,7 @@ class StepLayout:
     anchor_pos_cpu: list[int] = field(default_factory=list)
     last_pos_cpu: list[int] = field(default_factory=list)
     _tokens: int = 0
+    _rows: int = 0
     _samples: int = 0
     _full_verify_rows: int = 0  # drafting rows that verify k drafts after one input
 
@@ -58,6 +78,12 @@ class StepLayout:
         page_size: int,
     ) -> None:
         t0, n, d = self._tokens, len(row.input_ids), row.num_draft
+        if row.drafts_in_flight:
+            assert drafting and row.sample, "a floating row verifies drafts"
+            self.fl_rows.append(self._rows)
+            self.fl_slots.append(req.slot)
+            self.fl_token_rows.extend([len(self.fl_rows) - 1] * (n + d))
+            self.fl_tokens.extend(range(t0, t0 + n + d))
         for j, tok in enumerate(row.input_ids):
             if tok == PLACEHOLDER:
                 self.ph_pos.append(t0 + j)
@@ -67,10 +93,12 @@ class StepLayout:
         if row.sample:
             self.logit_starts.append(len(self.logit_tokens))
             self.logit_tokens.extend(range(t0 + n - 1, t0 + n + d))
+            self.sample_tokens.append(t0 + n - 1)
         if drafting:
             self._add_drafting(row, req, t0, n, d, max_model_len, page_size)
             self._full_verify_rows += n == 1 and d == k
         self._tokens += n + d
+        self._rows += 1
         self._samples += row.sample
 
     def _add_drafting(
@@ -84,7 +112,11 @@ class StepLayout:
         page_size: int,
     ) -> None:
         e0 = sum(len(r.input_ids) for r in self.ext_rows)
-        self.ext_rows.append(RowInput(row.start, [0] * (n + d), req.pages))
+        start = latest_start(row)
+        if row.drafts_in_flight:
+            self.fl_ext_rows.append(len(self.ext_rows))
+            self.fl_ext_tokens.extend(range(e0, e0 + n + d))
+        self.ext_rows.append(RowInput(start, [0] * (n + d), req.pages))
         self.ext_aux_idx.extend(range(t0, t0 + n + d))
         self.ext_ids_src.extend(t0 + i + 1 for i in range(n - 1))
         if row.sample:
@@ -92,12 +124,11 @@ class StepLayout:
             self.ext_ids_src.extend(first + m for m in range(d + 1))
             last_pos = min(len(req.pages) * page_size, max_model_len) - 1
             self.anchor_idx.append(e0 + n - 1)
-            self.anchor_pos.append(row.start + n - 1)
             self.accept_row.append(self._samples)
             self.ext_row.append(len(self.ext_rows) - 1)
             self.last_pos.append(last_pos)
             self.slots.append(req.slot)
-            self.anchor_pos_cpu.append(row.start + n - 1 + d)
+            self.anchor_pos_cpu.append(start + n - 1 + d)
             self.last_pos_cpu.append(last_pos)
         else:
             assert d == 0, "a row with drafts samples"
@@ -119,6 +150,11 @@ class StepLayout:
             self.dr_src,
             self.logit_tokens,
             self.next_tokens,
+            self.sample_tokens,
+            self.fl_rows,
+            self.fl_slots,
+            self.fl_tokens,
+            self.fl_token_rows,
         ]
 
     def draft_lists(self) -> list[list[int]]:
@@ -127,9 +163,13 @@ class StepLayout:
             self.ext_ids_src,
             self.ext_aux_idx,
             self.anchor_idx,
-            self.anchor_pos,
             self.accept_row,
             self.ext_row,
             self.last_pos,
             self.slots,
         ]
+
+    def float_ext_lists(self) -> list[list[int]]:
+        """The floating rows in the extend batch (rows, tokens), uploaded after
+        `draft_lists`; their tokens' rows are `fl_token_rows` (same rows, same order)."""
+        return [self.fl_ext_rows, self.fl_ext_tokens]

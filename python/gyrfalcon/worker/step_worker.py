@@ -21,6 +21,7 @@ and returns no rows.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -31,7 +32,7 @@ import torch
 from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.forward.host_copy import upload
-from gyrfalcon.forward.metadata import BatchTensors, RowInput, build_batch_tensors
+from gyrfalcon.forward.metadata import BatchTensors, RowInput, build_batch_tensors, shift_rows
 from gyrfalcon.ipc.contract import DUMMY_PAGE, verifies_drafts
 from gyrfalcon.ipc.messages import (
     ForwardMode,
@@ -59,7 +60,7 @@ from gyrfalcon.worker.spec_verify import (
     padded_index,
     verify_sample,
 )
-from gyrfalcon.worker.step_layout import StepLayout
+from gyrfalcon.worker.step_layout import StepLayout, latest_start
 from gyrfalcon.worker.warmup import WARMUP_CHUNK, warmup_batches
 
 logger = logging.getLogger(__name__)
@@ -144,6 +145,16 @@ class StepWorker:
         self.pending: deque[PendingStep] = deque()
         self.max_model_len = 0
 
+    @property
+    def floats_rows(self) -> bool:
+        """Whether this worker runs floating rows (ScheduledRow): with a drafter whose
+        round, like the target's verify, attends over lengths on the device."""
+        if self.drafter is None:
+            return False
+        return self.executor.backends.verify.device_lengths and (
+            self.drafter.backends.extend.device_lengths
+        )
+
     def init_kv_cache(self, num_pages: int, max_model_len: int) -> None:
         """The target's KV cache (and graphs, VERIFY ones for k + 1 tokens per row with a
         drafter), then the drafter's own pages."""
@@ -222,7 +233,8 @@ class StepWorker:
         layout = StepLayout(num_tokens, len(step.sample_rows) * width, width)
         inputs: list[RowInput] = []
         for row, req in zip(rows, reqs):
-            inputs.append(RowInput(row.start, list(row.input_ids) + [0] * row.num_draft, req.pages))
+            ids = list(row.input_ids) + [0] * row.num_draft
+            inputs.append(RowInput(latest_start(row), ids, req.pages))
             drafting = self.drafter is not None and verifies_drafts(req.sampling.params)
             layout.add(row, req, k, drafting, self.max_model_len, self.args.page_size)
         step.width, step.logit_starts = width, layout.logit_starts
@@ -232,15 +244,27 @@ class StepWorker:
         if width > 1:
             verify_lists = [padded_index(num_drafts, width), emitted_index(num_drafts, width)]
             verify_lists.append(num_drafts)
+        # NOTE: every row drafts (the steady state): the drafter's extend batch is this
+        # one with its own ids, so its round's index lists ride along too
+        shared = len(layout.ext_rows) == len(rows)
+        draft_lists = layout.draft_lists() if shared else []
         # NOTE: the fills, the sampling rows' slots and logit rows, the next prompt
         # tokens of drafted chunks and the verify layout ride in the step's one upload
+        main_lists = [*layout.lists(), sample_slots]
         bt = build_batch_tensors(
             inputs,
             self.args.page_size,
             self.device,
-            extra=[*layout.lists(), sample_slots, *verify_lists],
+            extra=[*main_lists, *verify_lists, *draft_lists],
         )
-        ph_pos_t, ph_slot_t, dr_pos_t, dr_src_t, logit_t, next_t, slots, *verify_t = bt.extra
+        ph_pos_t, ph_slot_t, dr_pos_t, dr_src_t, logit_t, next_t, *more = bt.extra
+        sample_t, fl_rows_t, fl_slots_t, fl_tokens_t, fl_token_rows_t, slots = more[:6]
+        verify_t = bt.extra[len(main_lists) : len(main_lists) + len(verify_lists)]
+        draft_t = bt.extra[len(main_lists) + len(verify_lists) :] if shared else None
+        shift = None
+        if layout.fl_rows:  # NOTE: floating rows start where their previous row ended
+            shift = self.requests.next_pos[fl_slots_t] - bt.positions[bt.q_starts[fl_rows_t]]
+            shift_rows(bt, fl_rows_t, shift, fl_tokens_t, fl_token_rows_t, self.args.page_size)
         if layout.ph_pos:
             bt.input_ids[ph_pos_t] = self.requests.last_tokens[ph_slot_t]
         if layout.dr_pos:
@@ -278,8 +302,14 @@ class StepWorker:
                 step.copy = HostCopy(SampleOutput(ids, *lp))
                 last, emitted, accept_len = acc.last_token_ids, acc.token_ids, acc.accept_len
             self.requests.record_last(slots, last)
+            if self.drafter is not None:  # where each request goes on (floating rows)
+                next_pos = bt.positions[sample_t] + 1
+                if accept_len is not None:
+                    next_pos = next_pos + accept_len
+                self.requests.record_next_pos(slots, next_pos)
         if layout.ext_rows:
-            self._draft(layout, bt, emitted, accept_len, next_t, out.aux)
+            fl = None if shift is None else (shift, fl_token_rows_t)
+            self._draft(layout, bt, emitted, accept_len, next_t, out.aux, fl, draft_t)
         return step
 
     def _draft(
@@ -290,15 +320,34 @@ class StepWorker:
         accept_len: torch.Tensor | None,
         next_ids: torch.Tensor,
         aux: torch.Tensor | None,
+        floating: tuple[torch.Tensor, torch.Tensor] | None,
+        shared: list[torch.Tensor] | None,
     ) -> None:
-        """The drafter's round over the step's drafting rows (drafter.py)."""
+        """The drafter's round over the step's drafting rows (drafter.py); floating: the
+        floating rows' shifts and their tokens' rows (as in the step's batch); shared:
+        the round's index lists when every row drafts, its extend batch then being the
+        step's batch (moved already) with ids of its own."""
         assert self.drafter is not None and aux is not None
-        ext = build_batch_tensors(
-            layout.ext_rows, self.args.page_size, self.device, extra=layout.draft_lists()
-        )
-        rnd = DraftRound(
-            ext, *ext.extra, layout.anchor_pos_cpu, layout.last_pos_cpu, layout.uniform
-        )
+        ps = self.args.page_size
+        if shared is not None:
+            rows = bt.token_rows.clone()  # ids, positions, slots: the drafter's ids go in [0]
+            ext = dataclasses.replace(
+                bt, input_ids=rows[0], positions=rows[1], out_cache_loc=rows[2],
+                token_rows=rows, extra=shared,
+            )  # fmt: skip
+            fields = shared
+        else:
+            ext = build_batch_tensors(
+                layout.ext_rows,
+                ps,
+                self.device,
+                extra=layout.draft_lists() + layout.float_ext_lists(),
+            )
+            *fields, fl_rows_t, fl_tokens_t = ext.extra
+            if floating is not None:
+                shift, token_rows = floating
+                shift_rows(ext, fl_rows_t, shift, fl_tokens_t, token_rows, ps)
+        rnd = DraftRound(ext, *fields, layout.anchor_pos_cpu, layout.last_pos_cpu, layout.uniform)
         s = layout.num_emitted // layout.width
         if emitted is None:  # NOTE: no sampling rows: the chunks' ids only
             emitted = bt.input_ids.new_zeros(0)

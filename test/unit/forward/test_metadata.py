@@ -92,3 +92,28 @@ def test_a_draft_step_sees_only_its_own_slots():
     bad = dataclasses.replace(batch, out_cache_loc=whole)
     with pytest.raises(AssertionError):
         bad.check()
+
+
+def test_a_floating_row_moves_to_its_device_start():
+    """shift_rows (floating rows: built at their latest start, moved on the device) ==
+    the metadata builder at the true starts: positions, KV slots through the page table
+    (across a page edge), lengths; other rows and the host bounds untouched."""
+    from gyrfalcon.forward.metadata import shift_rows
+
+    ps, cpu = 4, torch.device("cpu")
+    pages = [[5, 2, 7, 8], [3], [6, 1, 4]]
+    latest = [RowInput(9, [1, 2, 3, 4], pages[0]), RowInput(1, [5], pages[1]),
+              RowInput(6, [6, 7, 8], pages[2])]  # fmt: skip
+    shifts = {0: -3, 2: -2}  # rows 0 and 2 float; their rows in flight accepted less
+    true = [RowInput(r.start + shifts.get(i, 0), r.input_ids, r.pages) for i, r in enumerate(latest)]
+    bt = build_batch_tensors(latest, ps, torch.device("cpu"))
+    rows, tokens, token_rows = [0, 2], [0, 1, 2, 3, 5, 6, 7], [0, 0, 0, 0, 1, 1, 1]
+    t = lambda x: torch.tensor(x)  # noqa: E731
+    shift_rows(bt, t(rows), t([shifts[0], shifts[2]]), t(tokens), t(token_rows), ps)
+    ref = build_batch_tensors(true, ps, cpu)
+    assert bt.positions.tolist() == ref.positions.tolist()
+    assert bt.out_cache_loc.tolist() == ref.out_cache_loc.tolist()
+    assert bt.seq_lens.tolist() == ref.seq_lens.tolist() == [10, 2, 7]
+    assert bt.input_ids.tolist() == ref.input_ids.tolist()
+    assert bt.seq_lens_cpu == [13, 2, 9]  # host values stay upper bounds
+    assert bt.token_rows[1].tolist() == ref.positions.tolist()  # the view moved too

@@ -51,3 +51,32 @@ def test_ragged_mixed_batch_matches_dense():
         start += n
     # nothing was written to the dummy page
     assert cache.k[0, :ps].abs().sum() == 0
+
+
+def test_verify_rows_attend_over_the_device_lengths():
+    """Floating verify rows: a batch built at upper-bound starts and moved on the
+    device (shift_rows) attends exactly as the batch built at the true starts; the host
+    lengths only size the gathers."""
+    from gyrfalcon.forward.metadata import shift_rows
+
+    torch.manual_seed(1)
+    H, KVH, D, ps = 4, 2, 8, 4
+    backend = TorchRefBackend(H, KVH, D, D**-0.5)
+    pages, true_start, latest = [[3, 5, 1], [2, 4]], [5, 2], [8, 4]  # 4 tokens each
+    prefix_kv = [torch.randn(8, KVH, D), torch.randn(8, KVH, D)]
+    q, k, v = torch.randn(8, H, D), torch.randn(8, KVH, D), torch.randn(8, KVH, D)
+    outs = []
+    for starts, shift in ((true_start, None), (latest, [-3, -2])):
+        cache = KVCache(1, 8, ps, KVH, D, torch.float32, torch.device("cpu"))
+        for i, pg in enumerate(pages):  # the rows' cached prefixes (and garbage after)
+            loc = torch.tensor([pg[p // ps] * ps + p % ps for p in range(8)])
+            cache.write(0, loc, prefix_kv[i], -prefix_kv[i])
+        rows = [RowInput(s, [0] * 4, pg) for s, pg in zip(starts, pages)]
+        bt = build_batch_tensors(rows, ps, torch.device("cpu"))
+        if shift is not None:
+            tokens = torch.arange(8)
+            shift_rows(bt, torch.tensor([0, 1]), torch.tensor(shift), tokens, tokens // 4, ps)
+        batch = ForwardBatch.from_tensors(ForwardMode.VERIFY, bt, ps, cache, backend)
+        batch.attn_meta = backend.build_metadata(batch)
+        outs.append(backend.forward(q, k, v, 0, batch))
+    torch.testing.assert_close(outs[1], outs[0])

@@ -64,6 +64,8 @@ class SpecSimWorker:
         self.accepted: list[int] = []  # accept counts of every row with drafts
         self.resets = 0
         self.last: dict[str, int] = {}  # the last token emitted per request
+        self.next_pos: dict[str, int] = {}  # where each request's next row starts
+        self.floating = 0  # floating rows seen
 
     def _write(self, rid: str, pos: int, tok: int) -> None:
         pages = self.pages[rid]
@@ -94,19 +96,25 @@ class SpecSimWorker:
                 self.pages[rid] = []
                 self.resets += 1
             self.pages[rid] += row.new_pages
+            start = row.start
+            if row.drafts_in_flight:  # floating: where the row in flight ended
+                start = self.next_pos[rid]
+                assert row.start <= start <= row.start + row.drafts_in_flight
+                assert row.num_draft and len(row.input_ids) == 1
+                self.floating += 1
             for j, tok in enumerate(row.input_ids):
-                pos = row.start + j
+                pos = start + j
                 if tok == PLACEHOLDER:
                     tok = self.last[rid]  # the last token the worker emitted for it
                 assert tok == seq[pos], f"{rid}: input at {pos} is {tok}, not {seq[pos]}"
                 self._write(rid, pos, tok)
-            self._check_prefix(rid, row.start)
-            end = row.start + len(row.input_ids)
+            self._check_prefix(rid, start)
+            end = start + len(row.input_ids)
             if not row.sample:
                 assert not row.num_draft
                 rows.append(RowResult(rid))
                 continue
-            a = self.accept(rid, row.start, row.num_draft) if row.num_draft else 0
+            a = self.accept(rid, start, row.num_draft) if row.num_draft else 0
             assert 0 <= a <= row.num_draft
             if row.num_draft:
                 self.accepted.append(a)
@@ -116,6 +124,7 @@ class SpecSimWorker:
                 self._write(rid, end + i, seq[end + i] if i < a else GARBAGE)
             emitted = seq[end : end + a + 1]
             self.last[rid] = emitted[-1]
+            self.next_pos[rid] = end + a
             rows.append(RowResult(rid, emitted, a))
         self.queue.append(StepResult(plan.step_id, rows))
 
@@ -123,9 +132,12 @@ class SpecSimWorker:
         return self.queue.pop(0)
 
 
-def run(requests, k, accept=accept_mixed, inflight=2, num_pages=64, max_model_len=64, cons=1.0):
+def run(
+    requests, k, accept=accept_mixed, inflight=2, num_pages=64, max_model_len=64, cons=1.0,
+    floats=False,
+):  # fmt: skip
     cfg = SchedulerConfig(
-        num_pages, PS, max_model_len, 8, 32, 8, (EOS,), True, inflight, cons, 1, k
+        num_pages, PS, max_model_len, 8, 32, 8, (EOS,), True, inflight, cons, 1, k, floats
     )
     s = Scheduler(cfg)
     for rid, prompt, sp in requests:
@@ -159,12 +171,13 @@ REQUESTS = [
 ]
 
 
-@pytest.mark.parametrize("inflight", [1, 2])
+@pytest.mark.parametrize("inflight,floats", [(1, False), (2, False), (2, True)])
 @pytest.mark.parametrize("accept", [accept_none, accept_all, accept_mixed])
 @pytest.mark.parametrize("k", [1, 3])
-def test_outputs_do_not_depend_on_accept_counts(k, accept, inflight):
+def test_outputs_do_not_depend_on_accept_counts(k, accept, inflight, floats):
     ref, ref_reasons, _ = run(REQUESTS, k=0, inflight=inflight)
-    got, reasons, w = run(REQUESTS, k=k, accept=accept, inflight=inflight)
+    got, reasons, w = run(REQUESTS, k=k, accept=accept, inflight=inflight, floats=floats)
+    assert (w.floating > 0) == floats  # floating rows ran, and only where allowed
     assert got == ref and reasons == ref_reasons
     assert ref_reasons == {
         "eos": "stop", "stop42": "stop", "len7": "length", "long": "length", "one": "length",
@@ -175,24 +188,31 @@ def test_outputs_do_not_depend_on_accept_counts(k, accept, inflight):
     assert w.accepted and max(w.accepted) <= k
 
 
-def test_context_limit_inside_an_accepted_run():
+@pytest.mark.parametrize("floats", [False, True])
+def test_context_limit_inside_an_accepted_run(floats):
     sp = SamplingParams(max_tokens=50, ignore_eos=True)
-    got, reasons, w = run([("r", [1, 2, 3, 4], sp)], k=3, accept=accept_all, max_model_len=11)
+    got, reasons, w = run(
+        [("r", [1, 2, 3, 4], sp)], k=3, accept=accept_all, max_model_len=11, floats=floats
+    )
     assert reasons == {"r": "length"} and len(got["r"]) == 7  # 4 + 7 == max_model_len
 
 
-def test_preemption_of_requests_with_multi_token_rows_in_flight():
+@pytest.mark.parametrize("floats", [False, True])
+def test_preemption_of_requests_with_multi_token_rows_in_flight(floats):
     reqs = [
         (f"p{i}", list(range(1 + i, 9 + i)), SamplingParams(max_tokens=22, ignore_eos=True))
         for i in range(4)
     ]
     ref, _, _ = run(reqs, k=0, num_pages=64)
-    got, reasons, w = run(reqs, k=3, accept=accept_mixed, num_pages=12, cons=0.0)
+    got, reasons, w = run(reqs, k=3, accept=accept_mixed, num_pages=12, cons=0.0, floats=floats)
     assert w.resets > 0 and got == ref and set(reasons.values()) == {"length"}
+    assert (w.floating > 0) == floats
 
 
-def make(k=3, inflight=2, num_pages=32, max_model_len=64):
-    cfg = SchedulerConfig(num_pages, PS, max_model_len, 8, 64, 8, (EOS,), True, inflight, 1.0, 1, k)
+def make(k=3, inflight=2, num_pages=32, max_model_len=64, floats=False):
+    cfg = SchedulerConfig(
+        num_pages, PS, max_model_len, 8, 64, 8, (EOS,), True, inflight, 1.0, 1, k, floats
+    )
     return Scheduler(cfg)
 
 
@@ -277,6 +297,40 @@ def test_overlap_rule_no_new_row_while_a_multi_token_row_is_in_flight():
             answer(s, p2, {"r": [11, 12, 13]})  # both drafts accepted
             row = s.build_plan().batches[0].rows[0]
             assert row.start == 6 and row.input_ids == [13] and row.num_draft == 2
+
+
+def test_a_floating_row_holds_pages_for_its_latest_start_and_the_bound_closes():
+    """With floating rows the verify row in flight does not block the next one: it goes
+    out at the lower bound with drafts_in_flight, pages for every draft accepted; the
+    result's accept count makes num_computed exact again."""
+    s = make(k=2, inflight=2, floats=True)
+    s.add_request(GenerateRequest("r", [1, 2, 3], SamplingParams(max_tokens=20)))
+    answer(s, s.build_plan(), {"r": [10]})
+    p2 = s.build_plan()  # verify row at 3: input 10, drafts at 4, 5
+    p3 = s.build_plan()
+    row, req = p3.batches[0].rows[0], s.requests["r"]
+    assert (row.start, row.input_ids, row.num_draft, row.drafts_in_flight) == (
+        4, [PLACEHOLDER], 2, 2,
+    )  # fmt: skip
+    # latest start 6: its input and 2 drafts at 6..8, the drafter's lookahead at 9
+    assert len(req.pages) * PS >= 10
+    answer(s, p2, {"r": [11, 12, 13]})  # both drafts accepted: p3's row starts at 6
+    assert (req.num_computed, req.num_tokens) == (7, 8)  # 6 computed by p2 + p3's input
+    answer(s, p3, {"r": [14]})
+    row = s.build_plan().batches[0].rows[0]
+    assert (row.start, row.input_ids, row.drafts_in_flight) == (7, [14], 0)
+    s.check_integrity()
+
+
+def test_no_floating_row_where_it_could_pass_max_tokens_or_hold_min_tokens():
+    # max_tokens 6: if both drafts in flight were accepted, two tokens would be left,
+    # so the next row would get one draft where planning after the result may give two
+    for sp in (SamplingParams(max_tokens=6), SamplingParams(max_tokens=20, min_tokens=6)):
+        s = make(k=2, inflight=2, floats=True)
+        s.add_request(GenerateRequest("r", [1, 2, 3], sp))
+        answer(s, s.build_plan(), {"r": [10]})
+        s.build_plan()  # a verify row in flight with 2 drafts: up to 4 generated
+        assert s.build_plan() is None  # wait for its accept count
 
 
 @pytest.mark.parametrize("how", ["abort", "preempt"])

@@ -1,6 +1,5 @@
 """The token-accounting index math of request.py: pure functions, checked alone."""
 
-import pytest
 
 from gyrfalcon.ipc.contract import PLACEHOLDER
 from gyrfalcon.ipc.messages import SamplingParams
@@ -9,7 +8,6 @@ from gyrfalcon.scheduler.request import (
     cut_at_finish,
     draft_slots,
     kv_end,
-    next_start,
     stop_reason,
 )
 
@@ -20,16 +18,6 @@ def test_kv_end_covers_inputs_then_drafts():
     assert kv_end(10, 1) == 11  # a decode row
     assert kv_end(10, 1, 3) == 14  # a verify row: [last token, d1, d2, d3]
     assert kv_end(0, 7) == 7  # a prefill chunk
-
-
-@pytest.mark.parametrize("accepted", [0, 1, 3])
-def test_next_start_is_the_last_emitted_tokens_position(accepted):
-    # a decode row at 10 with 3 drafts emits accepted + 1 tokens at positions 11 .. 11 + a
-    start, n = 10, 1
-    emitted_positions = list(range(start + n, start + n + accepted + 1))
-    assert next_start(start, n, accepted) == emitted_positions[-1]
-    # computed: the input and the accepted drafts; never past the KV the row wrote
-    assert next_start(start, n, accepted) <= kv_end(start, n, 3)
 
 
 def test_draft_slots_never_exceed_what_may_still_be_kept():

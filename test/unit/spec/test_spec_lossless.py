@@ -87,6 +87,28 @@ def test_forced_acceptance_patterns_are_lossless(pair, plain3, k, name):
         assert accepted[0] == accepted[2] == 0 and accepted[1] > 0
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_floating_verify_rows_are_lossless(pair, plain3, overlap):
+    """Overlap scheduling sends a request's next verify row while its previous one is in
+    flight (a floating row: the worker takes its start from the device). Random forced
+    acceptance through static replay: outputs equal plain; floating rows ran, and only
+    with overlap."""
+    target, draft = pair
+    kw = dict(static_graph_replay=True, cuda_graph_bs="1,2,4", cuda_graph_max_bs=4)
+    eng = engine(target, draft, 3, disable_overlap_schedule=not overlap, **kw)
+    ps = prompts(2, LENS3)
+    seqs = {str(i): p + out for i, (p, out) in enumerate(zip(ps, plain3.ids))}
+    made = force_drafts(eng, seqs, random_pattern(3, 3), 3)
+    floating = []
+    submit = eng.worker.submit
+    eng.worker.submit = lambda plan: (
+        floating.extend(r.rid for r in plan.batches[0].rows if r.drafts_in_flight) or submit(plan)
+    )
+    got = run(eng, ps, GREEDY)
+    assert got.ids == plain3.ids and made and got.accepted > 0
+    assert bool(floating) == overlap
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_draft_round_graph_replay_equals_eager(pair, plain3, k):
     """Every round of verify rows runs as one padded static replay (3 rows -> 4) and

@@ -48,9 +48,10 @@ class AttentionBackend(ABC):
     # (capture_buffers) and rebuilds it in place before every replay
     # (prepare_replay), from the graph runner's static batch.
     supports_cuda_graph: bool = False
-    # Whether single-token (decode) rows attend over the lengths in the device tensor
-    # `batch.seq_lens`, the host lengths only bounding the work: then a draft step's
-    # lengths may live on the device alone (`forward.metadata.advanced_rows`).
+    # Whether every row attends over the lengths in the device tensor `batch.seq_lens`,
+    # the host lengths only bounding the work: then a draft step's lengths may live on
+    # the device alone (`forward.metadata.advanced_rows`), and a verify row may start
+    # where the device says (floating rows, `forward.metadata.shift_rows`).
     device_lengths: bool = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):

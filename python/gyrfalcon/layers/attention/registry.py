@@ -81,11 +81,14 @@ def create_backends(
     head_dim: int,
     scale: float,
     kernels: KernelPolicy = DEFAULT_KERNELS,
+    verify: str | None = None,
 ) -> RoleBackends:
-    """Backends named `extend` (also for VERIFY, whose rows are extends) and `decode`,
-    a separate instance per role; flashinfer instances share one float workspace."""
+    """Backends named `extend`, `decode` and `verify` (default: `extend`, as VERIFY rows
+    are extends), a separate instance per role; flashinfer instances share one float
+    workspace."""
+    verify = verify or extend
     workspace = None
-    if "flashinfer" in (extend, decode):
+    if "flashinfer" in (extend, decode, verify):
         from gyrfalcon.layers.attention.flashinfer_backend import FlashInferWorkspace
 
         workspace = FlashInferWorkspace()
@@ -94,4 +97,4 @@ def create_backends(
         shape = (num_heads, num_kv_heads, head_dim, scale)
         return create_backend(name, *shape, kernels=kernels, workspace=workspace)
 
-    return RoleBackends(extend=make(extend), decode=make(decode), verify=make(extend))
+    return RoleBackends(extend=make(extend), decode=make(decode), verify=make(verify))

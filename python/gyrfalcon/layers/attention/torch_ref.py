@@ -4,7 +4,8 @@ The decode rows (rows [0, batch.num_decode_rows), one new token each: every row
 of a DECODE batch, the leading decodes of a MIXED one) are attended together,
 padded to the longest KV length with a key mask. The other rows (prefill chunks,
 verify rows) are attended one by one, causal with an offset of their cached
-prefix.
+prefix. Every mask reads the lengths on the device (`batch.seq_lens`); the host
+lengths only size the gathers, so they may be upper bounds (floating rows).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def gather(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torc
 
 class TorchRefBackend(AttentionBackend):
     name = "torch_ref"
-    device_lengths = True  # NOTE: decode rows are masked by the device lengths
+    device_lengths = True  # NOTE: every row is masked by the device lengths
 
     def build_metadata(self, batch: ForwardBatch) -> TorchRefMeta:
         batch.check()
@@ -62,10 +63,10 @@ class TorchRefBackend(AttentionBackend):
         start = nd
         for row in range(nd, batch.batch_size):
             q_len, seq_len = batch.q_lens_cpu[row], batch.seq_lens_cpu[row]
-            prefix = seq_len - q_len
+            prefix = seq_len - q_len  # NOTE: a host bound; 0 means 0 on the device too
             mask = None
-            if prefix > 0:
-                q_pos = torch.arange(q_len, device=device)[:, None] + prefix
+            if prefix > 0:  # query i sits at position (device length - q_len) + i
+                q_pos = torch.arange(q_len, device=device)[:, None] + (batch.seq_lens[row] - q_len)
                 mask = torch.arange(seq_len, device=device)[None, :] <= q_pos
             slots = kv_slots(batch.page_table[row], seq_len, ps)
             extends.append(ExtendRow(start, q_len, prefix, slots, mask))

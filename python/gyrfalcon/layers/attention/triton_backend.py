@@ -86,7 +86,7 @@ def decode_kv_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
 class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graph = True
-    device_lengths = True  # NOTE: the decode kernel reads each row's length on the device
+    device_lengths = True  # NOTE: both kernels read each row's length on the device
 
     def __init__(
         self,
