@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     results = {}
     for name, extra in (("plain", {}), ("spec", spec)):
-        eng = LocalEngine(ServerArgs(**common, **extra), ns.model)
+        # NOTE: no page-allocator check after every step (the server's default)
+        eng = LocalEngine(ServerArgs(**common, **extra), ns.model, check_invariants=False)
         results[name] = {bs: step_times(eng, bs, ns.prompt_len, ns.steps, bs) for bs in sizes}
         if ns.profile_dir:
             profile(eng, sizes[0], ns, os.path.join(ns.profile_dir, f"host_{name}.txt"))

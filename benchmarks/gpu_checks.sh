@@ -116,10 +116,11 @@ case "${1:-tests}" in
     /usr/bin/time -v python3 -m gyrfalcon.cli train-eagle3 --prompts .data/train_prompts.jsonl \
       --target-model "$GYRFALCON_SMOLLM2_GGUF" \
       --device cuda --output-dir drafters/smollm2-eagle3 --num-prompts ${NUM_PROMPTS:-4000} \
-      --holdout 64 --max-new-tokens 256 --max-steps ${MAX_STEPS:-3000} --batch-size 16 \
-      --lr ${LR:-3e-4} --ttt-steps 4 --draft-vocab-size 16384 --eval-every 500 \
+      --holdout 64 --max-new-tokens 256 --max-steps ${MAX_STEPS:-3000} --batch-size ${BATCH:-16} \
+      --lr ${LR:-3e-4} --ttt-steps 4 --draft-vocab-size 16384 --eval-every ${EVAL_EVERY:-500} \
+      --self-instructions ${SELF_INSTRUCTIONS:-0} --follow-up-turns ${FOLLOW_UPS:-0} \
       > "$OUT/train_drafter.log" 2>&1
-    echo "train exit $?"; grep -aE "Elapsed|acceptance|accept|loss|phase|summary" "$OUT/train_drafter.log" | tail -25
+    echo "train exit $?"; grep -aE "Elapsed|acceptance|accept|loss|phase|summary|kept|sequences" "$OUT/train_drafter.log" | tail -25
     tar czf - -C drafters smollm2-eagle3 | split -b 15M - "$OUT/drafter.tgz.part"; ls -la "$OUT" ;;
   spec)
     DRAFTER=drafters/smollm2-eagle3
@@ -127,7 +128,7 @@ case "${1:-tests}" in
     if [ ! -d "$DRAFTER" ] && compgen -G ".drafter/drafter.tgz.part*" >/dev/null; then
       mkdir -p /tmp/drafters && cat .drafter/drafter.tgz.part* | tar xzf - -C /tmp/drafters
     fi
-    python3 benchmarks/bench_spec.py --model "$GYRFALCON_SMOLLM2_GGUF" \
+    [ "${BENCH_SPEC:-1}" = 1 ] && python3 benchmarks/bench_spec.py --model "$GYRFALCON_SMOLLM2_GGUF" \
       --draft-model "$DRAFTER" --dataset .data/mt_bench_dev.jsonl --device cuda \
       --concurrency ${CONCURRENCY:-1,16} --device-kind "$KIND" --output-dir "$OUT" \
       > "$OUT/bench_spec.log" 2>&1; echo "bench_spec exit $?"; tail -15 "$OUT/bench_spec.log"
@@ -138,6 +139,7 @@ case "${1:-tests}" in
       $S benchmarks/models/smollm2-135m benchmarks/models/smollm2-135m-eagle3 --steps 200 \
         --batch-sizes 1,16 --kv-cache-memory 4GiB --profile-dir "$OUT/host_profile_smollm2" \
         2>&1 | tail -5
+      (cd "$OUT" && tar czf host_profiles.tgz host_profile_* && rm -rf host_profile_*)
     fi ;;
   tests)
     nvidia-smi -L

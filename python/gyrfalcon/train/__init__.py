@@ -4,7 +4,9 @@ The phases, one module each (docs/train_eagle3.md walks them):
 
 - `args`: the flags (`TrainArgs`, one frozen dataclass);
 - `data`: prompts (JSONL), the chat template, the target's own greedy answers from
-  our in-process engine (`LocalEngine`), the draft vocabulary (d2t);
+  our in-process engine (`LocalEngine`, one generation loop: `complete`), the draft
+  vocabulary (d2t);
+- `instructions`: user instructions the target writes itself (--self-instructions);
 - `features`: the target's aux hidden states and final hidden state per token, one
   PREFILL of the target over each answered sequence;
 - `drafter`: the `LlamaForCausalLMEagle3` being trained (config for the target,

@@ -50,6 +50,14 @@ class TrainArgs:
     holdout: int = field(
         default=64, metadata={"help": "of those, prompts held out to measure acceptance"}
     )
+    self_instructions: int = field(
+        default=0,
+        metadata={
+            "help": "user instructions the target writes itself first (sampled from its chat "
+            "template's user turn; truncated, short and duplicate ones dropped), answered "
+            "as more prompts"
+        },
+    )
     follow_up_turns: int = field(
         default=0,
         metadata={
@@ -85,6 +93,13 @@ class TrainArgs:
     )
     max_steps: int = field(default=3000, metadata={"help": "optimizer steps"})
     batch_size: int = field(default=16, metadata={"help": "sequences per step"})
+    seq_bucket: int = field(
+        default=64,
+        metadata={
+            "help": "a batch's length is padded up to a multiple of this (padding masked "
+            "out): few distinct shapes, each costing CUDA attention a plan; 1: none"
+        },
+    )
     lr: float = field(default=3e-4, metadata={"help": "peak learning rate (AdamW)"})
     warmup_steps: int | None = field(
         default=None, metadata={"help": "linear warm-up steps (default: 5%% of max-steps)"}
@@ -119,12 +134,19 @@ class TrainArgs:
             raise ValueError("--output-dir is required")
         if self.follow_up_turns and self.no_chat_template:
             raise ValueError("--follow-up-turns needs the chat template (a conversation)")
+        if self.self_instructions and self.no_chat_template:
+            raise ValueError(
+                "--self-instructions needs the chat template (the target writes a user turn)"
+            )
+        if self.self_instructions < 0:
+            raise ValueError(f"--self-instructions must be >= 0, got {self.self_instructions}")
         positive = {
             "--max-new-tokens": self.max_new_tokens,
             "--max-steps": self.max_steps,
             "--batch-size": self.batch_size,
             "--ttt-steps": self.ttt_steps,
             "--draft-vocab-size": self.draft_vocab_size,
+            "--seq-bucket": self.seq_bucket,
         }
         for flag, value in positive.items():
             if value < 1:

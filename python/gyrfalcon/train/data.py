@@ -109,6 +109,43 @@ def follow_up_conversations(
     return out
 
 
+@dataclass(frozen=True)
+class Completion:
+    """What the engine wrote after one prompt."""
+
+    ids: list[int]  # the new tokens, EOS included when it stopped on one; [] on an error
+    finish_reason: str  # "stop" (EOS), "length" (max_tokens or the context), "error", ...
+
+
+def complete(
+    engine: LocalEngine,
+    prompts: Sequence[list[int]],
+    sampling: Sequence[SamplingParams],
+    desc: str,
+) -> list[Completion]:
+    """The trainer's one generation loop: prompt i continued by the engine under
+    sampling[i] (greedy answers, sampled instructions), `max_num_seqs` at a time, a
+    progress bar named `desc`."""
+    for i, (p, sp) in enumerate(zip(prompts, sampling, strict=True)):
+        engine.add(str(i), p, sp)
+    ids: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    reasons: dict[str, str] = {}
+    bar = tqdm(total=len(prompts), desc=desc, unit="prompt")
+    tokens = 0
+    while engine.has_work():
+        for out in engine.step():
+            ids[out.rid].extend(out.token_ids)
+            tokens += len(out.token_ids)
+            if out.finish_reason is not None:
+                reasons[out.rid] = out.finish_reason
+                if out.error is not None:
+                    ids[out.rid] = []
+                bar.update(1)
+        bar.set_postfix(tokens=tokens, refresh=False)
+    bar.close()
+    return [Completion(ids[str(i)], reasons[str(i)]) for i in range(len(prompts))]
+
+
 def generate_answers(
     engine: LocalEngine, prompts: Sequence[list[int]], max_new_tokens: int
 ) -> list[TrainSequence]:
@@ -120,23 +157,8 @@ def generate_answers(
     if len(kept) < len(prompts):
         tqdm.write(f"dropped {len(prompts) - len(kept)} prompts longer than the context")
     greedy = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
-    answers: dict[str, list[int]] = {}
-    for i, p in enumerate(kept):
-        engine.add(str(i), p, greedy)
-        answers[str(i)] = []
-    bar = tqdm(total=len(kept), desc="generating answers", unit="prompt")
-    tokens = 0
-    while engine.has_work():
-        for out in engine.step():
-            answers[out.rid].extend(out.token_ids)
-            tokens += len(out.token_ids)
-            if out.finish_reason is not None:
-                if out.error is not None:
-                    answers[out.rid] = []
-                bar.update(1)
-        bar.set_postfix(tokens=tokens, refresh=False)
-    bar.close()
-    seqs = [TrainSequence(p + answers[str(i)], len(p)) for i, p in enumerate(kept)]
+    answers = complete(engine, kept, [greedy] * len(kept), "generating answers")
+    seqs = [TrainSequence(p + a.ids, len(p)) for p, a in zip(kept, answers)]
     return [s for s in seqs if len(s.ids) > s.prompt_len]
 
 

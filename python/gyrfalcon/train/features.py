@@ -25,9 +25,16 @@ from gyrfalcon.layers.attention.base import AttentionBackend
 from gyrfalcon.train.data import TrainSequence
 
 
+def bucketed(length: int, bucket: int) -> int:
+    """`length` rounded up to a multiple of `bucket`: a batch's padded length."""
+    return -(-length // bucket) * bucket
+
+
 @dataclass
 class TrainBatch:
-    """B sequences padded to S (padding repeats each sequence's last token)."""
+    """B sequences padded to S (padding repeats each sequence's last token; no counted
+    row reads it: row p attends to rows <= p, `ttt`, and counts only while the token
+    it predicts exists, `objective.answer_mask`)."""
 
     ids: torch.Tensor  # [B, S] int64
     aux: torch.Tensor  # [B, S, 3 * Ht] the target's aux hidden states
@@ -51,11 +58,19 @@ class Features:
     def __len__(self) -> int:
         return len(self.starts)
 
-    def batch(self, indices: Sequence[int]) -> TrainBatch:
+    def batch(self, indices: Sequence[int], bucket: int = 1) -> TrainBatch:
+        """The sequences at `indices`, padded to their longest length rounded up to a
+        multiple of `bucket`.
+
+        NOTE: few distinct S, few shapes: on an H100, SDPA runs cuDNN attention (torch
+        2.11 and its cuDNN 9.19), which builds an execution plan for each new
+        (B, S, key length), forward and backward; an S per sequence length is the
+        likely cause of the slow first steps of the measured run (docs/train_eagle3.md)."""
         device = self.ids.device
         lengths = torch.tensor([self.lengths[i] for i in indices], device=device)
         starts = torch.tensor([self.starts[i] for i in indices], device=device)
-        pos = torch.arange(int(lengths.max()), device=device)  # [S]
+        longest = max(self.lengths[i] for i in indices)
+        pos = torch.arange(bucketed(longest, bucket), device=device)  # [S]
         rows = starts[:, None] + torch.minimum(pos[None, :], lengths[:, None] - 1)  # [B, S]
         return TrainBatch(
             ids=self.ids[rows],

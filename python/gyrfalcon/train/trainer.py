@@ -1,6 +1,7 @@
 """`gyrfalcon train-eagle3`: the phases in order, the training loop, evaluation.
 
-generate (the target's greedy answers, `data`) -> features (the target's hidden
+generate (with --self-instructions, instructions the target writes itself,
+`instructions`; the target's greedy answers, `data`) -> features (the target's hidden
 states, `features`) -> train (TTT unroll, `ttt` + `objective`; AdamW, warm-up then
 cosine decay, gradient clipping) with acceptance on held-out prompts every
 --eval-every steps and at the end -> checkpoint (`drafter.export_drafter`) and
@@ -18,6 +19,7 @@ import random
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,6 +47,7 @@ from gyrfalcon.train.drafter import (
     trainable_parameters,
 )
 from gyrfalcon.train.features import Features, TargetRunner, TrainBatch, compute_features
+from gyrfalcon.train.instructions import write_instructions
 from gyrfalcon.train.objective import (
     StepResult,
     TargetView,
@@ -124,7 +127,8 @@ def evaluate(
     rows = [0] * args.ttt_steps
     for lo in range(0, len(features), args.batch_size):
         idx = list(range(lo, min(lo + args.batch_size, len(features))))
-        _, results = run_batch(drafter, target, features.batch(idx), args, device)
+        batch = features.batch(idx, args.seq_bucket)
+        _, results = run_batch(drafter, target, batch, args, device)
         for j, r in enumerate(results):
             hits[j] += int(r.hits)
             rows[j] += r.rows
@@ -139,13 +143,22 @@ def report(step: int, rates: list[float]) -> str:
     )
 
 
-def generate(args: TrainArgs, prompts: list[str]) -> tuple[str, LocalEngine, list[TrainSequence]]:
-    """(the target's directory, the engine holding it, its answered sequences)."""
+@dataclass
+class Generated:
+    model_dir: str  # the target's directory
+    engine: LocalEngine  # holding it (its model and KV cache serve the features)
+    seqs: list[TrainSequence]  # answered sequences, the held-out ones last
+    instructions: list[str]  # the kept self-written instructions (among the prompts)
+
+
+def generate(args: TrainArgs, prompts: list[str]) -> Generated:
+    """The target's own text: instructions it writes (--self-instructions) join the
+    prompts, shuffled together with --seed (so the held-out ones are drawn from both),
+    then its greedy answers and second turns."""
     from transformers import AutoTokenizer
 
     model_dir = resolve_model(args.target_model, args.cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir)
-    prompt_ids = encode_prompts(tokenizer, prompts, chat_template=not args.no_chat_template)
     server_args = ServerArgs(
         model=model_dir,
         device=args.device,
@@ -155,6 +168,14 @@ def generate(args: TrainArgs, prompts: list[str]) -> tuple[str, LocalEngine, lis
         seed=args.seed,
     )
     engine = LocalEngine(server_args, model_dir, check_invariants=False)  # NOTE: big pool
+    instructions: list[str] = []
+    if args.self_instructions:
+        written = write_instructions(engine, tokenizer, args.self_instructions, args.seed, prompts)
+        log(written.summary())
+        instructions = written.kept
+        prompts = prompts + instructions
+        random.Random(args.seed).shuffle(prompts)
+    prompt_ids = encode_prompts(tokenizer, prompts, chat_template=not args.no_chat_template)
     seqs = generate_answers(engine, prompt_ids, args.max_new_tokens)
     if args.follow_up_turns:
         # NOTE: second turns of training prompts only; the held-out sequences stay last
@@ -171,7 +192,7 @@ def generate(args: TrainArgs, prompts: list[str]) -> tuple[str, LocalEngine, lis
         seqs = seqs[:cut] + second + seqs[cut:]
     if len(seqs) <= args.holdout:
         raise ValueError(f"{len(seqs)} answered prompts; --holdout {args.holdout} leaves none")
-    return model_dir, engine, seqs
+    return Generated(model_dir, engine, seqs, instructions)
 
 
 def target_runner(engine: LocalEngine) -> TargetRunner:
@@ -202,7 +223,8 @@ def train_loop(
     evals: list[dict[str, Any]] = []
     bar = tqdm(range(args.max_steps), desc="training", unit="step")
     for step in bar:
-        loss, results = run_batch(drafter, target, train_feats.batch(next(order)), args, device)
+        batch = train_feats.batch(next(order), args.seq_bucket)
+        loss, results = run_batch(drafter, target, batch, args, device)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
@@ -228,7 +250,9 @@ def train(args: TrainArgs, prompts: list[str]) -> dict[str, Any]:
     device = torch.device(args.device)
     times: dict[str, float] = {}
     t0 = time.perf_counter()
-    model_dir, engine, seqs = generate(args, prompts)
+    generated = generate(args, prompts)
+    model_dir, engine, seqs = generated.model_dir, generated.engine, generated.seqs
+    num_instructions = len(generated.instructions)
     train_seqs, held_seqs = seqs[: -args.holdout], seqs[-args.holdout :]
     answer_tokens = sum(len(s.ids) - s.prompt_len for s in train_seqs)
     log(
@@ -252,7 +276,7 @@ def train(args: TrainArgs, prompts: list[str]) -> dict[str, Any]:
         f"the target's argmax is its generated answer token at {agreement:.4f} of held-out "
         "positions (1 up to rounding)"
     )
-    del engine, runner  # NOTE: frees the KV cache (and graphs) for training
+    del generated, engine, runner  # NOTE: frees the KV cache (and graphs) for training
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -273,6 +297,7 @@ def train(args: TrainArgs, prompts: list[str]) -> dict[str, Any]:
         "mean_acceptance_length": acceptance_length(rates),
         "greedy_agreement": agreement,
         "evaluations": evals,
+        "self_instructions": num_instructions,
         "train_sequences": len(train_seqs),
         "held_out_sequences": len(held_seqs),
         "aux_layers": list(aux_layers),

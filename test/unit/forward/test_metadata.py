@@ -105,7 +105,9 @@ def test_a_floating_row_moves_to_its_device_start():
     latest = [RowInput(9, [1, 2, 3, 4], pages[0]), RowInput(1, [5], pages[1]),
               RowInput(6, [6, 7, 8], pages[2])]  # fmt: skip
     shifts = {0: -3, 2: -2}  # rows 0 and 2 float; their rows in flight accepted less
-    true = [RowInput(r.start + shifts.get(i, 0), r.input_ids, r.pages) for i, r in enumerate(latest)]
+    true = [
+        RowInput(r.start + shifts.get(i, 0), r.input_ids, r.pages) for i, r in enumerate(latest)
+    ]
     bt = build_batch_tensors(latest, ps, torch.device("cpu"))
     rows, tokens, token_rows = [0, 2], [0, 1, 2, 3, 5, 6, 7], [0, 0, 0, 0, 1, 1, 1]
     t = lambda x: torch.tensor(x)  # noqa: E731

@@ -1,6 +1,5 @@
 """The token-accounting index math of request.py: pure functions, checked alone."""
 
-
 from gyrfalcon.ipc.contract import PLACEHOLDER
 from gyrfalcon.ipc.messages import SamplingParams
 from gyrfalcon.scheduler.request import (

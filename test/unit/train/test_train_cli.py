@@ -125,3 +125,25 @@ def test_follow_up_turns_add_second_answers(setup, one_thread):
     with open(os.path.join(out, "training_args.json")) as f:
         results = json.load(f)["results"]
     assert results["train_sequences"] == 24 + 6 and results["held_out_sequences"] == 4
+
+
+def test_self_instructions_join_the_prompts(setup, one_thread, capsys):
+    """--self-instructions N: the target writes N instructions first; the kept ones
+    (logged, with examples) are answered as more prompts, held-out split included."""
+    root, target_dir, tok_dir = setup
+    out = str(root / "drafter-self-instructions")
+    argv = [
+        "train-eagle3", "--target-model", target_dir, "--tokenizer", tok_dir,
+        "--prompts", str(root / "prompts.jsonl"), "--num-prompts", "0", "--holdout", "4",
+        "--max-new-tokens", "12", "--max-steps", "4", "--batch-size", "4", "--ttt-steps", "2",
+        "--draft-vocab-size", "64", "--eval-every", "0", "--self-instructions", "24",
+        "--device", "cpu", "--kv-cache-memory", "16MiB", "--output-dir", out,
+    ]  # fmt: skip
+    assert cli_main(argv) == 0
+    with open(os.path.join(out, "training_args.json")) as f:
+        record = json.load(f)
+    kept = record["results"]["self_instructions"]
+    assert record["args"]["self_instructions"] == 24 and 1 <= kept < 24
+    sequences = record["results"]["train_sequences"] + record["results"]["held_out_sequences"]
+    assert sequences == 28 + kept and record["results"]["held_out_sequences"] == 4
+    assert f"{kept} of 24 self-written instructions kept (dropped: " in capsys.readouterr().err

@@ -2,7 +2,8 @@
 `LlamaForCausalLMEagle3` equals its engine forward over a paged KV cache (torch_ref),
 step 0 a DRAFT_EXTEND and steps 1, 2 DRAFT_DECODE steps fed the previous outputs, for
 every row of a padded batch of two sequences, in float32; the loss reaches every
-trainable parameter and never the target's embedding."""
+trainable parameter and never the target's embedding; padding a batch further (up to
+--seq-bucket) changes neither the loss nor any gradient."""
 
 from __future__ import annotations
 
@@ -19,8 +20,11 @@ from gyrfalcon.layers.attention.torch_ref import TorchRefBackend
 from gyrfalcon.layers.context import LayerContext
 from gyrfalcon.models.registry import build_model
 from gyrfalcon.train import ttt
+from gyrfalcon.train.args import TrainArgs
 from gyrfalcon.train.drafter import build_drafter, draft_config_for
+from gyrfalcon.train.features import Features
 from gyrfalcon.train.objective import TargetView, ttt_loss
+from gyrfalcon.train.trainer import run_batch
 from gyrfalcon.train.ttt import draft_logits, ttt_unroll
 
 CPU = torch.device("cpu")
@@ -150,3 +154,39 @@ def test_the_loss_trains_every_drafter_parameter_and_never_the_target(target):
             assert p.grad is None and not p.requires_grad, name
         else:
             assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("bucket", [16, 64])
+def test_padding_up_to_a_bucket_changes_no_loss_and_no_gradient(target, bucket):
+    """One training step on a batch padded to a multiple of `bucket` (4 and 52 more
+    positions than its longest sequence) equals the step on the batch padded to its
+    longest sequence only: the same loss, acceptance counts and gradients."""
+    gen = torch.Generator().manual_seed(5)
+    n, h = sum(LENGTHS), target.cfg.hidden_size
+    features = Features(
+        ids=torch.randint(0, target.cfg.vocab_size, (n,), generator=gen),
+        aux=torch.randn(n, 3 * h, generator=gen),
+        final=torch.randn(n, h, generator=gen),
+        starts=[0, LENGTHS[0]],
+        lengths=list(LENGTHS),
+        prompt_lens=[3, 2],
+    )
+    args = TrainArgs(prompts="p.jsonl", output_dir="out", device="cpu", ttt_steps=STEPS)
+    drafter = make_drafter(target)
+
+    def step(bucket: int):
+        drafter.zero_grad(set_to_none=True)
+        batch = features.batch([0, 1], bucket)
+        loss, results = run_batch(drafter, target, batch, args.resolved(), CPU)
+        loss.backward()
+        grads = {n: p.grad for n, p in drafter.named_parameters() if p.grad is not None}
+        return batch.ids.shape[1], loss.detach(), [(int(r.hits), r.rows) for r in results], grads
+
+    s, loss, counts, grads = step(1)
+    s_padded, loss_padded, counts_padded, grads_padded = step(bucket)
+    assert (s, s_padded) == (max(LENGTHS), bucket)
+    torch.testing.assert_close(loss_padded, loss, **TOL)
+    assert counts_padded == counts and counts[0][1] == 16
+    assert grads_padded.keys() == grads.keys() and len(grads) > 5
+    for name, g in grads.items():
+        torch.testing.assert_close(grads_padded[name], g, **TOL, msg=name)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gyrfalcon.train.features import Features, bucketed
 from gyrfalcon.train.objective import acceptance_length, answer_mask
 from gyrfalcon.train.trainer import lr_factor
 from gyrfalcon.train.ttt import shift_left, ttt_mask
@@ -70,6 +71,24 @@ def test_acceptance_length():
     assert acceptance_length([1.0, 1.0, 1.0]) == 4.0
     assert acceptance_length([0.0, 1.0]) == 1.0
     assert acceptance_length([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_bucketed_batches_take_few_lengths():
+    assert [bucketed(n, 64) for n in (1, 63, 64, 65, 300)] == [64, 64, 64, 128, 320]
+    assert bucketed(37, 1) == 37
+    # batches of every longest length from 40 to 500: 8 padded lengths, not 461
+    lengths = list(range(40, 501))
+    features = Features(
+        ids=torch.zeros(sum(lengths), dtype=torch.int64),
+        aux=torch.zeros(sum(lengths), 3),
+        final=torch.zeros(sum(lengths), 1),
+        starts=[sum(lengths[:i]) for i in range(len(lengths))],
+        lengths=lengths,
+        prompt_lens=[1] * len(lengths),
+    )
+    shapes = {features.batch([0, i], 64).ids.shape for i in range(len(lengths))}
+    assert shapes == {(2, 64 * k) for k in range(1, 9)}
+    assert features.batch([0, 5], 1).ids.shape == (2, 45)
 
 
 def test_lr_schedule_warms_up_then_decays_to_a_tenth():

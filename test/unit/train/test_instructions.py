@@ -1,0 +1,125 @@
+"""--self-instructions: the target writes user instructions from its chat template's
+user position (the default system prompt kept); truncated, short and duplicate ones
+are dropped; the same --seed writes the same ones; they join the prompts (the
+end-to-end run is in test_train_cli.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_hf_model
+
+from gyrfalcon.bench.synthetic_tokenizer import make_synthetic_tokenizer
+from gyrfalcon.config.server_args import ServerArgs
+from gyrfalcon.engine import LocalEngine
+from gyrfalcon.train.args import TrainArgs
+from gyrfalcon.train.data import Completion
+from gyrfalcon.train.instructions import (
+    instruction_prompt,
+    select_instructions,
+    write_instructions,
+)
+
+EOS = 2  # make_tiny_hf_model's eos_token_id; it ends a turn, as <|im_end|> does SmolLM2's
+# ChatML-like, in the synthetic tokenizer's words: <10> system, <11> user, <12> assistant;
+# a default system prompt (<7> <8>) when the conversation has none
+TEMPLATE = (
+    "{% if messages[0]['role'] != 'system' %}<10> <7> <8> <2>\n{% endif %}"
+    "{% for m in messages %}"
+    "{{ {'system': '<10>', 'user': '<11>', 'assistant': '<12>'}[m['role']] }} "
+    "{{ m['content'] }} <2>\n{% endfor %}"
+    "{% if add_generation_prompt %}<12>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """(a tiny random target's directory, its tokenizer with TEMPLATE)."""
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("self-instructions")
+    target_dir, tok_dir = str(root / "target"), str(root / "tokenizer")
+    make_tiny_hf_model(target_dir, "llama")
+    make_synthetic_tokenizer(target_dir, tok_dir)
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    tok.chat_template = TEMPLATE
+    return target_dir, tok
+
+
+@pytest.fixture(scope="module")
+def engine(target):
+    target_dir = target[0]
+    args = ServerArgs(model=target_dir, device="cpu", dtype="float32", kv_cache_memory="16MiB")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # NOTE: tiny tensors (test_train_cli.py's one_thread)
+    yield LocalEngine(args, target_dir)
+    torch.set_num_threads(threads)
+
+
+def encode(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+def test_the_prompt_is_the_template_up_to_the_users_text(target):
+    _, tok = target
+    prompt = instruction_prompt(tok)
+    assert prompt == [10, 7, 8, EOS, 11]  # the system prompt, then a user turn's header
+    # a rendered conversation holds exactly that before the user's text
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "<5> <6>"}], tokenize=False, add_generation_prompt=False
+    )
+    assert encode(tok, text) == prompt + [5, 6, EOS]
+
+
+@pytest.mark.slow
+def test_smollm2s_prompt_is_its_system_prompt_and_a_user_header(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    assert tok.decode(instruction_prompt(tok)) == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+        "Face<|im_end|>\n<|im_start|>user\n"
+    )
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused(target):
+    _, tok = target
+    bare = type(tok).from_pretrained(tok.name_or_path)
+    bare.chat_template = None
+    with pytest.raises(ValueError, match="chat template"):
+        instruction_prompt(bare)
+    args = TrainArgs(prompts="p.jsonl", output_dir="o", self_instructions=8, no_chat_template=True)
+    with pytest.raises(ValueError, match="--self-instructions needs the chat template"):
+        args.resolved()
+
+
+def test_only_whole_new_instructions_of_ten_characters_are_kept(target):
+    _, tok = target
+    done = [
+        ("<5> <6> <7>", "stop"),  # kept (11 characters)
+        ("<5> <6> <7>", "length"),  # never ended its turn: truncated
+        ("<5> <6>", "stop"),  # 7 characters: short
+        ("", "stop"),  # empty
+        ("<5> <6> <7>", "stop"),  # a duplicate of the first
+        ("<40> <41> <42>", "stop"),  # one of the file's prompts
+        ("<100> <101>", "stop"),  # kept
+    ]
+    completions = [
+        Completion(encode(tok, text) + ([EOS] if why == "stop" else []), why) for text, why in done
+    ]
+    completions += [Completion([], "error"), Completion(encode(tok, "<9> <9> <9>"), "stop")]
+    got = select_instructions(tok, completions, [EOS], seen=["<40> <41> <42>"])
+    assert got.kept == ["<5> <6> <7>", "<100> <101>"]
+    assert got.dropped == {"truncated": 3, "empty or short": 2, "duplicates": 2}
+    assert got.summary().startswith("2 of 9 self-written instructions kept (dropped: 3 trunc")
+
+
+def test_the_target_writes_them_reproducibly_from_the_seed(target, engine):
+    _, tok = target
+    first = write_instructions(engine, tok, 24, seed=0)
+    # 24 sampled, each kept or dropped; some of each on this target
+    assert len(first.kept) + sum(first.dropped.values()) == 24
+    assert first.kept and first.dropped["truncated"]
+    assert write_instructions(engine, tok, 24, seed=0) == first
+    other = write_instructions(engine, tok, 24, seed=1)
+    assert other.kept != first.kept
