@@ -4,6 +4,7 @@ would emit, made wrong where a pattern says, so tests choose the acceptance."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,8 +14,9 @@ from conftest import make_tiny_eagle3, make_tiny_hf_model
 
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.engine import LocalEngine
-from gyrfalcon.ipc.messages import RequestOutput, SamplingParams
+from gyrfalcon.ipc.messages import ForwardMode, RequestOutput, SamplingParams
 from gyrfalcon.worker.drafter import Drafter, DraftRound
+from gyrfalcon.worker.spec_step_graph import VARIANT
 
 VOCAB = 256
 
@@ -94,21 +96,41 @@ def force_drafts(eng: LocalEngine, sequences: dict[str, list[int]], pattern: Pat
     made: list[tuple[str, int, int]] = []
     real = drafter.draft
 
-    def draft(rnd: DraftRound, ids, aux, accept_len, draft_tokens) -> None:
-        real(rnd, ids, aux, accept_len, draft_tokens)  # NOTE: KV and graphs as usual
+    def force(slots: list[int], anchors: list[int]) -> None:
         slot_rid = {table[rid].slot: rid for rid in table._requests}
-        anchors = (rnd.ext.positions[rnd.anchor_idx] + accept_len[rnd.accept_row]).tolist()
-        for slot, p in zip(rnd.slots.tolist(), anchors):
+        for slot, p in zip(slots, anchors):
+            if slot == table.scratch:
+                continue  # a padded row of the fused step
             rid = slot_rid[slot]
             seq, right = sequences[rid], pattern(rid, p)
             drafts = []
             for j in range(k):
                 tok = seq[p + 2 + j] if p + 2 + j < len(seq) else 3
                 drafts.append(tok if j < right else (tok + 1) % VOCAB)
-            draft_tokens[slot] = torch.tensor(drafts)
+            table.draft_tokens[slot] = torch.tensor(drafts)
             made.append((rid, p, right))
 
+    def draft(rnd: DraftRound, ids, aux, accept_len, draft_tokens) -> None:
+        real(rnd, ids, aux, accept_len, draft_tokens)  # NOTE: KV and graphs as usual
+        anchors = rnd.ext.positions[rnd.anchor_idx] + accept_len[rnd.accept_row]
+        force(rnd.slots.tolist(), anchors.tolist())
+
     drafter.draft = draft
+    fused, graphs = eng.worker.fused, eng.worker.executor.graphs
+    if fused is not None and graphs is not None and graphs.mode == "cuda":
+        eng.worker.fused = None  # NOTE: a captured step cannot be forced: the general path
+    elif fused is not None:  # NOTE: the fused step's round too, after it ran (static replay)
+        assert graphs is not None
+        name, k1 = (ForwardMode.VERIFY, VARIANT), k + 1
+        spec = graphs.specs[name]
+
+        def step(batch):
+            emitted, accepted = spec.forward(batch)
+            slots = fused.rows[0, : batch.batch_size].tolist()
+            force(slots, (batch.positions[::k1] + accepted[::k1]).tolist())
+            return emitted, accepted
+
+        graphs.specs[name] = dataclasses.replace(spec, forward=step)
     return made
 
 
@@ -142,3 +164,30 @@ def check_round_replay(eng: LocalEngine, exact: bool = True) -> list[tuple[int, 
 
     drafter.draft = both
     return compared
+
+
+def record_accepts(eng: LocalEngine) -> list[list[tuple[str, int]]]:
+    """Each step result's (rid, accepted drafts) per row, appended as results come in."""
+    steps: list[list[tuple[str, int]]] = []
+    process = eng.scheduler.process_result
+
+    def recorded(result):
+        steps.append([(row.rid, row.num_accepted) for row in result.rows])
+        return process(result)
+
+    eng.scheduler.process_result = recorded
+    return steps
+
+
+def record_graph_runs(eng: LocalEngine) -> list[tuple]:
+    """(mode name, *variant, rows) of every run through the target's graph runner."""
+    graphs, runs = eng.worker.executor.graphs, []
+    assert graphs is not None
+    replay = graphs.run
+
+    def recorded(mode, bt, *variant):
+        runs.append((mode.name, *variant, len(bt.seq_lens_cpu)))
+        return replay(mode, bt, *variant)
+
+    graphs.run = recorded
+    return runs

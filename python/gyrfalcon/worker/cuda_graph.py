@@ -1,10 +1,12 @@
 """CUDA graphs for any forward mode: capture keys, static buffers, padding, replay.
 
-A graph is keyed by a small descriptor, `GraphKey(mode, batch_size, tokens_per_row)`:
-DECODE graphs have one query token per row, VERIFY graphs k + 1 (the last
-accepted token and k drafts). A batch of `bs` rows runs in the graph of its mode
-captured for the smallest capture size >= bs. The extra rows are padding: token 0
-at positions 0 .. t - 1 (t = tokens per row) with sequence length t, writing and
+A graph is keyed by a small descriptor, `GraphKey(mode, batch_size, tokens_per_row,
+variant)`: DECODE graphs have one query token per row, VERIFY graphs k + 1 (the last
+accepted token and k drafts); a variant names another callable of the same mode
+(the whole greedy spec step, worker/spec_step_graph.py). A batch of `bs` rows runs
+in the graph of its mode captured for the smallest capture size >= bs. The extra
+rows are padding: token 0 at positions 0 .. t - 1 (t = tokens per row) with
+sequence length t, writing and
 reading only the reserved dummy page, so every length stays >= 1 (also after a
 per-token shift of up to t - 1) and no KV capacity beyond that page is needed.
 A padded row of t > page_size tokens references the dummy page ceil(t /
@@ -50,6 +52,7 @@ class GraphKey:
     mode: ForwardMode
     batch_size: int  # padded rows
     tokens_per_row: int  # query tokens of every row (1: DECODE, k + 1: VERIFY)
+    variant: str = ""  # another callable of the mode ("": the mode's forward)
 
     @property
     def num_tokens(self) -> int:
@@ -65,6 +68,11 @@ class GraphSpec:
     tokens_per_row: int
     forward: Callable[[ForwardBatch], tuple[torch.Tensor, ...]]
     backend: AttentionBackend
+    variant: str = ""
+
+    @property
+    def name(self) -> tuple[ForwardMode, str]:
+        return self.mode, self.variant
 
 
 def capture_batch_sizes(max_bs: int, explicit: list[int] | None = None) -> list[int]:
@@ -88,8 +96,8 @@ def padded_batch_size(bs: int, sizes: list[int]) -> int:
 def graph_keys(specs: list[GraphSpec], sizes: list[int]) -> list[GraphKey]:
     """Every key to capture, in capture order: most tokens first (so the shared memory
     pool is sized by the largest graph), then by mode and size."""
-    keys = [GraphKey(s.mode, bs, s.tokens_per_row) for s in specs for bs in sizes]
-    return sorted(keys, key=lambda k: (-k.num_tokens, k.mode, -k.batch_size))
+    keys = [GraphKey(s.mode, bs, s.tokens_per_row, s.variant) for s in specs for bs in sizes]
+    return sorted(keys, key=lambda k: (-k.num_tokens, k.mode, k.variant, -k.batch_size))
 
 
 @dataclass
@@ -235,14 +243,14 @@ class GraphRunner:
         sizes: list[int] | None = None,
     ):
         assert mode in ("cuda", "static"), mode
-        assert specs and len({s.mode for s in specs}) == len(specs), "one spec per mode"
+        assert specs and len({s.name for s in specs}) == len(specs), "one spec per mode, variant"
         for spec in specs:
             assert spec.mode in CAPTURED_MODES, f"no graphs for {spec.mode.name}"
             if mode == "cuda":
                 assert spec.backend.supports_cuda_graph, f"{spec.backend.name} cannot be captured"
         if mode == "cuda":
             assert device.type == "cuda", "CUDA graphs need a CUDA device"
-        self.specs = {s.mode: s for s in specs}
+        self.specs = {s.name: s for s in specs}
         self.kv_cache, self.device, self.mode = kv_cache, device, mode
         self.sizes = capture_batch_sizes(max_bs, sizes)
         self.keys = graph_keys(specs, self.sizes)
@@ -259,8 +267,8 @@ class GraphRunner:
                     self.sizes[-1], max_pages, device, s.mode, s.tokens_per_row
                 )
 
-    def can_run(self, mode: ForwardMode, bt: BatchTensors) -> bool:
-        spec = self.specs.get(mode)
+    def can_run(self, mode: ForwardMode, bt: BatchTensors, variant: str = "") -> bool:
+        spec = self.specs.get((mode, variant))
         if spec is None:
             return False
         bs, t = len(bt.seq_lens_cpu), spec.tokens_per_row
@@ -274,7 +282,7 @@ class GraphRunner:
 
     def _prepare(self, key: GraphKey, seq_lens: list[int]) -> ForwardBatch:
         """The key's static batch with its attention metadata (after `fill`)."""
-        backend = self.specs[key.mode].backend
+        backend = self.specs[key.mode, key.variant].backend
         batch = self.buf.forward_batch(key, seq_lens, self.kv_cache, backend)
         if backend.supports_cuda_graph:
             batch.attn_meta = backend.prepare_replay(batch)
@@ -290,7 +298,8 @@ class GraphRunner:
         """
         if self.mode == "static":
             for key in self.keys:
-                self.specs[key.mode].forward(self._prepare(key, self.buf.fill(None, key)))
+                spec = self.specs[key.mode, key.variant]
+                spec.forward(self._prepare(key, self.buf.fill(None, key)))
             return
         # NOTE: a garbage collection during capture can free pinned host memory or
         # destroy CUDA events of dead objects, which invalidates the capture: collect
@@ -307,7 +316,7 @@ class GraphRunner:
         pool = None
         stream = torch.cuda.Stream(self.device)
         for key in tqdm(self.keys, desc="Capturing CUDA graphs", unit="graph"):
-            forward = self.specs[key.mode].forward
+            forward = self.specs[key.mode, key.variant].forward
             batch = self._prepare(key, self.buf.fill(None, key))
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
@@ -324,21 +333,27 @@ class GraphRunner:
             "captured %d CUDA graphs (batch sizes %s; %s) in %.1f s",
             len(self.keys),
             self.sizes,
-            ", ".join(f"{s.mode.name} x{s.tokens_per_row}" for s in self.specs.values()),
+            ", ".join(
+                f"{s.mode.name}{s.variant and ' ' + s.variant} x{s.tokens_per_row}"
+                for s in self.specs.values()
+            ),
             time.perf_counter() - t0,
         )
 
-    def run(self, mode: ForwardMode, bt: BatchTensors) -> tuple[torch.Tensor, ...]:
-        """Outputs of the real rows' tokens: each of the mode's forward(...) tensors
-        [:bs * tokens_per_row] (`can_run` first)."""
+    def run(
+        self, mode: ForwardMode, bt: BatchTensors, variant: str = ""
+    ) -> tuple[torch.Tensor, ...]:
+        """Outputs of the real rows' tokens: each of the mode's (variant's) forward(...)
+        tensors [:bs * tokens_per_row] (`can_run` first)."""
         bs = len(bt.seq_lens_cpu)
-        t = self.specs[mode].tokens_per_row
-        key = GraphKey(mode, padded_batch_size(bs, self.sizes), t)
+        spec = self.specs[mode, variant]
+        t = spec.tokens_per_row
+        key = GraphKey(mode, padded_batch_size(bs, self.sizes), t, variant)
         batch = self._prepare(key, self.buf.fill(bt, key))
         self.num_runs += 1
         if self.mode == "cuda":
             self.graphs[key].replay()
             out = self.outputs[key]
         else:
-            out = self.specs[mode].forward(batch)
+            out = spec.forward(batch)
         return tuple(x[: bs * t] for x in out)

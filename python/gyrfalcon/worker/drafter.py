@@ -35,6 +35,7 @@ with zeros (accept 0, position 0 on the dummy page).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -171,20 +172,46 @@ class Drafter:
         assert self.static is not None
         bs, k1 = batch.batch_size, self.k + 1
         st = self.static
-        out = self.model(batch, self.model.fuse(st.aux[: bs * k1]))
-        accepted = st.accept[:bs]
+        drafts = self.verify_round(batch, st.aux[: bs * k1], st.accept[:bs], st.last_pos[:bs])
+        return (torch.cat([drafts, drafts.new_zeros(bs, 1)], dim=1).view(-1),)
+
+    def verify_round(
+        self,
+        batch: ForwardBatch,
+        aux: torch.Tensor,
+        accepted: torch.Tensor,
+        last_pos: torch.Tensor,
+    ) -> torch.Tensor:
+        """The round over a DRAFT_EXTEND batch of verify rows (k + 1 tokens each, at the
+        positions the target verified, ids: the token after each) -> [bs, k] drafts.
+        aux: [bs * (k + 1), 3 * H_target]; accepted, last_pos: [bs] int64. Host-free:
+        graphs capture it (`_round`, worker/spec_step_graph.py)."""
+        bs, k1 = batch.batch_size, self.k + 1
+        out = self.model(batch, self.model.fuse(aux))
         anchor = batch.positions[::k1] + accepted  # [bs]
         cap = batch.page_table.shape[1] * self.page_size - 1
         bound = [n - 1 for n in batch.seq_lens_cpu]  # NOTE: anchors with every draft accepted
-        drafts = self._steps(
+        return self._steps(
             out[last_accepted_indices(accepted, self.k)],
             anchor,
-            st.last_pos[:bs],
+            last_pos,
             batch.page_table,
             bound,
             [cap] * bs,
         )
-        return (torch.cat([drafts, drafts.new_zeros(bs, 1)], dim=1).view(-1),)
+
+    def extend_view(self, like: ForwardBatch, input_ids: torch.Tensor) -> ForwardBatch:
+        """A DRAFT_EXTEND batch over `like`'s rows (positions, slots, lengths, pages:
+        the same tensors) with `input_ids`, the drafter's KV cache and its extend
+        backend's metadata (views of those tensors where the backend captures)."""
+        attn = self.backends.extend
+        batch = dataclasses.replace(
+            like, mode=ForwardMode.DRAFT_EXTEND, input_ids=input_ids, kv_cache=self.kv_cache,
+            attn_backend=attn, attn_meta=None,
+        )  # fmt: skip
+        replay = attn.supports_cuda_graph
+        batch.attn_meta = attn.prepare_replay(batch) if replay else attn.build_metadata(batch)
+        return batch
 
     def _steps(
         self,

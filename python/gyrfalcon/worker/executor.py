@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -85,7 +86,11 @@ class ModelExecutor:
         self.aux_layers: tuple[int, ...] | None = None
 
     def init_kv_cache(
-        self, num_pages: int, max_model_len: int, verify_tokens_per_row: int | None = None
+        self,
+        num_pages: int,
+        max_model_len: int,
+        verify_tokens_per_row: int | None = None,
+        extra_specs: Sequence[GraphSpec] = (),
     ) -> None:
         """Allocate the paged KV cache (after weights, so sizing sees their memory),
         then set up graphs for contexts up to max_model_len (`setup_graphs`)."""
@@ -100,25 +105,37 @@ class ModelExecutor:
             self.device,
             self.ctx.kernels,
         )
-        self.setup_graphs(max_model_len, verify_tokens_per_row)
+        self.setup_graphs(max_model_len, verify_tokens_per_row, extra_specs)
 
-    def setup_graphs(self, max_model_len: int, verify_tokens_per_row: int | None = None) -> None:
+    @property
+    def graph_max_bs(self) -> int:
+        """The largest batch the graphs serve."""
+        return min(self.args.cuda_graph_max_bs, self.args.max_num_seqs)
+
+    def setup_graphs(
+        self,
+        max_model_len: int,
+        verify_tokens_per_row: int | None = None,
+        extra_specs: Sequence[GraphSpec] = (),
+    ) -> None:
         """Capture graphs (or set up static replay, per the server arguments) for
         contexts up to max_model_len: DECODE always; VERIFY of `verify_tokens_per_row`
-        (k + 1) tokens per row only when asked (opt-in until spec decoding exists).
+        (k + 1) tokens per row only when asked (with speculative decoding), and its
+        variants in `extra_specs` (worker/spec_step_graph.py), in the same memory pool.
         Replaces the graphs set up before."""
         assert self.kv_cache is not None, "init_kv_cache() first"
         self.graphs = None
         mode = self.args.graph_mode()
         if mode is None:
             return
-        specs = [GraphSpec(ForwardMode.DECODE, 1, self._token_logits, self.backends.decode)]
+        specs = [GraphSpec(ForwardMode.DECODE, 1, self.token_logits, self.backends.decode)]
         if verify_tokens_per_row is not None:
             assert verify_tokens_per_row >= 2, "a verify row scores k + 1 >= 2 tokens"
             verify = self.backends.verify
             specs.append(
-                GraphSpec(ForwardMode.VERIFY, verify_tokens_per_row, self._token_logits, verify)
+                GraphSpec(ForwardMode.VERIFY, verify_tokens_per_row, self.token_logits, verify)
             )
+            specs.extend(extra_specs)
         if mode == "cuda":
             for spec in [s for s in specs if not s.backend.supports_cuda_graph]:
                 name, what = spec.backend.name, spec.mode.name
@@ -130,7 +147,7 @@ class ModelExecutor:
             specs,
             self.kv_cache,
             self.page_size,
-            max_bs=min(self.args.cuda_graph_max_bs, self.args.max_num_seqs),
+            max_bs=self.graph_max_bs,
             max_pages=-(-max_model_len // self.page_size),
             device=self.device,
             mode=mode,
@@ -138,7 +155,7 @@ class ModelExecutor:
         )
         self.graphs.capture()
 
-    def _token_logits(self, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
+    def token_logits(self, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
         """The captured function of every mode: a static batch -> (logits [T, vocab] of
         every token in the model dtype, their argmax [T]: for DECODE (T = bs) the tokens
         of greedy rows without penalties, sampled in the graph; for VERIFY (T = bs *

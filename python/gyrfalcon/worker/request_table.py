@@ -49,6 +49,8 @@ class RequestTable:
         self.last_tokens = torch.zeros(0, dtype=torch.int64, device=device)  # [slots]
         self.draft_tokens = torch.zeros(0, num_draft, dtype=torch.int64, device=device)
         self.next_pos = torch.zeros(0, dtype=torch.int64, device=device)  # [slots]
+        self.scratch: int | None = None  # a slot no request gets (`reserve`)
+        self.generation = 0  # bumped when the tensors above are reallocated
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -69,15 +71,30 @@ class RequestTable:
         state = RequestSamplingState.create(
             new.sampling, list(new.prompt_ids), self.device, self.eos_token_ids
         )
-        if not self._free_slots:  # grow last_tokens (stream-ordered, no sync)
-            n = self.last_tokens.shape[0]
-            self.last_tokens = _grown(self.last_tokens, max(MIN_SLOTS, 2 * n))
-            self.draft_tokens = _grown(self.draft_tokens, max(MIN_SLOTS, 2 * n))
-            self.next_pos = _grown(self.next_pos, max(MIN_SLOTS, 2 * n))
-            self._free_slots = list(range(self.last_tokens.shape[0] - 1, n - 1, -1))
+        if not self._free_slots:  # grow (stream-ordered, no sync)
+            self._grow(max(MIN_SLOTS, 2 * self.last_tokens.shape[0]))
         req = WorkerRequest(list(new.prompt_ids), state, [], self._free_slots.pop())
         self._requests[new.rid] = req
         return req
+
+    def reserve(self, capacity: int) -> int:
+        """Slots for `capacity` requests now, and one scratch slot no request gets,
+        returned: captured graphs index these tensors (padded rows write to the scratch
+        slot), which keep their addresses until more than `capacity` requests are held
+        at once (then `generation` changes). Call before any request is added."""
+        assert not self._requests and self.scratch is None, "reserve before any request"
+        self._grow(capacity + 1)
+        self.scratch = self._free_slots.pop(0)  # NOTE: the highest slot
+        return self.scratch
+
+    def _grow(self, rows: int) -> None:
+        n = self.last_tokens.shape[0]
+        self.last_tokens = _grown(self.last_tokens, rows)
+        self.draft_tokens = _grown(self.draft_tokens, rows)
+        self.next_pos = _grown(self.next_pos, rows)
+        self._free_slots = list(range(rows - 1, n - 1, -1)) + self._free_slots
+        if n:
+            self.generation += 1
 
     def drop(self, rid: str) -> None:
         req = self._requests.pop(rid, None)

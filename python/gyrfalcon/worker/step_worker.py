@@ -25,7 +25,6 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
@@ -33,7 +32,7 @@ from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.forward.host_copy import upload
 from gyrfalcon.forward.metadata import BatchTensors, RowInput, build_batch_tensors, shift_rows
-from gyrfalcon.ipc.contract import DUMMY_PAGE, verifies_drafts
+from gyrfalcon.ipc.contract import DUMMY_PAGE, PLACEHOLDER, verifies_drafts
 from gyrfalcon.ipc.messages import (
     ForwardMode,
     RankBatch,
@@ -46,14 +45,14 @@ from gyrfalcon.worker.drafter import Drafter, DraftRound
 from gyrfalcon.worker.executor import ModelExecutor
 from gyrfalcon.worker.kv_sizing import max_model_len, num_kv_pages
 from gyrfalcon.worker.logprobs import HostCopy, SampleOutput
-from gyrfalcon.worker.request_table import RequestTable, WorkerRequest
+from gyrfalcon.worker.pending_step import PendingStep
+from gyrfalcon.worker.request_table import MIN_SLOTS, RequestTable, WorkerRequest
 from gyrfalcon.worker.sampler import (
-    RequestSamplingState,
     prepare,
     prompt_logprobs,
     sample,
-    to_position_logprobs,
 )
+from gyrfalcon.worker.spec_step_graph import FusedSpecStep, fuses
 from gyrfalcon.worker.spec_verify import (
     VerifyIndex,
     emitted_index,
@@ -65,59 +64,9 @@ from gyrfalcon.worker.warmup import WARMUP_CHUNK, warmup_batches
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class PendingStep:
-    """A launched step: its results are complete once `copy` has landed on the host."""
-
-    step_id: int
-    dp_rank: int
-    results: list[RowResult]
-    sample_rows: list[int] = field(default_factory=list)  # indices into results
-    states: list[RequestSamplingState] = field(default_factory=list)  # of the sample rows
-    copy: HostCopy | None = None
-    resolved: bool = False
-    # K1 = 1 + the most drafts a row verifies: 1 = one sampled token per row; else the
-    # copy holds accept lengths [S], emitted tokens [S, K1] and the token of each of
-    # the N logit rows, whose logprobs it carries (`spec_verify.verify_sample`)
-    width: int = 1
-    logit_starts: list[int] = field(default_factory=list)  # first logit row of each
-
-    def done(self) -> bool:
-        return self.copy is None or self.copy.done()
-
-    def resolve(self) -> StepResult:
-        """Wait for the sampled ids; record them in the requests' sampling state (once)."""
-        if not self.resolved and self.copy is not None:
-            out = self.copy.wait()
-            if self.width == 1:
-                self._record(out, [[t] for t in out.token_ids.tolist()], None)
-            else:
-                s, k1 = len(self.sample_rows), self.width
-                flat = out.token_ids.tolist()
-                accept, emitted = flat[:s], flat[s : s + s * k1]
-                runs = [emitted[j * k1 : j * k1 + a + 1] for j, a in enumerate(accept)]
-                per_logit_row = SampleOutput(
-                    out.token_ids[s + s * k1 :], out.logprobs, out.top_ids, out.top_logprobs
-                )
-                self._record(per_logit_row, runs, accept)
-        self.resolved = True
-        return StepResult(self.step_id, self.results, self.dp_rank)
-
-    def _record(self, out: SampleOutput, runs: list[list[int]], accept: list[int] | None) -> None:
-        """Each sampling row's emitted run; logprobs from `out`'s rows (the sampling rows
-        when accept is None, else the logit rows from `logit_starts`)."""
-        for j, i in enumerate(self.sample_rows):
-            emitted = runs[j]
-            self.states[j].output_ids.extend(emitted)
-            result = self.results[i]
-            result.token_ids = emitted
-            result.num_accepted = len(emitted) - 1
-            k = self.states[j].params.logprobs
-            if k is not None:
-                first = j if accept is None else self.logit_starts[j]
-                rows = range(first, first + len(emitted))
-                result.logprobs = [to_position_logprobs(out, r, k) for r in rows]
+# Request-table slots reserved per running request where graphs capture the table:
+# finished requests hold theirs until the next plan drops them, preempted ones longer
+RESERVED_SLOTS_PER_SEQ = 4
 
 
 class StepWorker:
@@ -144,6 +93,7 @@ class StepWorker:
         self.requests = RequestTable(self.device, model_cfg.eos_token_ids, self.num_draft)
         self.pending: deque[PendingStep] = deque()
         self.max_model_len = 0
+        self.fused: FusedSpecStep | None = None  # the whole greedy spec step in one graph
 
     @property
     def floats_rows(self) -> bool:
@@ -156,13 +106,23 @@ class StepWorker:
         )
 
     def init_kv_cache(self, num_pages: int, max_model_len: int) -> None:
-        """The target's KV cache (and graphs, VERIFY ones for k + 1 tokens per row with a
-        drafter), then the drafter's own pages."""
+        """The drafter's own pages, then the target's KV cache and graphs: VERIFY ones for
+        k + 1 tokens per row with a drafter, and the fused greedy step (spec_step_graph.py)
+        where rows float; then the drafter's round graphs."""
         self.max_model_len = max_model_len
-        verify = self.num_draft + 1 if self.drafter else None
-        self.executor.init_kv_cache(num_pages, max_model_len, verify)
+        verify, extra = None, []
         if self.drafter is not None:
+            verify = self.num_draft + 1
             self.drafter.init_kv_cache(num_pages, self.args.kv_dtype(self.executor.dtype))
+            if self.floats_rows and self.args.graph_mode() is not None:
+                self.requests.reserve(
+                    max(MIN_SLOTS, RESERVED_SLOTS_PER_SEQ * self.args.max_num_seqs)
+                )
+                max_bs = self.executor.graph_max_bs
+                self.fused = FusedSpecStep(self.executor, self.drafter, self.requests, max_bs)
+                extra.append(self.fused.spec())
+        self.executor.init_kv_cache(num_pages, max_model_len, verify, extra)
+        if self.drafter is not None:
             self.drafter.setup_graphs(max_model_len)
 
     # ------------------------------------------------------------ execution
@@ -228,6 +188,8 @@ class StepWorker:
         reqs = [self.requests.apply(row) for row in rows]
         k, width = self.num_draft, 1 + max(row.num_draft for row in rows)
         assert width - 1 <= k, f"rows verify {width - 1} drafts, the drafter makes {k}"
+        if self._fuses(rows, reqs):
+            return self._launch_fused(step, rows, reqs)
         step.sample_rows = [i for i, row in enumerate(rows) if row.sample]
         num_tokens = sum(len(row.input_ids) + row.num_draft for row in rows)
         layout = StepLayout(num_tokens, len(step.sample_rows) * width, width)
@@ -310,6 +272,43 @@ class StepWorker:
         if layout.ext_rows:
             fl = None if shift is None else (shift, fl_token_rows_t)
             self._draft(layout, bt, emitted, accept_len, next_t, out.aux, fl, draft_t)
+        return step
+
+    def _fuses(self, rows: list[ScheduledRow], reqs: list[WorkerRequest]) -> bool:
+        """Whether the step runs as the fused greedy step: every row a verify row of k
+        drafts after one input, of a request that `fuses`, in a captured size."""
+        f, k = self.fused, self.num_draft
+        return (
+            f is not None
+            and all(len(r.input_ids) == 1 and r.num_draft == k for r in rows)
+            and all(fuses(q.sampling) for q in reqs)
+            and f.usable(self.executor.graphs, len(rows), max(len(q.pages) for q in reqs))
+        )
+
+    def _launch_fused(
+        self, step: PendingStep, rows: list[ScheduledRow], reqs: list[WorkerRequest]
+    ) -> PendingStep:
+        """The step as one replay (spec_step_graph.py): the batch at the rows' latest
+        starts and their `ROW_FIELDS` in one upload; the ids come back as a verify
+        step's (accepted, emitted)."""
+        assert self.fused is not None and self.executor.graphs is not None
+        ps, k = self.args.page_size, self.num_draft
+        inputs = [
+            RowInput(latest_start(r), [r.input_ids[0]] + [0] * k, q.pages)
+            for r, q in zip(rows, reqs)
+        ]
+        fields = [q.slot for q in reqs]
+        fields += [int(r.drafts_in_flight > 0) for r in rows]
+        fields += [int(r.input_ids[0] == PLACEHOLDER) for r in rows]
+        fields += [min(len(q.pages) * ps, self.max_model_len) - 1 for q in reqs]
+        bt = build_batch_tensors(inputs, ps, self.device, extra=[fields])
+        accepted, emitted = self.fused.run(self.executor.graphs, bt, bt.extra[0].view(4, len(rows)))
+        step.sample_rows = list(range(len(rows)))
+        step.states = [q.sampling for q in reqs]
+        step.width = k + 1
+        step.copy = HostCopy(
+            SampleOutput(torch.cat([accepted, emitted.view(-1)]), None, None, None)
+        )
         return step
 
     def _draft(

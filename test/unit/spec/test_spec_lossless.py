@@ -14,6 +14,8 @@ from spec_util import (
     make_pair,
     prompts,
     random_pattern,
+    record_accepts,
+    record_graph_runs,
     run,
 )
 
@@ -57,27 +59,27 @@ def plain3(pair):
     return run(engine(target), prompts(2, LENS3), GREEDY)
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("k", [1, 3, 5])
 @pytest.mark.parametrize("name", list(PATTERNS))
-def test_forced_acceptance_patterns_are_lossless(pair, plain3, k, name):
+def test_forced_acceptance_patterns_are_lossless(pair, plain3, k, name, fused):
     """Three requests decoding together: their VERIFY steps run in the static-replay
-    graph of 4 rows (one padded); each pattern's accepts show in the counters."""
+    graph of 4 rows (one padded), as the fused greedy step (spec_step_graph.py) or
+    through the general path; each pattern's accepts show in the counters."""
     target, draft = pair
     eng = engine(
         target, draft, k, static_graph_replay=True, cuda_graph_bs="1,2,4", cuda_graph_max_bs=4
     )
+    if not fused:
+        eng.worker.fused = None
     ps = prompts(2, LENS3)
     seqs = {str(i): p + out for i, (p, out) in enumerate(zip(ps, plain3.ids))}
     made = force_drafts(eng, seqs, PATTERNS[name](k), k)
-    graphs, sizes = eng.worker.executor.graphs, []
-    replay = graphs.run
-    graphs.run = lambda mode, bt: (
-        sizes.append((mode.name, len(bt.seq_lens_cpu))) or replay(mode, bt)
-    )
+    sizes = record_graph_runs(eng)
     got = run(eng, ps, GREEDY)
     assert got.ids == plain3.ids
     assert made and got.verify_steps
-    assert ("VERIFY", 3) in sizes  # a step padded 3 -> 4
+    assert (("VERIFY", "step", 3) if fused else ("VERIFY", 3)) in sizes  # padded 3 -> 4
     if name == "all_k":  # every step accepts k, except where max_tokens caps the drafts
         assert got.accepted >= k * (got.verify_steps - len(LENS3))
     if name == "none":
@@ -117,10 +119,48 @@ def test_draft_round_graph_replay_equals_eager(pair, plain3, k):
     eng = engine(
         target, draft, k, static_graph_replay=True, cuda_graph_bs="1,2,4", cuda_graph_max_bs=4
     )
+    eng.worker.fused = None  # NOTE: the general path's round graph
     compared = check_round_replay(eng)
     got = run(eng, prompts(2, LENS3), GREEDY)
     assert got.ids == plain3.ids
     assert 3 in [rows for rows, _ in compared]  # a padded round
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_fused_step_equals_the_general_path(pair, plain3, k):
+    """The fused greedy step (one replay: move, fills, verify, acceptance, records, the
+    draft round) and the general path, from the same prompts with the real (random)
+    drafter: the same outputs and, step by step, the same accept counts, so the same
+    drafts (float32, static replay); 3 rows padded to 4, floating rows included."""
+    target, draft = pair
+    kw = dict(static_graph_replay=True, cuda_graph_bs="1,2,4", cuda_graph_max_bs=4)
+    results, accepts = [], []
+    for fused in (True, False):
+        eng = engine(target, draft, k, **kw)
+        if not fused:
+            eng.worker.fused = None
+        runs, steps = record_graph_runs(eng), record_accepts(eng)
+        results.append(run(eng, prompts(2, LENS3), GREEDY))
+        accepts.append(steps)
+        assert any(r[:2] == ("VERIFY", "step") for r in runs) == fused
+    assert results[0].ids == results[1].ids == plain3.ids
+    assert accepts[0] == accepts[1] and results[0].accepted == results[1].accepted > 0
+
+
+def test_a_request_table_outgrowing_its_reserve_turns_the_fused_step_off(pair, plain3, caplog):
+    """The fused step captured the request table's tensors by address: once the table
+    is reallocated, steps take the general path (with a warning), outputs unchanged."""
+    target, draft = pair
+    eng = engine(
+        target, draft, 3, static_graph_replay=True, cuda_graph_bs="1,2,4", cuda_graph_max_bs=4
+    )
+    table = eng.worker.requests
+    table._grow(2 * table.last_tokens.shape[0])  # NOTE: what more requests than reserved do
+    runs = record_graph_runs(eng)
+    got = run(eng, prompts(2, LENS3), GREEDY)
+    assert got.ids == plain3.ids and got.verify_steps
+    assert ("VERIFY", 3) in runs and not any(r[:2] == ("VERIFY", "step") for r in runs)
+    assert "outgrew its reserve" in caplog.text
 
 
 def test_spec_graphs_capture_in_a_pool_of_a_few_pages(pair):
