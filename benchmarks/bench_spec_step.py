@@ -96,6 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load-format", default="auto")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="auto")
+    p.add_argument(
+        "--attention-backend",
+        default="auto",
+        help="prefill backend of both engines (triton: no flashinfer module to build on a "
+        "fresh machine; the steps measured are decode and verify steps either way)",
+    )
     p.add_argument("--num-steps", type=int, default=3, help="k")
     p.add_argument("--batch-sizes", default="1,16,64")
     p.add_argument("--prompt-len", type=int, default=512)
@@ -114,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(s) for s in ns.batch_sizes.split(",")]
     common = dict(
         model=ns.model, device=ns.device, dtype=ns.dtype, load_format=ns.load_format,
+        attention_backend=ns.attention_backend,
         kv_cache_memory=ns.kv_cache_memory, max_num_seqs=max(sizes),
         cuda_graph_max_bs=max(sizes),
     )  # fmt: skip

@@ -166,6 +166,9 @@ def generate(args: TrainArgs, prompts: list[str]) -> Generated:
         kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs,
         seed=args.seed,
+        # NOTE: triton on CUDA: flashinfer builds its prefill module on a fresh machine
+        # (~90 s of the run); the answers are decode-bound, the features one pass
+        attention_backend="triton" if args.device.startswith("cuda") else "auto",
     )
     engine = LocalEngine(server_args, model_dir, check_invariants=False)  # NOTE: big pool
     instructions: list[str] = []
