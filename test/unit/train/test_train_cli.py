@@ -93,6 +93,23 @@ def test_train_eagle3_end_to_end(setup, one_thread):
     assert hot.tolist() == sorted(set(hot.tolist()))
 
 
+def short_run(setup, name: str, *flags: str) -> dict:
+    """A few training steps with `flags` on the setup's 28 prompts (4 held out); the
+    run's training_args.json."""
+    root, target_dir, tok_dir = setup
+    out = str(root / f"drafter-{name}")
+    argv = [
+        "train-eagle3", "--target-model", target_dir, "--tokenizer", tok_dir,
+        "--prompts", str(root / "prompts.jsonl"), "--num-prompts", "0", "--holdout", "4",
+        "--max-new-tokens", "12", "--max-steps", "4", "--batch-size", "4", "--ttt-steps", "2",
+        "--draft-vocab-size", "64", "--eval-every", "0", *flags,
+        "--device", "cpu", "--kv-cache-memory", "16MiB", "--output-dir", out,
+    ]  # fmt: skip
+    assert cli_main(argv) == 0
+    with open(os.path.join(out, "training_args.json")) as f:
+        return json.load(f)
+
+
 def test_follow_up_turns_add_second_answers(setup, one_thread):
     """--follow-up-turns N: N training prompts get a second turn (the target's answer,
     then a generic follow-up) answered by the target: N more training sequences whose
@@ -113,35 +130,14 @@ def test_follow_up_turns_add_second_answers(setup, one_thread):
         return tok.encode(text, add_special_tokens=False)
 
     assert any(conv == rendered(f) for f in FOLLOW_UPS)
-    out = str(root / "drafter-follow-up")
-    argv = [
-        "train-eagle3", "--target-model", target_dir, "--tokenizer", tok_dir,
-        "--prompts", str(root / "prompts.jsonl"), "--num-prompts", "0", "--holdout", "4",
-        "--max-new-tokens", "12", "--max-steps", "4", "--batch-size", "4", "--ttt-steps", "2",
-        "--draft-vocab-size", "64", "--eval-every", "0", "--follow-up-turns", "6",
-        "--device", "cpu", "--kv-cache-memory", "16MiB", "--output-dir", out,
-    ]  # fmt: skip
-    assert cli_main(argv) == 0
-    with open(os.path.join(out, "training_args.json")) as f:
-        results = json.load(f)["results"]
+    results = short_run(setup, "follow-up", "--follow-up-turns", "6")["results"]
     assert results["train_sequences"] == 24 + 6 and results["held_out_sequences"] == 4
 
 
 def test_self_instructions_join_the_prompts(setup, one_thread, capsys):
     """--self-instructions N: the target writes N instructions first; the kept ones
     (logged, with examples) are answered as more prompts, held-out split included."""
-    root, target_dir, tok_dir = setup
-    out = str(root / "drafter-self-instructions")
-    argv = [
-        "train-eagle3", "--target-model", target_dir, "--tokenizer", tok_dir,
-        "--prompts", str(root / "prompts.jsonl"), "--num-prompts", "0", "--holdout", "4",
-        "--max-new-tokens", "12", "--max-steps", "4", "--batch-size", "4", "--ttt-steps", "2",
-        "--draft-vocab-size", "64", "--eval-every", "0", "--self-instructions", "24",
-        "--device", "cpu", "--kv-cache-memory", "16MiB", "--output-dir", out,
-    ]  # fmt: skip
-    assert cli_main(argv) == 0
-    with open(os.path.join(out, "training_args.json")) as f:
-        record = json.load(f)
+    record = short_run(setup, "self-instructions", "--self-instructions", "24")
     kept = record["results"]["self_instructions"]
     assert record["args"]["self_instructions"] == 24 and 1 <= kept < 24
     sequences = record["results"]["train_sequences"] + record["results"]["held_out_sequences"]
