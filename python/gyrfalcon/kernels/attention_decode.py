@@ -137,9 +137,10 @@ def _decode_split_kernel(
     ROPE: tl.constexpr,
     F16_MATH: tl.constexpr,  # fp8 caches: dots in float16 (see decode_attention)
     PDL: tl.constexpr,
+    TOKENS_PER_ROW: tl.constexpr,  # query tokens per page-table row (verify rows: k + 1)
 ):
     pdl_gate(PDL)
-    row = tl.program_id(0)
+    row = tl.program_id(0)  # NOTE: a query token; its page-table row is row // TOKENS_PER_ROW
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     offs_h = tl.arange(0, BLOCK_H)
@@ -149,7 +150,9 @@ def _decode_split_kernel(
     mask_d = offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_h  # [BLOCK_H] query heads of this KV head
 
-    seq_len = tl.load(seq_lens_ptr + row)
+    table_row = row // TOKENS_PER_ROW
+    # token i of a row of T sees the row's length minus the T - 1 - i tokens after it
+    seq_len = tl.load(seq_lens_ptr + table_row) - (TOKENS_PER_ROW - 1 - row % TOKENS_PER_ROW)
     # NOTE: the split length is rounded up to whole key blocks, so short rows use
     # only the first few splits; the rest have start >= end and stay empty.
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -191,7 +194,7 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    pt_row = page_table_ptr + row * stride_pt
+    pt_row = page_table_ptr + table_row * stride_pt
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n  # [BLOCK_N] KV positions
         mask_n = pos < end
@@ -280,12 +283,18 @@ def decode_attention(
     num_warps: int = 4,
     num_stages: int | None = None,
     pdl: bool = True,
+    tokens_per_row: int = 1,
 ) -> None:
     """Paged decode attention, written into `o` in place.
 
     q: [bs, H, D]; k_cache, v_cache: [slots, KVH, D]; page_table: [bs, max_pages]
     int32/int64; seq_lens: [bs] (>= 1, KV length including the new token);
     o: [bs, H, D]; scratch: from `alloc_decode_scratch` with max_bs >= bs.
+    tokens_per_row = T > 1 (verify rows of k + 1 tokens, their K/V in the cache): q's
+    bs = rows * T tokens, row r's at [r T, (r + 1) T), page_table and seq_lens per row
+    ([rows, ...]); token i of a row attends causally to the row's first
+    seq_len - (T - 1 - i) positions: the extend kernel's result, with the decode
+    kernel's split-KV and one program per KV head.
     rope: None when q is rotated and the new K/V are in the cache already; else
     q is unrotated and the kernel rotates q and k and writes k, v (see DecodeRope),
     with the roundings of `rotary_and_store`.
@@ -300,10 +309,12 @@ def decode_attention(
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     splits = scratch.num_kv_splits
+    t = tokens_per_row
+    assert t >= 1 and bs % t == 0 and (t == 1 or rope is None), (t, bs)
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
     assert k_cache.shape == v_cache.shape and k_cache.shape[2] == head_dim, (k_cache.shape, q.shape)
-    assert page_table.dim() == 2 and page_table.shape[0] == bs, (page_table.shape, bs)
-    assert seq_lens.shape == (bs,) and o.shape == q.shape, (seq_lens.shape, o.shape, q.shape)
+    assert page_table.dim() == 2 and page_table.shape[0] * t == bs, (page_table.shape, bs, t)
+    assert seq_lens.shape == (bs // t,) and o.shape == q.shape, (seq_lens.shape, o.shape, q.shape)
     assert scratch.mid_o.shape[0] >= bs and scratch.mid_o.shape[1:] == (
         num_heads,
         splits,
@@ -351,5 +362,6 @@ def decode_attention(
         BLOCK_S=triton.next_power_of_2(splits),
         PRECISION=dot_precision(q.dtype),
         ROPE=rope is not None, F16_MATH=fp8 and q.element_size() == 2,
-        num_warps=num_warps, num_stages=num_stages, PDL=launch, launch_pdl=launch,
+        num_warps=num_warps, num_stages=num_stages, PDL=launch, TOKENS_PER_ROW=t,
+        launch_pdl=launch,
     )  # fmt: skip

@@ -217,9 +217,26 @@ def test_verify_batch_matches_ref(k):
     # every row scores its last accepted token plus k drafts, prefixes at page edges
     spec = [(prefix, k + 1) for prefix in [1, PS - 1, PS, 2 * PS + 1, 30]]
     out, expect, tb = run_both(spec, 4, 1, 64, ForwardMode.VERIFY, pad_rows=2)
-    assert tb.attn_meta.max_q_len == k + 1
+    # NOTE: the padded rows' single tokens make the rows uneven: the extend kernel
+    assert tb.attn_meta.max_q_len == k + 1 and tb.attn_meta.verify_tokens == 0
     n_real = len(spec) * (k + 1)
     torch.testing.assert_close(out[:n_real], expect[:n_real], **TOL)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn])
+def test_verify_rows_on_the_decode_kernel_and_uneven_ones_on_the_extend_kernel(kv_dtype):
+    """Verify rows of k + 1 tokens each run on the decode kernel (a program row per
+    query token, its length the row's minus the tokens after it), with several KV
+    splits and an fp8 cache too; rows with fewer drafts (uneven q_lens) on the extend
+    kernel. Both match torch_ref."""
+    even = [(prefix, 4) for prefix in [1, PS - 1, 2 * PS + 1, 30]]
+    uneven = [(12, 4), (7, 2), (30, 3)]
+    kw = dict(num_kv_splits=4, decode_block_n=16, extend_block_m=16, extend_block_n=16)
+    for spec, t in ((even, 4), (uneven, 0)):
+        out, expect, tb = run_both(spec, 8, 2, 64, ForwardMode.VERIFY, kv_dtype=kv_dtype, **kw)
+        assert tb.attn_meta.verify_tokens == t
+        tol = TOL if kv_dtype == torch.float32 else dict(atol=0.05, rtol=0.05)
+        torch.testing.assert_close(out, expect, **tol)
 
 
 FP8 = torch.float8_e4m3fn
@@ -307,10 +324,10 @@ def test_replay_metadata_views_the_graph_runners_static_batch():
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_verify_replay_metadata_views_the_static_batch(k):
-    """A VERIFY key: the extend kernel reads the static buffers' page table, lengths and
-    constant q_starts = arange * (k + 1), q_lens = k + 1, with max_q_len = k + 1 from the
-    key (so its grid depends on the key alone); two fills of one key read the same
-    tensors and match torch_ref on the real rows."""
+    """A VERIFY key: the decode kernel, a program row per query token, reads the static
+    buffers' page table and lengths (its grid and scratch depend on the key alone:
+    padded rows x (k + 1)); two fills of one key read the same tensors and match
+    torch_ref on the real rows."""
     from gyrfalcon.worker.cuda_graph import GraphKey, StaticBuffers
 
     t, padded = k + 1, 4
@@ -325,7 +342,8 @@ def test_verify_replay_metadata_views_the_static_batch(k):
         bt = build_batch_tensors(rows, PS, CPU)
         tb = buf.forward_batch(key, buf.fill(bt, key), cache, tri)
         tb.attn_meta = meta = tri.prepare_replay(tb)
-        assert meta.max_q_len == t and meta.num_decode == 0 and meta.scratch is None
+        assert meta.max_q_len == t and meta.num_decode == 0 and meta.verify_tokens == t
+        assert meta.scratch is not None and meta.scratch.mid_o.shape[0] >= padded * t
         assert meta.q_starts.tolist() == [0, t, 2 * t, 3 * t] and meta.q_lens.tolist() == [t] * 4
         assert meta.page_table.data_ptr() == buf.page_table.data_ptr()
         ptrs.add((meta.page_table.data_ptr(), meta.seq_lens.data_ptr(), meta.q_starts.data_ptr()))

@@ -5,8 +5,12 @@ row of a DECODE batch, the leading decodes of a MIXED one, none of a VERIFY
 one) run the split-KV decode kernel; the rows after them run the extend kernel.
 A mixed batch of decodes and prefill chunks thus reads each decode row's KV once
 per KV head (the extend kernel would read it once per query head, without
-splits). Everything that needs host values (max_q_len) is computed once per step
-in build_metadata, so `forward` launches kernels without host syncs.
+splits). VERIFY and DRAFT_EXTEND batches whose rows all hold T (2..16) query
+tokens run entirely on the decode kernel, one program row per query token
+(`verify_tokens`): split-KV and one program per KV head, where the extend kernel
+would run one program per query head over each row's whole KV. Everything that
+needs host values (max_q_len) is computed once per step in build_metadata, so
+`forward` launches kernels without host syncs.
 
 DECODE batches take RoPE and the new K/V write inside the decode kernel
 (`attend_rope`), one launch less per layer.
@@ -16,11 +20,10 @@ The decode kernel splits each row's KV into `decode_kv_splits(bs, ...)` parts
 fill the GPU a few times over, so a small batch does not leave SMs idle.
 
 CUDA graphs: `prepare_replay` returns metadata that views the graph runner's
-static batch (page table, lengths, and for VERIFY its constant q_starts = arange *
-(k + 1) and q_lens = k + 1), so a captured graph reads fresh values on every replay
-with nothing copied, and every grid depends only on the capture key: the decode
-grid on the padded batch size, the extend grid on it and max_q_len = k + 1.
-`capture_buffers` allocates decode scratch per split count (VERIFY needs none).
+static batch (page table, lengths), so a captured graph reads fresh values on every
+replay with nothing copied, and every grid depends only on the capture key: the
+padded batch size times its tokens per row. `capture_buffers` allocates decode
+scratch per split count for every mode's rows, shared across modes.
 """
 
 from __future__ import annotations
@@ -57,6 +60,10 @@ class TritonMeta:
     max_q_len: int  # host value: the longest extend row (rows >= num_decode); sets its grid
     num_decode: int  # host value: batch.num_decode_rows (tokens [0, num_decode))
     scratch: DecodeScratch | None  # decode partials, rows [0, num_decode) used
+    # host value: T > 0 when every row is T >= 2 query tokens (verify rows): the whole
+    # batch then runs on the decode kernel, one query token per program row
+    # (`decode_attention(tokens_per_row=T)`), scratch rows [0, bs * T) used
+    verify_tokens: int = 0
 
     @property
     def is_decode(self) -> bool:
@@ -81,6 +88,21 @@ def decode_kv_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
     ):
         splits *= 2
     return splits
+
+
+# Verify rows of up to this many query tokens run on the decode kernel
+MAX_VERIFY_TOKENS = 16
+
+
+def verify_tokens(mode: ForwardMode, q_lens: list[int]) -> int:
+    """T when a VERIFY or DRAFT_EXTEND batch has T query tokens in every row, 2 <= T <=
+    MAX_VERIFY_TOKENS (the decode kernel serves it: one program row per query token,
+    split-KV, one program per KV head, where the extend kernel would read each row's
+    KV once per query head); else 0."""
+    if mode not in (ForwardMode.VERIFY, ForwardMode.DRAFT_EXTEND) or not q_lens:
+        return 0
+    t = q_lens[0]
+    return t if 2 <= t <= MAX_VERIFY_TOKENS and q_lens.count(t) == len(q_lens) else 0
 
 
 class TritonBackend(AttentionBackend):
@@ -140,6 +162,9 @@ class TritonBackend(AttentionBackend):
         batch.check()
         nd = batch.num_decode_rows  # NOTE: from the mode (forward/batch.decode_rows)
         device = batch.seq_lens.device
+        t = verify_tokens(batch.mode, batch.q_lens_cpu)
+        if t:
+            return self._verify_meta(batch, t, self._decode_scratch(batch.num_tokens, device))
         return TritonMeta(
             page_table=batch.page_table.to(torch.int32),
             seq_lens=batch.seq_lens.to(torch.int32),
@@ -160,16 +185,18 @@ class TritonBackend(AttentionBackend):
         mode: ForwardMode = ForwardMode.DECODE,
         tokens_per_row: int = 1,
     ) -> None:
+        """Decode scratch per split count, for up to max_bs * tokens_per_row query rows
+        (VERIFY and DRAFT_EXTEND run on the decode kernel too: `verify_tokens`); kept
+        across calls where large enough, so every mode's graphs share it."""
         check_capture(mode, tokens_per_row)
-        if mode != ForwardMode.DECODE:
-            return  # NOTE: the extend kernel keeps no scratch; its metadata views the batch
-        rows: dict[int, int] = {}  # split count -> largest batch size using it
-        for bs in range(1, max_bs + 1):
-            rows[self.kv_splits(bs, device)] = bs
-        self._graph_scratch = {
-            s: alloc_decode_scratch(n, self.num_heads, self.head_dim, s, device)
-            for s, n in rows.items()
-        }
+        rows: dict[int, int] = {}  # split count -> largest row count using it
+        for n in range(1, max_bs * tokens_per_row + 1):
+            rows[self.kv_splits(n, device)] = n
+        have = self._graph_scratch or {}
+        for s, n in rows.items():
+            if s not in have or have[s].mid_o.shape[0] < n:
+                have[s] = alloc_decode_scratch(n, self.num_heads, self.head_dim, s, device)
+        self._graph_scratch = have
 
     def prepare_replay(self, batch: ForwardBatch) -> TritonMeta:
         """Metadata that views the batch's own page table, lengths and query offsets:
@@ -177,19 +204,10 @@ class TritonBackend(AttentionBackend):
         every replay, so nothing is copied (the kernels take int64 indices)."""
         t = replay_tokens_per_row(batch)
         bs = batch.batch_size
-        if batch.mode != ForwardMode.DECODE:  # VERIFY, DRAFT_EXTEND: extend rows
-            # every row k + 1 tokens (the capture key's), at q_starts = arange * (k + 1):
-            # the extend grid (cdiv(k + 1, BLOCK_M), bs, H) depends on the key alone
-            return TritonMeta(
-                page_table=batch.page_table,
-                seq_lens=batch.seq_lens,
-                q_starts=batch.q_starts,
-                q_lens=batch.q_lens,
-                max_q_len=t,
-                num_decode=0,
-                scratch=None,
-            )
         assert self._graph_scratch is not None, "capture_buffers must run before prepare_replay"
+        if batch.mode != ForwardMode.DECODE:  # VERIFY, DRAFT_EXTEND: rows of k + 1 tokens
+            scratch = self._graph_scratch[self.kv_splits(bs * t, batch.seq_lens.device)]
+            return self._verify_meta(batch, t, scratch)
         return TritonMeta(
             page_table=batch.page_table,
             seq_lens=batch.seq_lens,
@@ -198,6 +216,21 @@ class TritonBackend(AttentionBackend):
             max_q_len=1,
             num_decode=bs,
             scratch=self._graph_scratch[self.kv_splits(bs, batch.seq_lens.device)],
+        )
+
+    @staticmethod
+    def _verify_meta(batch: ForwardBatch, t: int, scratch: DecodeScratch) -> TritonMeta:
+        """Rows of t query tokens each on the decode kernel (`verify_tokens`): views of
+        the batch's page table and lengths, nothing built."""
+        return TritonMeta(
+            page_table=batch.page_table,
+            seq_lens=batch.seq_lens,
+            q_starts=batch.q_starts,
+            q_lens=batch.q_lens,
+            max_q_len=t,
+            num_decode=0,
+            scratch=scratch,
+            verify_tokens=t,
         )
 
     # ------------------------------------------------------------ forward
@@ -237,6 +270,14 @@ class TritonBackend(AttentionBackend):
         # NOTE: q may be a strided view of the qkv projection: the kernels take its
         # strides, so no copy
         out = q.new_empty(q.shape)  # [T, H, D], contiguous
+        if meta.verify_tokens:
+            assert meta.scratch is not None
+            decode_attention(
+                q, k_all, v_all, meta.page_table, meta.seq_lens, out, meta.scratch,
+                batch.page_size, self.scale, block_n=self.decode_block_n, pdl=self.pdl,
+                tokens_per_row=meta.verify_tokens,
+            )  # fmt: skip
+            return out.view(num_tokens, -1)
         nd = meta.num_decode
         if nd:
             assert meta.scratch is not None
