@@ -1,10 +1,11 @@
 """Tensor parallelism as the layers see it: this rank's place in its TP group, the
-all-reduce that sums row-parallel partial outputs, and the head-sharding math.
+all-reduce that sums row-parallel partial outputs, the all-gather that joins the
+vocab-parallel LM head's logits, and the head- and vocabulary-sharding math.
 
 A `ParallelContext` is a value handed to every layer constructor (through the
 model's `LayerContext`); nothing here is process-wide. The communicator is the
-seam for torch.distributed: at tp_size 1 there is none and `all_reduce` is the
-identity (the same tensor back, no copy).
+seam for torch.distributed (`forward/distributed.py`): at tp_size 1 there is none
+and `all_reduce` and `all_gather` are the identity (the same tensor back, no copy).
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ class Communicator(Protocol):
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The elementwise sum of x over the group's ranks (may reuse x's storage)."""
+        ...
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., n] of every rank (the same shape on each), concatenated in rank order
+        along the last dim: [..., group size * n], a new tensor."""
         ...
 
 
@@ -79,6 +85,34 @@ def even_shard(size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
+class VocabShard:
+    """The vocabulary rows one TP rank holds of an embedding or LM head."""
+
+    start: int  # its first token id: it holds ids [start, start + num_ids)
+    num_ids: int  # real ids on this rank (0 on trailing ranks of a tiny vocabulary)
+    num_rows: int  # rows it allocates, the same on every rank: the last num_rows - num_ids pad
+    padded_vocab: int  # num_rows * tp: the width of the gathered logits, padding included
+
+
+def shard_vocab(vocab_size: int, tp_rank: int, tp_size: int) -> VocabShard:
+    """Rank tp_rank's rows when tp_size ranks split a vocabulary of V ids by rows.
+
+    Every rank holds P = ceil(V / tp) rows: rank r the ids [r P, min((r + 1) P, V)),
+    then zero rows up to P. The padding thus sits after the last id, at gathered
+    positions [V, tp P): logits gathered in rank order are the vocabulary in order
+    followed by tp P - V padding columns, which the LM head drops. At tp 1 a rank
+    holds all V ids in V rows, no padding.
+    """
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp rank {tp_rank} is not in a group of {tp_size}")
+    if vocab_size < 1:
+        raise ValueError(f"vocabulary of {vocab_size} ids")
+    rows = -(-vocab_size // tp_size)
+    start = min(tp_rank * rows, vocab_size)
+    return VocabShard(start, min(rows, vocab_size - start), rows, rows * tp_size)
+
+
+@dataclass(frozen=True)
 class ParallelContext:
     """This rank's place in its tensor-parallel group, and the group's collectives."""
 
@@ -94,9 +128,19 @@ class ParallelContext:
         """The sum of x over the TP group: x itself at tp_size 1."""
         if self.tp_size == 1:
             return x
+        return self._comm("all-reduce").all_reduce(x)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., n] of every TP rank concatenated in rank order: [..., tp * n]; x itself
+        at tp_size 1."""
+        if self.tp_size == 1:
+            return x
+        return self._comm("all-gather").all_gather(x)
+
+    def _comm(self, what: str) -> Communicator:
         if self.comm is None:
-            raise RuntimeError(f"tp size {self.tp_size} needs a communicator to all-reduce")
-        return self.comm.all_reduce(x)
+            raise RuntimeError(f"tp size {self.tp_size} needs a communicator to {what}")
+        return self.comm
 
     def heads(self, num_heads: int, num_kv_heads: int) -> HeadShard:
         """This rank's attention heads (`shard_heads`)."""
@@ -105,6 +149,10 @@ class ParallelContext:
     def even_shard(self, size: int) -> tuple[int, int]:
         """(start, length) of this rank's even part of `size` (`even_shard`)."""
         return even_shard(size, self.tp_rank, self.tp_size)
+
+    def vocab(self, vocab_size: int) -> VocabShard:
+        """This rank's vocabulary rows (`shard_vocab`)."""
+        return shard_vocab(vocab_size, self.tp_rank, self.tp_size)
 
 
 SINGLE_RANK = ParallelContext()

@@ -1,92 +1,64 @@
 """Tensor parallelism through the layer context, without process groups: tp ranks of a
-tiny Llama run in tp threads of one process, their row-parallel layers all-reducing
-through an in-process communicator. Together they give the single rank's output."""
+tiny Llama run in tp threads of one process, their row-parallel layers and
+vocab-parallel embedding all-reducing, their LM heads all-gathering, through an
+in-process communicator. Together they give the single rank's output."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
+from conftest import make_tiny_hf_model
+from parallel_util import ThreadGroup, run_ranks
 
 from gyrfalcon.forward.parallel import ParallelContext
 from gyrfalcon.layers.context import LayerContext
 from gyrfalcon.loader.hf_weights import iter_hf_weights
 
-PROMPTS = [[5, 17, 33, 2, 250, 9, 9, 41, 7, 100, 3], [8, 1, 200, 45, 6]]
+# NOTE: ids < 250 (the odd vocabulary), the shard edges of tp 4 over 250 ids among them
+PROMPTS = [[5, 17, 33, 2, 249, 9, 9, 41, 7, 100, 3], [8, 1, 200, 45, 6, 62, 63, 189, 0]]
 
 
-class ThreadGroup:
-    """The all-reduce of a TP group whose ranks are threads: every rank gets the sum of
-    all ranks' tensors, added in rank order (so every rank gets the same bits)."""
-
-    def __init__(self, size: int):
-        self.parts: list[torch.Tensor | None] = [None] * size
-        self.barrier = threading.Barrier(size, timeout=120)
-
-    def member(self, rank: int) -> ThreadGroupMember:
-        return ThreadGroupMember(self, rank)
-
-
-class ThreadGroupMember:
-    def __init__(self, group: ThreadGroup, rank: int):
-        self.group, self.rank = group, rank
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        g = self.group
-        g.parts[self.rank] = x
-        g.barrier.wait()  # every rank's part is in
-        total = g.parts[0].clone()
-        for part in g.parts[1:]:
-            total += part
-        g.barrier.wait()  # every rank has read the parts: the next call may overwrite
-        return total
-
-
-def run_ranks(fn, tp: int) -> list:
-    """fn(rank) in tp threads at once; their results in rank order (re-raises)."""
-    results: list = [None] * tp
-    errors: list[BaseException] = []
-
-    def body(rank: int) -> None:
-        try:
-            with torch.inference_mode():
-                results[rank] = fn(rank)
-        except BaseException as e:  # re-raised below
-            errors.append(e)
-
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(tp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
+@pytest.fixture(scope="module")
+def tied_odd_vocab_dir(tmp_path_factory) -> str:
+    """llama8's heads with a tied LM head over 250 ids: tp 4 pads each rank to 63 rows
+    (the last holds 61 ids)."""
+    path = str(tmp_path_factory.mktemp("tiny-llama8-tied-250"))
+    make_tiny_hf_model(path, "llama-tied", num_attention_heads=8, vocab_size=250)
+    return path
 
 
 @pytest.mark.parametrize("tp", [2, 4])  # tp 2 splits the 2 KV heads; tp 4 replicates them
-def test_tp_ranks_together_equal_one_rank(llama8_dir, load_llama, prefill_batch, tp):
+@pytest.mark.parametrize("checkpoint", ["llama8", "tied-odd-vocab"])
+def test_tp_ranks_together_equal_one_rank(request, load_llama, prefill_batch, checkpoint, tp):
+    fixture = {"llama8": "llama8_dir", "tied-odd-vocab": "tied_odd_vocab_dir"}[checkpoint]
+    model_dir = request.getfixturevalue(fixture)
     one = LayerContext()
-    single = load_llama(llama8_dir, one)
+    single = load_llama(model_dir, one)
     with torch.inference_mode():
         want = single(prefill_batch(single, PROMPTS, one))  # [T, hidden]
         want_logits = single.compute_logits(want)
     group = ThreadGroup(tp)
     ctxs = [LayerContext(parallel=ParallelContext(r, tp, group.member(r))) for r in range(tp)]
-    models = [load_llama(llama8_dir, ctx) for ctx in ctxs]
+    models = [load_llama(model_dir, ctx) for ctx in ctxs]
     batches = [prefill_batch(m, PROMPTS, ctx) for m, ctx in zip(models, ctxs)]
     cfg = single.cfg
     for m, b in zip(models, batches):
         attn = m.layers[0].self_attn
         assert attn.num_heads == cfg.num_heads // tp
         assert attn.num_kv_heads == b.kv_cache.k.shape[2] == max(1, cfg.num_kv_heads // tp)
-    outs = run_ranks(lambda r: models[r](batches[r]), tp)
-    for out in outs:
-        assert torch.equal(out, outs[0])  # every rank holds the same reduced stream
+
+    def rank(r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = models[r](batches[r])
+        return hidden, models[r].compute_logits(hidden)
+
+    outs = run_ranks(rank, tp)
+    for hidden, logits in outs:
+        assert torch.equal(hidden, outs[0][0])  # every rank holds the same reduced stream
+        assert torch.equal(logits, outs[0][1])  # and all the vocabulary's logits
     # NOTE: the reduce sums the heads' and the MLP's partial products in another order
-    torch.testing.assert_close(outs[0], want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(models[0].compute_logits(outs[0]), want_logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(outs[0][0], want, atol=1e-5, rtol=1e-5)
+    assert outs[0][1].shape == want_logits.shape and outs[0][1].is_contiguous()
+    torch.testing.assert_close(outs[0][1], want_logits, atol=1e-4, rtol=0)
 
 
 def test_each_rank_loads_its_heads_of_the_checkpoint(llama8_dir, load_llama):

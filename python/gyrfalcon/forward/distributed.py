@@ -1,0 +1,101 @@
+"""torch.distributed behind the layers' collectives: the `Communicator` of one TP
+group over a process group, and the start of a rank's process groups.
+
+Every rank of the world calls `init_tensor_parallel` with the same sizes, address and
+timeout; it joins the default process group (gloo on the CPU, NCCL on CUDA) and
+builds the TP groups: ranks [k tp, (k + 1) tp) form group k, so rank r is TP rank
+r % tp of DP group r // tp (`ipc/contract.RankLayout`). The timeout bounds every
+collective: a rank whose peer died gets an error, never a hang.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from gyrfalcon.forward.parallel import ParallelContext
+
+# NOTE: torch 2.13 deprecates all_gather_into_tensor for all_gather_single (the same
+# call); the GPU machine's torch 2.11 may have only the former.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class GroupCommunicator:
+    """The collectives of one TP group (`forward/parallel.Communicator`) over a
+    torch.distributed process group of `size` ranks."""
+
+    def __init__(self, group: dist.ProcessGroup, size: int):
+        self.group, self.size = group, size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the group, in x's storage (x must be contiguous)."""
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., n] of every rank concatenated in rank order: [..., size * n]."""
+        assert x.dim() >= 1, "all_gather concatenates along the last dim"
+        x = x.contiguous()
+        stacked = x.new_empty((self.size * x.shape[0], *x.shape[1:]))  # ranks along dim 0
+        _all_gather_single(stacked, x, group=self.group)
+        # [size, ..., n] -> [..., size, n] -> [..., size * n]
+        ranks_last = stacked.view(self.size, *x.shape).movedim(0, -2)
+        return ranks_last.reshape(*x.shape[:-1], self.size * x.shape[-1])
+
+
+def backend_for(device: torch.device) -> str:
+    """The process-group backend of a device: NCCL on CUDA, gloo on the CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_tensor_parallel(
+    rank: int,
+    world_size: int,
+    tp_size: int,
+    init_addr: str,
+    device: torch.device,
+    timeout: timedelta,
+) -> ParallelContext:
+    """Join the default process group as `rank` of `world_size` through `init_addr`
+    ("tcp://host:port", rank 0's store), build every TP group of `tp_size`
+    consecutive ranks, and return this rank's `ParallelContext`. Every rank calls it
+    with the same arguments but its rank; `timeout` bounds the rendezvous and every
+    collective. `destroy_distributed` undoes it."""
+    if not init_addr.startswith("tcp://"):
+        raise ValueError(f"init address {init_addr!r} is not tcp://host:port")
+    if tp_size < 1 or world_size % tp_size:
+        raise ValueError(f"tp size {tp_size} does not divide the world of {world_size} ranks")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a world of {world_size}")
+    extra = {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        extra["device_id"] = device  # NOTE: NCCL binds the rank's GPU now, not lazily
+    dist.init_process_group(
+        backend_for(device),
+        init_method=init_addr,
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        **extra,
+    )
+    if tp_size == 1:
+        return ParallelContext()
+    mine = None
+    for first in range(0, world_size, tp_size):
+        # NOTE: new_group is collective over the world: every rank builds every group,
+        # in the same order, and keeps its own
+        ranks = list(range(first, first + tp_size))
+        group = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            mine = group
+    assert mine is not None
+    return ParallelContext(rank % tp_size, tp_size, GroupCommunicator(mine, tp_size))
+
+
+def destroy_distributed() -> None:
+    """Destroy every process group of this process (a no-op when none was made)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,271 @@
+"""Tensor-parallel test helpers: ranks as threads of one process (an in-process
+communicator), ranks as spawned processes over gloo (a harness that never hangs),
+and the tiny model and prefill batch both kinds of rank run."""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing as mp
+import os
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.connection import wait
+
+import torch
+
+from gyrfalcon.config.model_config import ModelConfig
+from gyrfalcon.forward.batch import ForwardBatch
+from gyrfalcon.forward.distributed import destroy_distributed, init_tensor_parallel
+from gyrfalcon.forward.kv_cache import KVCache
+from gyrfalcon.forward.metadata import RowInput, build_batch_tensors
+from gyrfalcon.ipc.messages import ForwardMode
+from gyrfalcon.layers.attention.torch_ref import TorchRefBackend
+from gyrfalcon.layers.context import LayerContext
+from gyrfalcon.models.registry import build_model
+
+CPU = torch.device("cpu")
+PAGE = 4
+
+
+def load_model(model_dir: str, ctx: LayerContext) -> torch.nn.Module:
+    """The checkpoint's model in float32 on the CPU, built with ctx (its rank's share)."""
+    cfg = ModelConfig.from_dir(model_dir)
+    return build_model(cfg, model_dir, torch.float32, CPU, ctx, show_progress=False)
+
+
+def prefill_batch(model, prompts: list[list[int]], ctx: LayerContext) -> ForwardBatch:
+    """A PREFILL batch of the prompts (fresh requests) over a new KV cache and torch_ref
+    backend holding ctx's heads."""
+    cfg = model.cfg
+    heads = ctx.parallel.heads(cfg.num_heads, cfg.num_kv_heads)
+    backend = TorchRefBackend(heads.num_heads, heads.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
+    rows, next_page = [], 1  # page 0 is the dummy page
+    for ids in prompts:
+        n = -(-len(ids) // PAGE)
+        rows.append(RowInput(0, ids, list(range(next_page, next_page + n))))
+        next_page += n
+    cache = KVCache(
+        cfg.num_layers, next_page, PAGE, heads.num_kv_heads, cfg.head_dim, torch.float32, CPU
+    )
+    bt = build_batch_tensors(rows, PAGE, CPU)
+    batch = ForwardBatch.from_tensors(ForwardMode.PREFILL, bt, PAGE, cache, backend)
+    batch.attn_meta = backend.build_metadata(batch)
+    return batch
+
+
+# ---- ranks as threads -------------------------------------------------------------
+
+
+class ThreadGroup:
+    """The collectives of a TP group whose ranks are threads: every rank gets the same
+    result (an all-reduce adds the parts in rank order, so the same bits everywhere)."""
+
+    def __init__(self, size: int):
+        self.parts: list[torch.Tensor | None] = [None] * size
+        self.barrier = threading.Barrier(size, timeout=120)
+
+    def member(self, rank: int) -> ThreadGroupMember:
+        return ThreadGroupMember(self, rank)
+
+    def exchange(self, rank: int, x: torch.Tensor, combine) -> torch.Tensor:
+        self.parts[rank] = x
+        self.barrier.wait()  # every rank's part is in
+        out = combine(self.parts)
+        self.barrier.wait()  # every rank has read the parts: the next call may overwrite
+        return out
+
+
+class ThreadGroupMember:
+    def __init__(self, group: ThreadGroup, rank: int):
+        self.group, self.rank = group, rank
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        def add(parts: list[torch.Tensor]) -> torch.Tensor:
+            total = parts[0].clone()
+            for part in parts[1:]:
+                total += part
+            return total
+
+        return self.group.exchange(self.rank, x, add)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.exchange(self.rank, x, lambda parts: torch.cat(parts, dim=-1))
+
+
+def run_ranks(fn: Callable[[int], object], tp: int) -> list:
+    """fn(rank) in tp threads at once, under inference mode; their results in rank
+    order (re-raises the first error)."""
+    results: list = [None] * tp
+    errors: list[BaseException] = []
+
+    def body(rank: int) -> None:
+        try:
+            with torch.inference_mode():
+                results[rank] = fn(rank)
+        except BaseException as e:  # re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(tp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+# ---- ranks as processes (gloo) ----------------------------------------------------
+
+# what each spawned rank may run (a test names one): fn(rank, world_size, init_addr,
+# out_dir, *args), writing what the test checks under out_dir
+RankFn = Callable[..., None]
+
+
+def spawn_ranks(fn: RankFn, world_size: int, out_dir: str, *args, timeout_s: float) -> None:
+    """Run fn on world_size spawned ranks that meet at a free local port. Waits at most
+    timeout_s for all; as soon as one fails, or at the deadline, kills the others (no
+    rank is left behind, none can hang the test), then raises with the failing
+    ranks' tracebacks."""
+    from server_util import free_port
+
+    init_addr = f"tcp://127.0.0.1:{free_port()}"
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(fn, rank, world_size, init_addr, out_dir, args),
+            name=f"rank{rank}",
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    pending = {p.sentinel: p for p in procs}
+    deadline = time.monotonic() + timeout_s
+    failed = False
+    try:
+        while pending and not failed and (left := deadline - time.monotonic()) > 0:
+            for sentinel in wait(list(pending), timeout=left):
+                p = pending.pop(sentinel)
+                p.join()
+                failed |= p.exitcode != 0
+    finally:
+        for p in pending.values():
+            p.kill()
+            p.join()
+    errors = []
+    for rank in range(world_size):
+        path = os.path.join(out_dir, f"rank{rank}.err")
+        if os.path.exists(path):
+            with open(path) as f:
+                errors.append(f"rank {rank}:\n{f.read()}")
+    codes = {p.name: p.exitcode for p in procs if p not in pending.values()}
+    if pending:
+        names = [p.name for p in pending.values()]
+        why = "killed after a rank failed" if failed else f"still running after {timeout_s} s"
+        errors.append(f"{names} {why}")
+    if errors or any(codes.values()):
+        raise AssertionError("\n".join([f"rank exit codes {codes}", *errors]))
+
+
+def _rank_main(
+    fn: RankFn, rank: int, world_size: int, init_addr: str, out_dir: str, args: tuple
+) -> None:
+    torch.set_num_threads(1)  # NOTE: ranks share the CI machine's few cores
+    try:
+        with torch.inference_mode():
+            fn(rank, world_size, init_addr, out_dir, *args)
+    except BaseException:
+        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        destroy_distributed()
+
+
+# ---- what the gloo tests' ranks run -----------------------------------------------
+
+# NOTE: bounds every rendezvous and collective of a test rank: a rank whose peer died
+# raises within it instead of hanging (spawn_ranks' deadline is above it)
+COLLECTIVE_TIMEOUT = timedelta(seconds=20)
+
+
+def rank_checks_collectives(
+    rank: int, world_size: int, init_addr: str, out_dir: str, tp_size: int
+) -> None:
+    """Join TP group rank // tp_size; check its all-reduce and all-gather sum and join
+    the group's members only (rank m contributes tensors made from m)."""
+    parallel = init_tensor_parallel(rank, world_size, tp_size, init_addr, CPU, COLLECTIVE_TIMEOUT)
+    assert (parallel.tp_rank, parallel.tp_size) == (rank % tp_size, tp_size)
+    first = rank - rank % tp_size
+    members = range(first, first + tp_size)
+    x = torch.full((2, 3), float(rank + 1))
+    total = float(sum(m + 1 for m in members))
+    assert torch.equal(parallel.all_reduce(x), torch.full((2, 3), total))
+    for shape in [(5,), (2, 3), (2, 3, 4)]:
+
+        def part(m: int, shape=shape) -> torch.Tensor:
+            return torch.arange(float(math.prod(shape))).reshape(shape) + 100 * m
+
+        want = torch.cat([part(m) for m in members], dim=-1)
+        assert torch.equal(parallel.all_gather(part(rank)), want), shape
+
+
+def rank_tp_logits(
+    rank: int,
+    world_size: int,
+    init_addr: str,
+    out_dir: str,
+    model_dirs: dict[str, str],
+    prompts: list[list[int]],
+) -> None:
+    """One TP group of all ranks: load each checkpoint with this rank's share, prefill
+    the prompts and save {name: {"hidden", "logits", "embed_rows"}} to rank{r}.pt."""
+    parallel = init_tensor_parallel(
+        rank, world_size, world_size, init_addr, CPU, COLLECTIVE_TIMEOUT
+    )
+    ctx = LayerContext(parallel=parallel)
+    out = {}
+    for name, model_dir in model_dirs.items():
+        model = load_model(model_dir, ctx)
+        hidden = model(prefill_batch(model, prompts, ctx))  # [T, hidden]
+        logits = model.compute_logits(hidden)  # [T, vocab]
+        out[name] = dict(
+            hidden=hidden, logits=logits, embed_rows=model.embed_tokens.weight.shape[0]
+        )
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def rank_outlives_its_peer(rank: int, world_size: int, init_addr: str, out_dir: str) -> None:
+    """Rank 1 vanishes after the groups are built (as if killed); rank 0's all-reduce
+    must raise, not hang: rank 0 saves the error and how long it took to peer.json."""
+    parallel = init_tensor_parallel(
+        rank, world_size, world_size, init_addr, CPU, COLLECTIVE_TIMEOUT
+    )
+    if rank == 1:
+        os._exit(0)  # NOTE: no cleanup, no goodbye: the peer just disappears
+    start = time.monotonic()
+    try:
+        parallel.all_reduce(torch.ones(4))
+    except Exception as e:  # gloo's error on a closed connection or on the timeout
+        seconds = time.monotonic() - start
+        with open(os.path.join(out_dir, "peer.json"), "w") as f:
+            json.dump({"error": f"{type(e).__name__}: {e}", "seconds": seconds}, f)
+        return
+    raise AssertionError("all-reduce returned without its peer")
+
+
+def rank_fails_while_peer_waits(rank: int, world_size: int, init_addr: str, out_dir: str) -> None:
+    """Rank 1 raises after the groups are built; rank 0 waits in an all-reduce."""
+    parallel = init_tensor_parallel(
+        rank, world_size, world_size, init_addr, CPU, COLLECTIVE_TIMEOUT
+    )
+    if rank == 1:
+        raise ValueError("rank 1 fails")
+    parallel.all_reduce(torch.ones(4))
