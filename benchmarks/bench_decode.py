@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Decode step latency and tokens/s of the model runner, against the bandwidth roofline.
 
-The runner is built once (``worker.step_worker.build_worker``, as the server does)
+The runner is built once (``worker.bootstrap.build_worker``, as the server does)
 with KV pages for the largest batch. Per batch size: random prompts of
 --context tokens are prefilled (plans of at most --prefill-tokens tokens),
 --warmup decode steps run, then --steps decode steps are timed as the server
@@ -47,7 +47,7 @@ from gyrfalcon.bench.roofline import kv_read_bytes, roofline_step_ms, tokens_per
 from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs, parse_size
 from gyrfalcon.loader.resolve import default_model_name, resolve_model
-from gyrfalcon.worker.step_worker import build_worker
+from gyrfalcon.worker.bootstrap import build_worker
 
 
 def bench_batch(

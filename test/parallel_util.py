@@ -131,7 +131,7 @@ def spawn_ranks(fn: RankFn, world_size: int, out_dir: str, *args, timeout_s: flo
     timeout_s for all; as soon as one fails, or at the deadline, kills the others (no
     rank is left behind, none can hang the test), then raises with the failing
     ranks' tracebacks."""
-    from server_util import free_port
+    from gyrfalcon.utils import free_port
 
     init_addr = f"tcp://127.0.0.1:{free_port()}"
     ctx = mp.get_context("spawn")

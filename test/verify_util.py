@@ -14,8 +14,8 @@ from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.forward.metadata import RowInput, build_batch_tensors
 from gyrfalcon.ipc.contract import DUMMY_PAGE
 from gyrfalcon.ipc.messages import ForwardMode
+from gyrfalcon.worker.bootstrap import build_worker
 from gyrfalcon.worker.executor import ForwardOutput, ModelExecutor
-from gyrfalcon.worker.step_worker import build_worker
 
 
 def build_executor(model_dir: str, **kw) -> tuple[ModelExecutor, int]:

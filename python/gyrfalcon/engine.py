@@ -14,7 +14,7 @@ from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.ipc.messages import GenerateRequest, RequestOutput, SamplingParams
 from gyrfalcon.scheduler.scheduler import Scheduler, SchedulerConfig
-from gyrfalcon.worker.step_worker import build_worker
+from gyrfalcon.worker.bootstrap import build_worker
 
 
 class LocalEngine:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import dataclasses
 import logging
 import multiprocessing as mp
 import shutil
@@ -33,6 +34,7 @@ from gyrfalcon.ipc.sockets import IpcPaths
 from gyrfalcon.utils import (
     CHILD_START_BLOCKED,
     configure_logging,
+    free_port,
     set_child_openmp_env,
     set_torch_threads,
 )
@@ -113,9 +115,11 @@ def serve(args: ServerArgs) -> int:
         name, args.dtype, args.attention_backend, model_dir, args.device,
     )  # fmt: skip
 
-    # NOTE: one worker rank until the parallelism flags set the DP and TP sizes; all
-    # below (sockets, processes, readiness, results) is written for layout.world_size.
-    layout = RankLayout()
+    # NOTE: one worker process per rank; all below (sockets, processes, readiness,
+    # results) is written for layout.world_size
+    layout = RankLayout(tp_size=args.tp_size)
+    if layout.world_size > 1 and args.dist_init_addr is None:
+        args = dataclasses.replace(args, dist_init_addr=f"tcp://127.0.0.1:{free_port()}")
     paths, ipc_root = IpcPaths.create(layout.world_size)
     engine = EngineClient(paths)
     app = create_app(engine, tokenizer, name)

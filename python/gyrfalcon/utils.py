@@ -122,3 +122,12 @@ def configure_logging(level: str, name: str = "main") -> None:
         format=f"%(asctime)s [{name}] %(levelname)s %(name)s: %(message)s",
         force=True,
     )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on host now (the OS's pick; another process may take it later)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

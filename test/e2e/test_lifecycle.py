@@ -5,34 +5,11 @@ import signal
 import time
 
 import httpx
-from server_util import start_server, stop_server
+from server_util import alive, children_of, start_server, stop_server
 
 from gyrfalcon.frontend.engine_client import EngineClient
 from gyrfalcon.frontend.server import create_app
 from gyrfalcon.ipc.sockets import IpcPaths
-
-
-def children_of(pid: int) -> list[int]:
-    kids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(entry))
-    return kids
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_health_is_503_until_the_engine_is_ready(smollm2_dir):

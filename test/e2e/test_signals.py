@@ -12,7 +12,9 @@ import time
 
 import httpx
 import pytest
-from server_util import STARTUP_TIMEOUT_S, Server, free_port, start_server, stop_server
+from server_util import STARTUP_TIMEOUT_S, Server, start_server, stop_server
+
+from gyrfalcon.utils import free_port
 
 NOISE = ("exited unexpectedly", "Exception ignored", "Traceback")
 GROUP_GONE_TIMEOUT_S = 10

@@ -166,6 +166,22 @@ class ServerArgs:
         default=False,
         metadata={"help": "plan each step only after the previous one's result is back"},
     )
+    # parallelism (SGLang's flag names)
+    tp_size: int = field(
+        default=1,
+        metadata={"help": "tensor-parallel ranks: one worker process (and GPU) each"},
+    )
+    dist_init_addr: str | None = field(
+        default=None,
+        metadata={
+            "help": "tcp://host:port where the ranks meet (torch.distributed); default: a "
+            "free port on this host"
+        },
+    )
+    dist_timeout: float = field(
+        default=20.0,
+        metadata={"help": "seconds a rank waits in a collective before it fails"},
+    )
     # speculative decoding (SGLang's flag names)
     speculative_algorithm: str | None = field(
         default=None,
@@ -233,6 +249,12 @@ class ServerArgs:
             threads = available_cores()
         if threads is not None and threads < 1:
             raise ValueError(f"--cpu-threads must be at least 1, got {threads}")
+        if self.tp_size < 1:
+            raise ValueError(f"--tp-size must be at least 1, got {self.tp_size}")
+        if self.tp_size > 1 and self.speculative_algorithm:
+            raise ValueError("--tp-size > 1 with speculative decoding is not supported yet")
+        if self.dist_timeout <= 0:
+            raise ValueError(f"--dist-timeout must be positive, got {self.dist_timeout}")
         steps, verified = resolve_speculative(
             self.speculative_algorithm,
             self.speculative_draft_model_path,

@@ -16,11 +16,12 @@ import zmq
 
 from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs
+from gyrfalcon.forward.distributed import destroy_distributed
 from gyrfalcon.ipc.contract import RankLayout
 from gyrfalcon.ipc.messages import SchedulerToWorker, Shutdown, StepPlan, WorkerError, WorkerReady
 from gyrfalcon.ipc.sockets import Channel, IpcPaths
 from gyrfalcon.utils import set_torch_threads, setup_child
-from gyrfalcon.worker.step_worker import build_worker
+from gyrfalcon.worker.bootstrap import build_worker
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def run_worker(
     outbox = Channel(ctx, zmq.PUSH, paths.worker_to_scheduler, False)
     reports = layout.reports(rank)
     try:
-        runner, context_len = build_worker(args, model_dir, cfg, rank, layout.dp_rank(rank))
+        runner, context_len = build_worker(args, model_dir, cfg, rank, layout)
         outbox.send(
             WorkerReady(rank, runner.executor.kv_cache.num_pages, context_len, runner.floats_rows)
         )
@@ -76,3 +77,5 @@ def run_worker(
         logger.error("worker %d failed:\n%s", rank, text)
         outbox.send(WorkerError(rank, text.strip().splitlines()[-1]))
         sys.exit(1)
+    finally:
+        destroy_distributed()

@@ -32,6 +32,7 @@ from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.forward.host_copy import upload
 from gyrfalcon.forward.metadata import BatchTensors, RowInput, build_batch_tensors, shift_rows
+from gyrfalcon.forward.parallel import SINGLE_RANK, ParallelContext
 from gyrfalcon.ipc.contract import DUMMY_PAGE, PLACEHOLDER, verifies_drafts
 from gyrfalcon.ipc.messages import (
     ForwardMode,
@@ -43,7 +44,6 @@ from gyrfalcon.ipc.messages import (
 )
 from gyrfalcon.worker.drafter import Drafter, DraftRound
 from gyrfalcon.worker.executor import ModelExecutor
-from gyrfalcon.worker.kv_sizing import max_model_len, num_kv_pages
 from gyrfalcon.worker.logprobs import HostCopy, SampleOutput
 from gyrfalcon.worker.pending_step import PendingStep
 from gyrfalcon.worker.request_table import MIN_SLOTS, RequestTable, WorkerRequest
@@ -69,6 +69,11 @@ logger = logging.getLogger(__name__)
 RESERVED_SLOTS_PER_SEQ = 4
 
 
+def rank_device(args: ServerArgs, rank: int) -> torch.device:
+    """The device of worker `rank`: its own GPU on CUDA."""
+    return torch.device(args.device if args.device != "cuda" else f"cuda:{rank}")
+
+
 class StepWorker:
     def __init__(
         self,
@@ -77,13 +82,16 @@ class StepWorker:
         model_dir: str,
         rank: int = 0,
         dp_rank: int = 0,
+        parallel: ParallelContext = SINGLE_RANK,
     ):
-        """Load the model; call init_kv_cache() next. `args` must be resolved. The worker
-        runs batch `dp_rank` of every plan (its DP group's)."""
+        """Load this rank's share of the model (`parallel`: its TP group); call
+        init_kv_cache() next. `args` must be resolved. The worker runs batch `dp_rank` of
+        every plan (its DP group's)."""
         self.args, self.cfg, self.dp_rank = args, model_cfg, dp_rank
-        self.device = torch.device(args.device if args.device != "cuda" else f"cuda:{rank}")
+        self.device = rank_device(args, rank)
+        # NOTE: the same seed on every rank: TP ranks draw the same samples in lockstep
         torch.manual_seed(args.seed)
-        self.executor = ex = ModelExecutor(args, model_cfg, model_dir, self.device)
+        self.executor = ex = ModelExecutor(args, model_cfg, model_dir, self.device, parallel)
         self.drafter: Drafter | None = None
         if args.speculative_algorithm:
             embed = ex.model.embed_tokens
@@ -377,21 +385,3 @@ class StepWorker:
             logits = self.executor.compute_logits(hidden[first : first + n])
             next_ids = upload(req.prompt_ids[row.start + 1 : end + 1], torch.int64, self.device)
             results[i].prompt_logprobs = prompt_logprobs(logits, next_ids, k)
-
-
-def build_worker(
-    args: ServerArgs, model_dir: str, cfg: ModelConfig, rank: int, dp_rank: int = 0
-) -> tuple[StepWorker, int]:
-    """Load the model, then size and allocate the KV cache; returns (worker, context len)."""
-    if args.device == "cuda":
-        torch.cuda.set_device(rank)
-    worker = StepWorker(args, cfg, model_dir, rank, dp_rank)
-    executor = worker.executor
-    tp_size = executor.ctx.parallel.tp_size
-    draft = worker.drafter.cfg.layer if worker.drafter else None
-    kv_dtype = args.kv_dtype(executor.dtype)
-    pages = num_kv_pages(args, cfg, kv_dtype, worker.device, tp_size, draft)
-    context = max_model_len(args, cfg, pages)
-    worker.init_kv_cache(pages, context)
-    worker.warm_up(context)
-    return worker, context

@@ -19,7 +19,7 @@ from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.engine import LocalEngine
 from gyrfalcon.ipc.messages import SamplingParams
-from gyrfalcon.worker.step_worker import build_worker
+from gyrfalcon.worker.bootstrap import build_worker
 
 ROOT = Path(__file__).resolve().parents[3]
 SMOL = ROOT / "benchmarks" / "models" / "smollm2-135m"

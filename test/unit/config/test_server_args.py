@@ -123,6 +123,12 @@ def test_speculative_flags_resolve_k_and_k_plus_one():
                  speculative_num_steps=0),
             "at least 1",
         ),
+        (dict(tp_size=0), "--tp-size must be at least 1"),
+        (
+            dict(tp_size=2, speculative_algorithm="EAGLE3", speculative_draft_model_path="d"),
+            "--tp-size > 1 with speculative decoding is not supported yet",
+        ),
+        (dict(tp_size=2, dist_timeout=0), "--dist-timeout must be positive"),
     ],
 )  # fmt: skip
 def test_bad_speculative_combinations_fail_at_start_up(kwargs, message):

@@ -6,7 +6,7 @@ import torch
 
 from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs
-from gyrfalcon.ipc.contract import DUMMY_PAGE
+from gyrfalcon.ipc.contract import DUMMY_PAGE, RankLayout
 from gyrfalcon.ipc.messages import (
     ForwardMode,
     NewRequest,
@@ -15,7 +15,7 @@ from gyrfalcon.ipc.messages import (
     ScheduledRow,
     StepPlan,
 )
-from gyrfalcon.worker.step_worker import build_worker
+from gyrfalcon.worker.bootstrap import build_worker
 
 PS = 4
 
@@ -26,7 +26,9 @@ def worker(tiny_model_dirs, static=False, dp_rank=0):
         model=d, device="cpu", dtype="float32", page_size=PS, num_kv_pages=32,
         static_graph_replay=static,
     ).resolved()  # fmt: skip
-    return build_worker(args, d, ModelConfig.from_dir(d), rank=0, dp_rank=dp_rank)[0]
+    # NOTE: rank dp_rank of dp_rank + 1 DP groups of one rank each: no process group
+    layout = RankLayout(dp_size=dp_rank + 1)
+    return build_worker(args, d, ModelConfig.from_dir(d), rank=dp_rank, layout=layout)[0]
 
 
 def only_dummy_page_written(kv) -> bool:

@@ -8,7 +8,7 @@ from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.ipc.contract import DUMMY_PAGE
 from gyrfalcon.ipc.messages import ForwardMode
-from gyrfalcon.worker.step_worker import build_worker
+from gyrfalcon.worker.bootstrap import build_worker
 from gyrfalcon.worker.warmup import WARMUP_RIDS, warmup_batches
 
 

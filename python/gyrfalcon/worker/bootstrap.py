@@ -1,0 +1,50 @@
+"""A worker rank from nothing: its device, its place among the ranks (torch.distributed
+process groups when it shares its DP group with other TP ranks), its share of the
+model, its KV cache."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+
+from gyrfalcon.config.model_config import ModelConfig
+from gyrfalcon.config.server_args import ServerArgs
+from gyrfalcon.forward.distributed import init_tensor_parallel
+from gyrfalcon.forward.parallel import SINGLE_RANK
+from gyrfalcon.ipc.contract import RankLayout
+from gyrfalcon.worker.kv_sizing import max_model_len, num_kv_pages
+from gyrfalcon.worker.step_worker import StepWorker, rank_device
+
+
+def build_worker(
+    args: ServerArgs,
+    model_dir: str,
+    cfg: ModelConfig,
+    rank: int,
+    layout: RankLayout | None = None,
+) -> tuple[StepWorker, int]:
+    """Join the ranks' process groups when its DP group has several TP ranks (`layout`),
+    load this rank's share of the model, then size and allocate the KV cache; returns
+    (worker, context len)."""
+    device = rank_device(args, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    layout = layout or RankLayout()
+    parallel = SINGLE_RANK
+    if layout.tp_size > 1:  # NOTE: DP groups of one rank share no collective yet
+        assert args.dist_init_addr is not None, "the launcher sets --dist-init-addr"
+        timeout = timedelta(seconds=args.dist_timeout)
+        parallel = init_tensor_parallel(
+            rank, layout.world_size, layout.tp_size, args.dist_init_addr, device, timeout
+        )
+    worker = StepWorker(args, cfg, model_dir, rank, layout.dp_rank(rank), parallel)
+    executor = worker.executor
+    tp_size = executor.ctx.parallel.tp_size
+    draft = worker.drafter.cfg.layer if worker.drafter else None
+    kv_dtype = args.kv_dtype(executor.dtype)
+    pages = num_kv_pages(args, cfg, kv_dtype, worker.device, tp_size, draft)
+    context = max_model_len(args, cfg, pages)
+    worker.init_kv_cache(pages, context)
+    worker.warm_up(context)
+    return worker, context

@@ -1,0 +1,70 @@
+"""Tensor parallel serving on the CPU (gloo): SmolLM2 split over 3 worker processes
+(9 attention heads and 3 KV heads: tp 3 splits both; tp 2 does not divide them)
+answers greedy requests exactly like the one-rank server, with nothing leaked."""
+
+import os
+import signal
+import time
+
+import pytest
+from server_util import alive, children_of, start_server, stop_server, wait_drained
+
+PROMPTS = ["Name three colors.", "What is 12 times 12?"]
+
+
+@pytest.fixture(scope="module")
+def tp_server(smollm2_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp-server")
+    srv = start_server(
+        smollm2_dir, str(root / "server.log"), "--num-kv-pages", "256", "--page-size", "16",
+        "--tp-size", "3", "--cpu-threads", "1",
+    )  # fmt: skip
+    yield srv
+    assert stop_server(srv) == 0, srv.log()[-3000:]
+
+
+def complete(base_url, prompt, **kw):
+    from openai import OpenAI
+
+    c = OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=300)
+    model = c.models.list().data[0].id
+    messages = [{"role": "user", "content": prompt}]
+    return c.chat.completions.create(model=model, messages=messages, temperature=0, **kw)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_tp3_server_answers_like_one_rank(server, tp_server, prompt):
+    one = complete(server.base_url, prompt, max_tokens=24, logprobs=True, top_logprobs=2)
+    tp = complete(tp_server.base_url, prompt, max_tokens=24, logprobs=True, top_logprobs=2)
+    a, b = one.choices[0], tp.choices[0]
+    assert (b.message.content, b.finish_reason) == (a.message.content, a.finish_reason)
+    for x, y in zip(a.logprobs.content, b.logprobs.content):
+        assert y.token == x.token and y.logprob == pytest.approx(x.logprob, abs=1e-3)
+    info = wait_drained(tp_server)
+    assert info["integrity_ok"] and info["num_free_pages"] == info["num_total_pages"], info
+    assert "3 worker rank(s)" in tp_server.log()
+
+
+def test_a_dead_rank_takes_the_tp_server_down(smollm2_dir, tmp_path):
+    """SIGKILL one rank of three (not the reporting one): the server exits non-zero
+    within 30 s and no child is left (the other ranks do not hang in a collective)."""
+    srv = start_server(
+        smollm2_dir, str(tmp_path / "log"), "--num-kv-pages", "64", "--tp-size", "3",
+        "--cpu-threads", "1",
+    )  # fmt: skip
+    kids = children_of(srv.proc.pid)
+
+    def rss(pid):
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1])
+
+    workers = sorted(k for k in kids if alive(k))
+    workers = sorted(sorted(workers, key=rss)[-3:])  # the three that hold model shards
+    os.kill(workers[-1], signal.SIGKILL)  # NOTE: the last started: a rank that reports nothing
+    try:
+        code = srv.proc.wait(30)
+    finally:
+        stop_server(srv)
+    assert code != 0 and "exited unexpectedly" in srv.log(), srv.log()[-3000:]
+    time.sleep(0.5)
+    assert not [k for k in kids if alive(k)]
