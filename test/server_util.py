@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
@@ -86,8 +87,9 @@ def wait_drained(server: Server) -> dict:
     return info
 
 
-def children_of(pid: int) -> list[int]:
-    kids = []
+def proc_stats() -> Iterator[tuple[int, list[str]]]:
+    """(pid, the fields of /proc/<pid>/stat after the command name) of every process:
+    state, parent pid, process group, ..."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -96,9 +98,16 @@ def children_of(pid: int) -> list[int]:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[1]) == pid:
-            kids.append(int(entry))
-    return kids
+        yield int(entry), fields
+
+
+def children_of(pid: int) -> list[int]:
+    return [child for child, fields in proc_stats() if int(fields[1]) == pid]
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of process group `pgid`."""
+    return [p for p, fields in proc_stats() if int(fields[2]) == pgid and fields[0] != "Z"]
 
 
 def alive(pid: int) -> bool:

@@ -12,28 +12,12 @@ import time
 
 import httpx
 import pytest
-from server_util import STARTUP_TIMEOUT_S, Server, start_server, stop_server
+from server_util import STARTUP_TIMEOUT_S, Server, group_members, start_server, stop_server
 
 from gyrfalcon.utils import free_port
 
 NOISE = ("exited unexpectedly", "Exception ignored", "Traceback")
 GROUP_GONE_TIMEOUT_S = 10
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of process group `pgid`."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                state, _ppid, pgrp = f.read().rsplit(")", 1)[1].split()[:3]
-        except OSError:
-            continue
-        if int(pgrp) == pgid and state != "Z":
-            members.append(int(entry))
-    return members
 
 
 def assert_stopped_quietly(srv, code: int) -> None:
