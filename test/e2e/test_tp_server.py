@@ -1,6 +1,7 @@
-"""Tensor parallel serving on the CPU (gloo): SmolLM2 split over 3 worker processes
-(9 attention heads and 3 KV heads: tp 3 splits both; tp 2 does not divide them)
-answers greedy requests exactly like the one-rank server, with nothing leaked."""
+"""Several worker ranks on the CPU: SmolLM2 split over 3 tensor-parallel processes
+(gloo; 9 attention heads and 3 KV heads: tp 3 splits both, tp 2 does not divide
+them), and 2 data-parallel groups, answer greedy requests exactly like the one-rank
+server, with nothing leaked; a dead rank takes the server down."""
 
 import os
 import signal
@@ -18,6 +19,17 @@ def tp_server(smollm2_dir, tmp_path_factory):
     srv = start_server(
         smollm2_dir, str(root / "server.log"), "--num-kv-pages", "256", "--page-size", "16",
         "--tp-size", "3", "--cpu-threads", "1",
+    )  # fmt: skip
+    yield srv
+    assert stop_server(srv) == 0, srv.log()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def dp_server(smollm2_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("dp-server")
+    srv = start_server(
+        smollm2_dir, str(root / "server.log"), "--num-kv-pages", "128", "--page-size", "16",
+        "--dp-size", "2", "--cpu-threads", "1",
     )  # fmt: skip
     yield srv
     assert stop_server(srv) == 0, srv.log()[-3000:]
@@ -43,6 +55,23 @@ def test_tp3_server_answers_like_one_rank(server, tp_server, prompt):
     info = wait_drained(tp_server)
     assert info["integrity_ok"] and info["num_free_pages"] == info["num_total_pages"], info
     assert "3 worker rank(s)" in tp_server.log()
+
+
+def test_dp2_server_answers_like_one_rank(server, dp_server):
+    """Four requests at once spread over both DP groups (the scheduler balances them);
+    each answer equals the one-rank server's; both groups' pages all come back."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = PROMPTS + ["Say hello.", "Count to five."]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda p: complete(dp_server.base_url, p, max_tokens=16), prompts))
+    for prompt, answer in zip(prompts, got):
+        want = complete(server.base_url, prompt, max_tokens=16)
+        assert answer.choices[0].message.content == want.choices[0].message.content
+    info = wait_drained(dp_server)
+    assert info["integrity_ok"] and info["num_free_pages"] == info["num_total_pages"], info
+    assert info["num_total_pages"] == 2 * (128 - 1)  # NOTE: each group's pool, its dummy page aside
+    assert "2 worker rank(s)" in dp_server.log()
 
 
 def test_a_dead_rank_takes_the_tp_server_down(smollm2_dir, tmp_path):

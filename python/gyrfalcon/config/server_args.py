@@ -171,6 +171,13 @@ class ServerArgs:
         default=1,
         metadata={"help": "tensor-parallel ranks: one worker process (and GPU) each"},
     )
+    dp_size: int = field(
+        default=1,
+        metadata={
+            "help": "data-parallel groups: each runs its own batch on its own KV cache "
+            "(and GPUs), requests balanced over them by the one scheduler"
+        },
+    )
     dist_init_addr: str | None = field(
         default=None,
         metadata={
@@ -251,6 +258,8 @@ class ServerArgs:
             raise ValueError(f"--cpu-threads must be at least 1, got {threads}")
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be at least 1, got {self.tp_size}")
+        if self.dp_size < 1:
+            raise ValueError(f"--dp-size must be at least 1, got {self.dp_size}")
         if self.tp_size > 1 and self.speculative_algorithm:
             raise ValueError("--tp-size > 1 with speculative decoding is not supported yet")
         if self.dist_timeout <= 0:

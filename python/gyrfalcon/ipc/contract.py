@@ -30,8 +30,8 @@ class RankLayout:
 
     Rank r is TP rank `r % tp_size` of DP group `r // tp_size`. Every rank receives
     every plan and runs its DP group's `RankBatch`; the group's TP rank 0 alone
-    returns the group's `StepResult`. Until the parallelism flags exist, both sizes
-    are 1: one worker, which runs batch 0 and reports.
+    returns the group's `StepResult`. `--dp-size` and `--tp-size` set the sizes
+    (one worker, which runs batch 0 and reports, by default).
     """
 
     dp_size: int = 1

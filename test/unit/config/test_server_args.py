@@ -124,6 +124,7 @@ def test_speculative_flags_resolve_k_and_k_plus_one():
             "at least 1",
         ),
         (dict(tp_size=0), "--tp-size must be at least 1"),
+        (dict(dp_size=0), "--dp-size must be at least 1"),
         (
             dict(tp_size=2, speculative_algorithm="EAGLE3", speculative_draft_model_path="d"),
             "--tp-size > 1 with speculative decoding is not supported yet",
