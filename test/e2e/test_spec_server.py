@@ -1,6 +1,7 @@
 """A server with EAGLE3 (SmolLM2 and a random drafter of its shape, static-buffer
-graph replay) answers greedy requests exactly like the plain server, stop strings,
-n = 2 and logprobs included, and reports the spec usage fields."""
+graph replay, two DP groups: a request's group drafts while the other often runs an
+idle step) answers greedy requests exactly like the plain one-rank server, stop
+strings, n = 2 and logprobs included, and reports the spec usage fields."""
 
 import pytest
 from conftest import make_tiny_eagle3
@@ -23,6 +24,7 @@ def spec_server(smollm2_dir, tmp_path_factory):
         smollm2_dir, str(root / "server.log"), "--num-kv-pages", "256", "--page-size", "16",
         "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", draft,
         "--speculative-num-steps", "3", "--static-graph-replay", "--cuda-graph-bs", "1,2,4", "--cuda-graph-max-bs", "4",
+        "--dp-size", "2",  # NOTE: EAGLE3 in two DP groups, one often idle
     )  # fmt: skip
     yield srv
     assert stop_server(srv) == 0, srv.log()[-3000:]
