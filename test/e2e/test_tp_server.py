@@ -13,26 +13,27 @@ from server_util import alive, children_of, start_server, stop_server, wait_drai
 PROMPTS = ["Name three colors.", "What is 12 times 12?"]
 
 
-@pytest.fixture(scope="module")
-def tp_server(smollm2_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("tp-server")
+def ranks_server(smollm2_dir, tmp_path_factory, name: str, *flags: str):
+    root = tmp_path_factory.mktemp(name)
     srv = start_server(
-        smollm2_dir, str(root / "server.log"), "--num-kv-pages", "256", "--page-size", "16",
-        "--tp-size", "3", "--cpu-threads", "1",
-    )  # fmt: skip
+        smollm2_dir, str(root / "server.log"), "--page-size", "16", "--cpu-threads", "1", *flags
+    )
     yield srv
     assert stop_server(srv) == 0, srv.log()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def tp_server(smollm2_dir, tmp_path_factory):
+    yield from ranks_server(
+        smollm2_dir, tmp_path_factory, "tp-server", "--num-kv-pages", "256", "--tp-size", "3"
+    )
 
 
 @pytest.fixture(scope="module")
 def dp_server(smollm2_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("dp-server")
-    srv = start_server(
-        smollm2_dir, str(root / "server.log"), "--num-kv-pages", "128", "--page-size", "16",
-        "--dp-size", "2", "--cpu-threads", "1",
-    )  # fmt: skip
-    yield srv
-    assert stop_server(srv) == 0, srv.log()[-3000:]
+    yield from ranks_server(
+        smollm2_dir, tmp_path_factory, "dp-server", "--num-kv-pages", "128", "--dp-size", "2"
+    )
 
 
 def complete(base_url, prompt, **kw):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from fake_http import ThreadedApp
 
 from gyrfalcon.bench.client import SSEDecoder, build_payload
 from gyrfalcon.bench.datasets import SampleRequest
@@ -23,16 +23,13 @@ FIRST_DELAY = 0.05  # seconds before the first text chunk
 GAP = 0.02  # seconds between text chunks
 
 
-class FakeServer:
+class FakeServer(ThreadedApp):
     """OpenAI-shaped streaming server on a free 127.0.0.1 port, in its own thread."""
 
     def __init__(self, send_usage: bool = True) -> None:
         self.send_usage = send_usage
         self.requests: list[dict[str, Any]] = []
-        self.port = 0
-        self._loop = asyncio.new_event_loop()
-        self._runner: web.AppRunner | None = None
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        super().__init__()
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "fake-model"}]})
@@ -77,29 +74,10 @@ class FakeServer:
         await resp.write_eof()
         return resp
 
-    async def _start(self, sock: socket.socket) -> None:
-        app = web.Application()
+    def routes(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._stream)
         app.router.add_post("/v1/chat/completions", self._stream)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        await web.SockSite(self._runner, sock).start()
-
-    def __enter__(self) -> FakeServer:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", 0))  # the OS picks a free port
-        self.port = sock.getsockname()[1]
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(sock), self._loop).result(timeout=5)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._runner is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=5)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
-        self._loop.close()
 
 
 @pytest.fixture

@@ -8,9 +8,7 @@ import asyncio
 import contextlib
 import importlib.util
 import json
-import socket
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -18,6 +16,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from fake_http import ThreadedApp
 
 from gyrfalcon.bench import spec_report
 from gyrfalcon.bench.datasets import SampleRequest
@@ -197,17 +196,14 @@ def test_report_json_and_markdown(bs: ModuleType) -> None:
     assert "first concurrency" not in md  # plain did not drift between concurrencies
 
 
-class FakeChatServer:
+class FakeChatServer(ThreadedApp):
     """Non-streamed chat completions on a free port, in a thread: the answer echoes the
     prompt; with `spec` set, usage carries the spec fields (and `corrupt` changes one)."""
 
     def __init__(self) -> None:
         self.spec = self.corrupt = False
         self.in_flight = self.most_in_flight = 0
-        self.port = 0
-        self._loop = asyncio.new_event_loop()
-        self._runner: web.AppRunner | None = None
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        super().__init__()
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "fake"}]})
@@ -230,32 +226,9 @@ class FakeChatServer:
                   "finish_reason": "stop"}  # fmt: skip
         return web.json_response({"choices": [choice], "usage": usage})
 
-    async def _start(self, sock: socket.socket) -> None:
-        app = web.Application()
+    def routes(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        await web.SockSite(self._runner, sock).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> FakeChatServer:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(sock), self._loop).result(timeout=5)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._runner is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=5)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
-        self._loop.close()
 
 
 @pytest.fixture
