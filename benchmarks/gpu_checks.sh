@@ -15,11 +15,13 @@
 #           and .whl do not fit one transfer), join the SmolLM2 GGUF once all are there;
 #   train-drafter: train the SmolLM2 EAGLE3 drafter (docs/train_eagle3.md; prompts from
 #           .data/train_prompts.jsonl, carried) into drafters/smollm2-eagle3, sent back
-#           as $OUT/drafter.tgz.part* (15 MiB parts);
+#           as $OUT/drafter.tgz.part* (15 MiB parts); NUM_PROMPTS, SELF_INSTRUCTIONS,
+#           FOLLOW_UPS, MAX_STEPS, BATCH, LR, EVAL_EVERY, TRAIN_SECONDS (the time guard);
 #   spec:   bench_spec.py (MT-Bench first turns, .data/mt_bench_dev.jsonl) with the drafter
 #           in drafters/smollm2-eagle3 (or staged: .drafter/drafter.tgz.part* carried with a
 #           stage part), then bench_spec_step.py for the 8B and SmolLM2 shapes (dummy
-#           weights) with host profiles of the first batch size.
+#           weights) with host profiles of the first batch size. BENCH_SPEC=0 / STEP=0 skip
+#           either half; SPEC_FLAGS go to both servers; their logs come back in spec_logs/.
 #   PYTEST_K selects tests (pytest -k), e.g. "not flashinfer_matches_torch_ref" skips the
 #   slowest (~4 min) when flashinfer is unchanged.
 #   SERVER_FLAGS adds server flags (e.g. "--kv-cache-dtype fp8_e4m3"); TAG suffixes the
@@ -119,6 +121,7 @@ case "${1:-tests}" in
       --holdout 64 --max-new-tokens 256 --max-steps ${MAX_STEPS:-3000} --batch-size ${BATCH:-16} \
       --lr ${LR:-3e-4} --ttt-steps 4 --draft-vocab-size 16384 --eval-every ${EVAL_EVERY:-500} \
       --self-instructions ${SELF_INSTRUCTIONS:-0} --follow-up-turns ${FOLLOW_UPS:-0} \
+      --max-train-seconds ${TRAIN_SECONDS:-240} \
       > "$OUT/train_drafter.log" 2>&1
     echo "train exit $?"; grep -aE "Elapsed|acceptance|accept|loss|phase|summary|kept|sequences" "$OUT/train_drafter.log" | tail -25
     tar czf - -C drafters smollm2-eagle3 | split -b 15M - "$OUT/drafter.tgz.part"; ls -la "$OUT" ;;
@@ -128,10 +131,16 @@ case "${1:-tests}" in
     if [ ! -d "$DRAFTER" ] && compgen -G ".drafter/drafter.tgz.part*" >/dev/null; then
       mkdir -p /tmp/drafters && cat .drafter/drafter.tgz.part* | tar xzf - -C /tmp/drafters
     fi
-    [ "${BENCH_SPEC:-1}" = 1 ] && python3 benchmarks/bench_spec.py --model "$GYRFALCON_SMOLLM2_GGUF" \
-      --draft-model "$DRAFTER" --dataset .data/mt_bench_dev.jsonl --device cuda \
-      --concurrency ${CONCURRENCY:-1,16} --device-kind "$KIND" --output-dir "$OUT" \
-      > "$OUT/bench_spec.log" 2>&1; echo "bench_spec exit $?"; tail -15 "$OUT/bench_spec.log"
+    if [ "${BENCH_SPEC:-1}" = 1 ]; then
+      python3 benchmarks/bench_spec.py --model "$GYRFALCON_SMOLLM2_GGUF" \
+        --draft-model "$DRAFTER" --dataset .data/mt_bench_dev.jsonl --device cuda \
+        --concurrency ${CONCURRENCY:-1,16} --device-kind "$KIND" --output-dir "$OUT" \
+        --log-dir "$OUT/spec_logs" --log-stats-interval 2 ${SPEC_FLAGS:-} \
+        > "$OUT/bench_spec.log" 2>&1; echo "bench_spec exit $?"; tail -15 "$OUT/bench_spec.log"
+      for f in "$OUT"/spec_logs/*.log; do  # NOTE: the stats lines, not every request's
+        grep -avE "HTTP/1.1|it/s\]" "$f" | tail -c 4000000 > "$f.tmp" && mv "$f.tmp" "$f"
+      done
+    fi
     if [ "${STEP:-1}" = 1 ]; then
       S="python3 benchmarks/bench_spec_step.py --device-kind $KIND --output-dir $OUT --load-format dummy"
       S="$S --attention-backend triton"  # NOTE: no flashinfer module build (~90 s) for decode steps

@@ -62,13 +62,16 @@ class GraphKey:
 @dataclass(frozen=True)
 class GraphSpec:
     """One captured mode: its callable (a static batch -> per-token outputs, e.g.
-    (logits [T, vocab], argmax [T])), its backend instance and tokens per row."""
+    (logits [T, vocab], argmax [T])), its backend instance and tokens per row.
+    `inner`: the other (backend, mode) pairs its callable attends with (the fused
+    spec step's drafter round), whose replay buffers the runner sets up too."""
 
     mode: ForwardMode
     tokens_per_row: int
     forward: Callable[[ForwardBatch], tuple[torch.Tensor, ...]]
     backend: AttentionBackend
     variant: str = ""
+    inner: tuple[tuple[AttentionBackend, ForwardMode], ...] = ()
 
     @property
     def name(self) -> tuple[ForwardMode, str]:
@@ -262,10 +265,9 @@ class GraphRunner:
         self.outputs: dict[GraphKey, tuple[torch.Tensor, ...]] = {}
         self.num_runs = 0  # steps served through the graph runner, every mode
         for s in specs:
-            if s.backend.supports_cuda_graph:
-                s.backend.capture_buffers(
-                    self.sizes[-1], max_pages, device, s.mode, s.tokens_per_row
-                )
+            for backend, m in ((s.backend, s.mode), *s.inner):
+                if backend.supports_cuda_graph:  # NOTE: flashinfer: per mode; triton: shared
+                    backend.capture_buffers(self.sizes[-1], max_pages, device, m, s.tokens_per_row)
 
     def can_run(self, mode: ForwardMode, bt: BatchTensors, variant: str = "") -> bool:
         spec = self.specs.get((mode, variant))

@@ -78,7 +78,8 @@ class FusedSpecStep:
 
     def spec(self) -> GraphSpec:
         backend = self.executor.backends.verify
-        return GraphSpec(ForwardMode.VERIFY, self.k + 1, self._step, backend, VARIANT)
+        inner = ((self.drafter.backends.extend, ForwardMode.DRAFT_EXTEND),)
+        return GraphSpec(ForwardMode.VERIFY, self.k + 1, self._step, backend, VARIANT, inner)
 
     def usable(self, graphs: GraphRunner | None, bs: int, max_pages: int) -> bool:
         """Whether a batch of bs rows with up to max_pages pages each runs fused."""

@@ -136,6 +136,7 @@ class TritonBackend(AttentionBackend):
         self._scratch: dict[int, DecodeScratch] = {}  # eager, by split count, grown on demand
         # CUDA graphs: decode scratch by split count, rows for every bs that uses it
         self._graph_scratch: dict[int, DecodeScratch] | None = None
+        self._retired_scratch: list[DecodeScratch] = []  # outgrown, still read by graphs
 
     def kv_splits(self, bs: int, device: torch.device) -> int:
         if self.num_kv_splits is not None:
@@ -195,6 +196,8 @@ class TritonBackend(AttentionBackend):
         have = self._graph_scratch or {}
         for s, n in rows.items():
             if s not in have or have[s].mid_o.shape[0] < n:
+                if s in have:  # NOTE: graphs captured before may point into it: kept alive
+                    self._retired_scratch.append(have[s])
                 have[s] = alloc_decode_scratch(n, self.num_heads, self.head_dim, s, device)
         self._graph_scratch = have
 
