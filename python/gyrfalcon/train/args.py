@@ -92,6 +92,14 @@ class TrainArgs:
         default=0.8, metadata={"help": "weight of unroll step j's loss: decay ** j"}
     )
     max_steps: int = field(default=3000, metadata={"help": "optimizer steps"})
+    max_train_seconds: float | None = field(
+        default=None,
+        metadata={
+            "help": "a guard: training stops after this many seconds (of the training "
+            "phase) even short of max-steps, then evaluates and saves; the learning-rate "
+            "schedule still follows max-steps"
+        },
+    )
     batch_size: int = field(default=16, metadata={"help": "sequences per step"})
     seq_bucket: int = field(
         default=64,
@@ -151,6 +159,8 @@ class TrainArgs:
         for flag, value in positive.items():
             if value < 1:
                 raise ValueError(f"{flag} must be at least 1, got {value}")
+        if self.max_train_seconds is not None and self.max_train_seconds <= 0:
+            raise ValueError(f"--max-train-seconds must be positive, got {self.max_train_seconds}")
         if self.holdout < 1:
             raise ValueError(f"--holdout must be at least 1, got {self.holdout}")
         device = self.device

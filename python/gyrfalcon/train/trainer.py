@@ -76,6 +76,12 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
     return MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
 
 
+def out_of_time_at(step: int, t0: float, limit: float | None) -> bool:
+    """Whether training stops after `step` for the time guard (checked every
+    POSTFIX_EVERY steps: the clock read costs nothing, but a stop mid-burst would)."""
+    return limit is not None and step % POSTFIX_EVERY == 0 and time.perf_counter() - t0 > limit
+
+
 def batches(features: Features, batch_size: int, seed: int) -> Iterator[list[int]]:
     """Endless batches of sequence indices: each epoch shuffled, then sorted by length
     within groups of BUCKET_BATCHES batches, the batches shuffled again."""
@@ -225,6 +231,7 @@ def train_loop(
     losses: list[torch.Tensor] = []
     evals: list[dict[str, Any]] = []
     bar = tqdm(range(args.max_steps), desc="training", unit="step")
+    t0 = time.perf_counter()
     for step in bar:
         batch = train_feats.batch(next(order), args.seq_bucket)
         loss, results = run_batch(drafter, target, batch, args, device)
@@ -238,10 +245,18 @@ def train_loop(
         if done % POSTFIX_EVERY == 0:
             acc0 = int(results[0].hits) / max(1, results[0].rows)
             bar.set_postfix(loss=f"{float(losses[-1]):.3f}", acc0=f"{acc0:.2f}", refresh=False)
-        if done == args.max_steps or (args.eval_every and done % args.eval_every == 0):
+        out_of_time = out_of_time_at(done, t0, args.max_train_seconds)
+        if (
+            done == args.max_steps
+            or out_of_time
+            or (args.eval_every and done % args.eval_every == 0)
+        ):
             rates = evaluate(drafter, target, held_feats, args, device)
             evals.append({"step": done, "acceptance": rates})
             log(report(done, rates))
+        if out_of_time:
+            log(f"stopped at step {done} of {args.max_steps}: --max-train-seconds reached")
+            break
     bar.close()
     return torch.stack(losses).tolist(), evals
 
@@ -297,6 +312,7 @@ def train(args: TrainArgs, prompts: list[str]) -> dict[str, Any]:
         "initial_loss": sum(history[:window]) / window,
         "final_loss": sum(history[-window:]) / window,
         "acceptance": rates,
+        "steps": evals[-1]["step"],
         "mean_acceptance_length": acceptance_length(rates),
         "greedy_agreement": agreement,
         "evaluations": evals,
@@ -311,7 +327,7 @@ def train(args: TrainArgs, prompts: list[str]) -> dict[str, Any]:
         json.dump({"args": args.to_json(), "results": results}, f, indent=2)
     print(
         f"train-eagle3: loss {results['initial_loss']:.3f} -> {results['final_loss']:.3f}, "
-        f"{report(args.max_steps, rates)}; generate {times['generate']:.0f} s, features "
+        f"{report(evals[-1]['step'], rates)}; generate {times['generate']:.0f} s, features "
         f"{times['features']:.0f} s, train {times['train']:.0f} s; saved {args.output_dir}",
         flush=True,
     )

@@ -143,3 +143,25 @@ def test_self_instructions_join_the_prompts(setup, one_thread, capsys):
     sequences = record["results"]["train_sequences"] + record["results"]["held_out_sequences"]
     assert sequences == 28 + kept and record["results"]["held_out_sequences"] == 4
     assert f"{kept} of 24 self-written instructions kept (dropped: " in capsys.readouterr().err
+
+
+def test_max_train_seconds_stops_early_and_saves(setup, one_thread):
+    """--max-train-seconds: a run that would take 10,000 steps stops at the first
+    check past the limit (every 10 steps), evaluates there and still writes a
+    checkpoint the record names with its step count."""
+    root, target_dir, tok_dir = setup
+    out = str(root / "drafter-timed")
+    argv = [
+        "train-eagle3", "--target-model", target_dir, "--tokenizer", tok_dir,
+        "--prompts", str(root / "prompts.jsonl"), "--num-prompts", "0", "--holdout", "4",
+        "--max-new-tokens", "12", "--max-steps", "10000", "--batch-size", "4",
+        "--ttt-steps", "2", "--draft-vocab-size", "64", "--eval-every", "0",
+        "--max-train-seconds", "0.001",
+        "--device", "cpu", "--kv-cache-memory", "16MiB", "--output-dir", out,
+    ]  # fmt: skip
+    assert cli_main(argv) == 0
+    assert "model.safetensors" in os.listdir(out)
+    with open(os.path.join(out, "training_args.json")) as f:
+        results = json.load(f)["results"]
+    assert results["steps"] == 10 and [e["step"] for e in results["evaluations"]] == [10]
+    assert len(results["acceptance"]) == 2
