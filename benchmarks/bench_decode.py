@@ -22,12 +22,10 @@ ServerArgs (``gyrfalcon serve --help``), e.g. ``--page-size 32 --enforce-eager``
 from __future__ import annotations
 
 import argparse
-import cProfile
 import dataclasses
 import glob
 import json
 import os
-import pstats
 import statistics
 import sys
 import time
@@ -47,6 +45,7 @@ from gyrfalcon.bench.roofline import kv_read_bytes, roofline_step_ms, tokens_per
 from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs, parse_size
 from gyrfalcon.loader.resolve import default_model_name, resolve_model
+from gyrfalcon.profiling import host_profile
 from gyrfalcon.worker.bootstrap import build_worker
 
 
@@ -94,17 +93,10 @@ def bench_batch(
 
 def profile_host(driver: Driver, ns: argparse.Namespace, batch_size: int) -> None:
     """cProfile of --steps overlapped decode steps: where the host's time goes."""
-    prof = cProfile.Profile()
-    prof.enable()
-    driver.decode_overlapped(ns.steps)
-    sync(driver.runner.device)
-    prof.disable()
-    os.makedirs(ns.profile_dir, exist_ok=True)
     path = os.path.join(ns.profile_dir, f"host_profile_bs{batch_size}.txt")
-    with open(path, "w") as f:
-        f.write(f"{ns.steps} overlapped decode steps at batch {batch_size}\n")
-        pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(40)
-        pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(40)
+    with host_profile(path, f"{ns.steps} overlapped decode steps at batch {batch_size}"):
+        driver.decode_overlapped(ns.steps)
+        sync(driver.runner.device)
     if driver.runner.device.type != "cuda":
         return
     # the device side: kernels of 8 overlapped steps, by total time

@@ -32,6 +32,7 @@ from gyrfalcon.bench.provenance import git_commit
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.engine import LocalEngine
 from gyrfalcon.ipc.messages import SamplingParams
+from gyrfalcon.profiling import host_profile
 
 
 def step_times(eng: LocalEngine, bs: int, prompt_len: int, steps: int, seed: int):
@@ -73,20 +74,8 @@ def step_times(eng: LocalEngine, bs: int, prompt_len: int, steps: int, seed: int
 
 def profile(eng: LocalEngine, bs: int, ns: argparse.Namespace, path: str) -> None:
     """step_times at batch bs under cProfile; the top functions by own and cumulative time."""
-    import cProfile
-    import io
-    import pstats
-
-    prof = cProfile.Profile()
-    prof.enable()
-    step_times(eng, bs, ns.prompt_len, ns.steps, bs)
-    prof.disable()
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    buf = io.StringIO()
-    for key in ("tottime", "cumulative"):
-        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(45)
-    with open(path, "w") as f:
-        f.write(buf.getvalue())
+    with host_profile(path):
+        step_times(eng, bs, ns.prompt_len, ns.steps, bs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,6 +38,23 @@ def test_sigterm_stops_every_process(smollm2_dir, tmp_path):
     assert not [k for k in kids if alive(k)], "child processes outlived the server"
 
 
+def test_profile_dir_gets_a_host_profile_of_every_engine_process(
+    smollm2_dir, tmp_path, monkeypatch
+):
+    """GYRFALCON_PROFILE_DIR: the scheduler and the worker write their cProfile stats
+    when the server stops (docs/profiling: a served step's host time)."""
+    monkeypatch.setenv("GYRFALCON_PROFILE_DIR", str(tmp_path / "prof"))
+    log = str(tmp_path / "log")
+    srv = start_server(smollm2_dir, log, "--num-kv-pages", "64", "--served-model-name", "m")
+    body = {"model": "m", "prompt": "Hello", "max_tokens": 3}
+    assert httpx.post(f"{srv.base_url}/v1/completions", json=body, timeout=60).status_code == 200
+    assert stop_server(srv) == 0, srv.log()
+    assert sorted(os.listdir(tmp_path / "prof")) == ["scheduler.txt", "worker0.txt"]
+    worker = (tmp_path / "prof" / "worker0.txt").read_text()
+    assert "host profile of worker0" in worker and "submit_batch" in worker
+    assert "build_plan" in (tmp_path / "prof" / "scheduler.txt").read_text()
+
+
 def test_ctrl_c_stops_every_process(smollm2_dir, tmp_path):
     srv = start_server(smollm2_dir, str(tmp_path / "log"), "--num-kv-pages", "64")
     kids = children_of(srv.proc.pid)

@@ -33,6 +33,7 @@ from gyrfalcon.ipc.messages import (
     WorkerToScheduler,
 )
 from gyrfalcon.ipc.sockets import Channel, Fanout, IpcPaths
+from gyrfalcon.profiling import process_profile
 from gyrfalcon.scheduler.scheduler import Scheduler, SchedulerConfig
 from gyrfalcon.scheduler.step_log import ThroughputLog
 from gyrfalcon.utils import ChildStop, set_torch_threads, setup_child
@@ -178,4 +179,5 @@ def run_scheduler(
     """Entry point of the scheduler process."""
     stop = setup_child("scheduler", args.log_level, stopping)
     set_torch_threads(1)  # no tensor math here
-    SchedulerLoop(args, paths, model_cfg, stop, layout).run()
+    with process_profile("scheduler"):
+        SchedulerLoop(args, paths, model_cfg, stop, layout).run()

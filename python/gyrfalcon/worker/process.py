@@ -20,7 +20,8 @@ from gyrfalcon.forward.distributed import destroy_distributed
 from gyrfalcon.ipc.contract import RankLayout
 from gyrfalcon.ipc.messages import SchedulerToWorker, Shutdown, StepPlan, WorkerError, WorkerReady
 from gyrfalcon.ipc.sockets import Channel, IpcPaths
-from gyrfalcon.utils import set_torch_threads, setup_child
+from gyrfalcon.profiling import process_profile
+from gyrfalcon.utils import ChildStop, set_torch_threads, setup_child
 from gyrfalcon.worker.bootstrap import build_worker
 
 logger = logging.getLogger(__name__)
@@ -43,35 +44,9 @@ def run_worker(
     ctx = zmq.Context()
     inbox = Channel(ctx, zmq.PULL, paths.scheduler_to_workers[rank], False, SchedulerToWorker)
     outbox = Channel(ctx, zmq.PUSH, paths.worker_to_scheduler, False)
-    reports = layout.reports(rank)
     try:
-        runner, context_len = build_worker(args, model_dir, cfg, rank, layout)
-        outbox.send(
-            WorkerReady(rank, runner.executor.kv_cache.num_pages, context_len, runner.floats_rows)
-        )
-        stop.serving()
-        while not stop.requested:
-            if runner.pending:
-                # NOTE: spin between the next plan and the oldest step's end: a plan
-                # is launched as soon as it arrives, a result sent as soon as it is in.
-                if runner.oldest_done():
-                    result = runner.take()
-                    if reports:
-                        outbox.send(result)
-                    continue
-                msg = inbox.recv(0)
-                if msg is None:
-                    continue
-            else:
-                msg = inbox.recv(POLL_MS)
-                if msg is None:
-                    if stop.parent_gone():
-                        return
-                    continue
-            if isinstance(msg, Shutdown):
-                return
-            assert isinstance(msg, StepPlan)
-            runner.submit(msg)
+        with process_profile(f"worker{rank}"):
+            _serve(args, model_dir, cfg, rank, layout, inbox, outbox, stop)
     except Exception:
         text = traceback.format_exc()
         logger.error("worker %d failed:\n%s", rank, text)
@@ -79,3 +54,44 @@ def run_worker(
         sys.exit(1)
     finally:
         destroy_distributed()
+
+
+def _serve(
+    args: ServerArgs,
+    model_dir: str,
+    cfg: ModelConfig,
+    rank: int,
+    layout: RankLayout,
+    inbox: Channel,
+    outbox: Channel,
+    stop: ChildStop,
+) -> None:
+    """Build the rank's worker, report ready, then run plans until stopped."""
+    reports = layout.reports(rank)
+    runner, context_len = build_worker(args, model_dir, cfg, rank, layout)
+    outbox.send(
+        WorkerReady(rank, runner.executor.kv_cache.num_pages, context_len, runner.floats_rows)
+    )
+    stop.serving()
+    while not stop.requested:
+        if runner.pending:
+            # NOTE: spin between the next plan and the oldest step's end: a plan
+            # is launched as soon as it arrives, a result sent as soon as it is in.
+            if runner.oldest_done():
+                result = runner.take()
+                if reports:
+                    outbox.send(result)
+                continue
+            msg = inbox.recv(0)
+            if msg is None:
+                continue
+        else:
+            msg = inbox.recv(POLL_MS)
+            if msg is None:
+                if stop.parent_gone():
+                    return
+                continue
+        if isinstance(msg, Shutdown):
+            return
+        assert isinstance(msg, StepPlan)
+        runner.submit(msg)
