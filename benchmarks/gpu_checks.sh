@@ -6,6 +6,8 @@
 #           then SGLang's serving check (500 prompts, input U[1,4096], output U[1,2048],
 #           EOS ignored, all at once) and the KV accounting after it;
 #   sweep:  the same server, random 1024 in / 512 out at concurrency 1, 16, 64, 256.
+#   ranks:  several GPUs (NCCL): the same server at tp 1 and tp 2 (batch-1 decode), then
+#           dp 2 against one GPU at concurrency 256.
 #   fi-cache: pack flashinfer's compiled modules (the .so files only, those restored and
 #           those built here) into $OUT/fi-aot.tgz.part* (15 MiB parts); put them in
 #           .fi-cache/ here and send that folder along (carry): restored into flashinfer's
@@ -104,6 +106,22 @@ case "${1:-tests}" in
         --ignore-eos --max-concurrency $C --seed 2
     done
     kill -TERM $SERVER; wait $SERVER; echo "server exit $?" ;;
+  ranks)  # several GPUs: the 8B shape on triton (no flashinfer build per rank) at tp 1 and
+    # 2, batch-1 decode (1024 in / 256 out, concurrency 1); then dp 2 against one GPU on the
+    # random 1024 / 512 set at concurrency 256 (NUM_DP prompts, default 512)
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    for R in "tp1:--tp-size 1" "tp2:--tp-size 2"; do
+      SERVER_FLAGS="--attention-backend triton ${R#*:}" start_server "${R%%:*}"
+      serve_bench "decode_${R%%:*}" --num-prompts 8 --random-input-len 1024 \
+        --random-output-len 256 --random-range-ratio 1 --ignore-eos --max-concurrency 1 --seed 3
+      kill -TERM $SERVER; wait $SERVER; echo "server exit $?"
+    done
+    for R in $([ "${RANKS_DP:-1}" = 1 ] && echo "dp1:--dp-size 1" "dp2:--dp-size 2"); do
+      SERVER_FLAGS="--attention-backend triton ${R#*:}" start_server "${R%%:*}"
+      serve_bench "c256_${R%%:*}" --num-prompts ${NUM_DP:-512} --random-input-len 1024 \
+        --random-output-len 512 --ignore-eos --max-concurrency 256 --seed 2
+      kill -TERM $SERVER; wait $SERVER; echo "server exit $?"
+    done ;;
   fi-cache)
     mkdir -p /tmp/fi-pack && cp -r "$FI_AOT"/. /tmp/fi-pack/ && rm -f /tmp/fi-pack/.restored
     for so in ~/.cache/flashinfer/*/*/cached_ops/*/*.so; do  # built on this machine

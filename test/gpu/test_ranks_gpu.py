@@ -1,0 +1,69 @@
+"""Several GPU ranks over NCCL (two GPUs or more): a tiny float32 Llama served with
+tensor parallelism (tp 2) and with two data-parallel groups, CUDA graphs on, answers
+greedy batches exactly like one GPU, logprobs included; a bf16 tp-2 server on the
+default backends serves a batch with nothing leaked."""
+
+import httpx
+import pytest
+import torch
+from server_util import start_server, stop_server, wait_drained
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs"),
+]
+
+PROMPTS = [[5, 9, 17, 33, 60], [7] * 12, list(range(3, 40)), [100, 101, 7, 7, 9]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_gpu_dir, tmp_path_factory):
+    from gyrfalcon.bench.synthetic_tokenizer import make_synthetic_tokenizer
+
+    tok = str(tmp_path_factory.mktemp("tiny-tok"))
+    make_synthetic_tokenizer(tiny_gpu_dir, tok)
+    return tiny_gpu_dir, tok
+
+
+def serve_batch(tiny, tmp_path, name: str, *flags: str) -> tuple[list, dict]:
+    """Greedy completions of PROMPTS (all at once) from a server with `flags`: their
+    (tokens, logprobs) and the server's page accounting after them."""
+    model, tok = tiny
+    srv = start_server(
+        model, str(tmp_path / f"{name}.log"), "--device", "cuda", "--tokenizer", tok,
+        "--served-model-name", "m", "--page-size", "16", "--num-kv-pages", "256", *flags,
+    )  # fmt: skip
+    try:
+        body = {
+            "model": "m", "prompt": PROMPTS, "max_tokens": 24, "temperature": 0,
+            "logprobs": 1, "ignore_eos": True,
+        }  # fmt: skip
+        r = httpx.post(f"{srv.base_url}/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+        out = [(c["logprobs"]["tokens"], c["logprobs"]["token_logprobs"]) for c in choices]
+        info = wait_drained(srv)
+    finally:
+        assert stop_server(srv) == 0, srv.log()[-3000:]
+    return out, info
+
+
+@pytest.fixture(scope="module")
+def one_gpu(tiny, tmp_path_factory):
+    return serve_batch(tiny, tmp_path_factory.mktemp("one"), "one", "--attention-backend", "triton")
+
+
+@pytest.mark.parametrize("flags", [["--tp-size", "2"], ["--dp-size", "2"]], ids=["tp2", "dp2"])
+def test_two_gpus_answer_like_one(tiny, one_gpu, tmp_path, flags):
+    got, info = serve_batch(tiny, tmp_path, "ranks", "--attention-backend", "triton", *flags)
+    want, _ = one_gpu
+    for (tokens, lps), (want_tokens, want_lps) in zip(got, want):
+        assert tokens == want_tokens
+        assert lps == pytest.approx(want_lps, abs=1e-3)
+    assert info["integrity_ok"] and info["num_free_pages"] == info["num_total_pages"], info
+
+
+def test_bf16_tp2_on_the_default_backends_serves_and_leaks_nothing(tiny, tmp_path):
+    got, info = serve_batch(tiny, tmp_path, "bf16", "--dtype", "bfloat16", "--tp-size", "2")
+    assert [len(tokens) for tokens, _ in got] == [24] * len(PROMPTS)
+    assert info["integrity_ok"] and info["num_free_pages"] == info["num_total_pages"], info
