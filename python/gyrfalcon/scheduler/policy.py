@@ -205,7 +205,8 @@ def schedule(
         left = req.tokens_left(limits.max_model_len) - req.num_pending_drafts
         if left <= 0:
             continue  # its last token is in flight; the result finishes it
-        d = draft_slots(limits.num_draft, left) if drafts_for(req, limits) else 0
+        room = req.room(limits.max_model_len) - req.num_pending_drafts
+        d = draft_slots(limits.num_draft, room) if drafts_for(req, limits) else 0
         while pages_needed(len(req.pages), row_end(req, 1, d, limits), ps) > alloc.num_free:
             victims = [r for r in running if r.rid not in picked]
             victim = max(victims, key=lambda r: r.arrival)

@@ -106,7 +106,11 @@ class Request:
 
     def tokens_left(self, max_model_len: int) -> int:
         """Output tokens it may still get, counting tokens in flight."""
-        return min(self.sampling.max_tokens - self.num_generated, max_model_len - self.num_tokens)
+        return min(self.sampling.max_tokens - self.num_generated, self.room(max_model_len))
+
+    def room(self, max_model_len: int) -> int:
+        """Positions left in the context, counting tokens in flight."""
+        return max_model_len - self.num_tokens
 
 
 # ---------------------------------------------------------------- index math
@@ -118,10 +122,13 @@ def kv_end(start: int, num_tokens: int, num_draft: int = 0) -> int:
     return start + num_tokens + num_draft
 
 
-def draft_slots(num_draft: int, tokens_left: int) -> int:
-    """Draft slots of a decode row: the configured count, but none whose token could
-    not be kept (a row emits at most drafts + 1 tokens; tokens_left >= 1)."""
-    return max(0, min(num_draft, tokens_left - 1))
+def draft_slots(num_draft: int, room: int) -> int:
+    """Draft slots of a decode row with `room` positions left in the context (>= 1):
+    the configured count, but none whose KV would pass the context's end (a row
+    writes its input and its drafts). Not capped by max_tokens: tokens past it are
+    dropped when the result comes back (`cut_at_finish`), and rows of one size keep
+    a step in one CUDA graph (worker/spec_step_graph.py)."""
+    return max(0, min(num_draft, room - 1))
 
 
 def stop_reason(

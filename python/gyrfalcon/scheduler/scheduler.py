@@ -240,13 +240,13 @@ class Scheduler:
         assert len(row.token_ids) == a + 1, f"row {req.rid} emitted {row.token_ids}, {a} accepted"
         req.num_pending -= 1
         req.num_pending_drafts -= s.num_draft
-        if s.num_draft:
-            req.num_verify_steps += 1
-            req.num_accepted += a
-            self.counters.add_verified(a)
         n, reason = cut_at_finish(
             req, row.token_ids, self.cfg.eos_token_ids, self.cfg.max_model_len
         )
+        if s.num_draft:  # NOTE: accepted drafts count as far as they are emitted
+            req.num_verify_steps += 1
+            req.num_accepted += min(a, n - 1)
+            self.counters.add_verified(min(a, n - 1))
         req.output_ids.extend(row.token_ids[:n])
         if row.logprobs is not None:
             req.pending_logprobs.extend(row.logprobs[:n])

@@ -262,6 +262,7 @@ def test_stop_inside_an_accepted_run_drops_the_rest():
     by_rid = {o.rid: o for o in out}
     assert by_rid["a"].token_ids == [11, EOS] and by_rid["a"].finish_reason == "stop"
     assert by_rid["a"].num_output_tokens == 3  # 10, 11, EOS: 12 and 13 never counted
+    assert by_rid["a"].num_accepted == 1 and by_rid["b"].num_accepted == 1
     assert by_rid["b"].token_ids == [21, 22] and by_rid["b"].finish_reason is None
     assert "a" not in s.requests
     plan = s.build_plan()
@@ -274,10 +275,25 @@ def test_max_tokens_reached_mid_run():
     s.add_request(GenerateRequest("r", [1, 2], SamplingParams(max_tokens=3, ignore_eos=True)))
     answer(s, s.build_plan(), {"r": [10]})
     plan = s.build_plan()
-    assert plan.batches[0].rows[0].num_draft == 1  # two tokens left: one draft, one target
-    out = answer(s, plan, {"r": [11, 12]})
+    # two tokens left, still k drafts (a uniform row): what passes max_tokens is dropped
+    assert plan.batches[0].rows[0].num_draft == 3
+    out = answer(s, plan, {"r": [11, 12, 13, 14]})
     assert out[0].token_ids == [11, 12] and out[0].finish_reason == "length"
+    assert out[0].num_output_tokens == 3
+    assert (out[0].num_verify_steps, out[0].num_accepted) == (1, 1)  # as far as emitted
     assert s.num_free_pages == s.num_usable_pages
+
+
+def test_drafts_stop_only_at_the_end_of_the_context():
+    """Near max_model_len a row gets only the drafts whose KV fits the context."""
+    s = make(k=3, inflight=1, max_model_len=8)
+    s.add_request(GenerateRequest("r", [1, 2, 3, 4], SamplingParams(max_tokens=20)))
+    answer(s, s.build_plan(), {"r": [10]})  # 5 tokens: room for the input and 2 drafts
+    plan = s.build_plan()
+    assert plan.batches[0].rows[0].num_draft == 2
+    out = answer(s, plan, {"r": [11, 12, 13]})
+    assert out[0].token_ids == [11, 12, 13] and out[0].finish_reason == "length"
+    s.check_integrity()
 
 
 def test_overlap_rule_no_new_row_while_a_multi_token_row_is_in_flight():

@@ -89,6 +89,31 @@ def test_forced_acceptance_patterns_are_lossless(pair, plain3, k, name, fused):
         assert accepted[0] == accepted[2] == 0 and accepted[1] > 0
 
 
+def test_rows_near_max_tokens_stay_in_the_fused_graph(pair):
+    """Requests with different max_tokens finish at different steps: every step of
+    decode rows only is one fused replay (rows keep k drafts up to the end; tokens
+    past max_tokens are dropped), and outputs equal plain decoding's."""
+    target, draft = pair
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (5, 9, 14)]
+    ps = prompts(4, LENS3)
+    plain = run(engine(target), ps, params)
+    kw = dict(static_graph_replay=True, cuda_graph_bs="1,2,4", cuda_graph_max_bs=4)
+    eng = engine(target, draft, 3, **kw)
+    decisions = []  # per decode-only step: whether it ran fused
+    fuses = eng.worker._fuses
+
+    def recorded(rows, reqs):
+        out = fuses(rows, reqs)
+        if all(len(r.input_ids) == 1 for r in rows):
+            decisions.append(out)
+        return out
+
+    eng.worker._fuses = recorded
+    got = run(eng, ps, params)
+    assert got.ids == plain.ids and [len(x) for x in got.ids] == [5, 9, 14]
+    assert len(decisions) > 5 and all(decisions), decisions
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_floating_verify_rows_are_lossless(pair, plain3, overlap):
     """Overlap scheduling sends a request's next verify row while its previous one is in
