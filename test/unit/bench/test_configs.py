@@ -21,14 +21,21 @@ from gyrfalcon.config.server_args import ServerArgs, resolve_speculative
 ROOT = Path(__file__).resolve().parents[3]
 CONFIGS = sorted((ROOT / "configs").glob("*.sh"))
 SERVING = [c for c in CONFIGS if not c.name.startswith("cpu_")]  # cpu_*: benchmark scripts
-SPEC = {"smollm2_eagle3.sh", "llama8b_eagle3_dummy.sh"}
-DUMMY = {"llama8b.sh", "llama8b_eagle3_dummy.sh"}
+SPEC = {"smollm2_eagle3.sh", "llama8b_eagle3_dummy.sh", "attn_dp2_eagle3.sh"}
+DUMMY = {
+    "llama8b.sh",
+    "llama8b_eagle3_dummy.sh",
+    "attn_tp2.sh",
+    "attn_dp2.sh",
+    "attn_dp2_eagle3.sh",
+}
+RANKS = {"attn_tp2.sh": (2, 1), "attn_dp2.sh": (1, 2), "attn_dp2_eagle3.sh": (1, 2)}
 STUB = '#!/bin/sh\nprintf "%s\\0" "$@" > "$ARGV_OUT"\n'
 
 
 def test_configs_exist() -> None:
     names = {c.name for c in CONFIGS}
-    assert {"smollm2.sh", "llama8b.sh", *SPEC, "cpu_smollm2_serving.sh"} <= names
+    assert {"smollm2.sh", "llama8b.sh", *SPEC, *RANKS, "cpu_smollm2_serving.sh"} <= names
 
 
 @pytest.mark.parametrize(
@@ -89,6 +96,7 @@ def test_serving_config_execs_one_accepted_serve_command(script: Path, tmp_path:
         args.speculative_num_steps, args.speculative_eagle_topk,
         args.speculative_num_draft_tokens,
     )  # fmt: skip
+    assert (args.tp_size, args.dp_size) == RANKS.get(script.name, (1, 1))
     if script.name in SPEC:
         assert args.speculative_algorithm == "EAGLE3" and (k, verified) == (3, 4)
     else:
