@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Llama-3.1-8B shape with dummy (random) weights on 2 GPUs: two data-parallel groups of one GPU each with EAGLE3 (dummy drafter) on each: the drafter runs on every rank of its group, idle groups run padded dummy rows.
+# Llama-3.1-8B shape with dummy (random) weights on 2 GPUs: two data-parallel groups of
+# one GPU each with EAGLE3 (dummy drafter) on each: the drafter runs on every rank of
+# its group, idle groups run padded dummy rows.
 # A synthetic tokenizer is made once into TOKENIZER (python -m gyrfalcon.bench.synthetic_tokenizer).
 # MODEL (benchmarks/models/llama-3.1-8b); DRAFT (benchmarks/models/llama-3.1-8b-eagle3);
 # STEPS (3); TOKENIZER (${TMPDIR:-/tmp}/gyrfalcon-tok-llama-3.1-8b);

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Llama-3.1-8B shape with dummy (random) weights on 2 GPUs: tensor parallel over 2 GPUs (attention heads, MLP and vocabulary split; two all-reduces a layer).
+# Llama-3.1-8B shape with dummy (random) weights on 2 GPUs: tensor parallel over 2 GPUs
+# (attention heads, MLP and vocabulary split; two all-reduces a layer).
 # A synthetic tokenizer is made once into TOKENIZER (python -m gyrfalcon.bench.synthetic_tokenizer).
 # MODEL (benchmarks/models/llama-3.1-8b); TOKENIZER (${TMPDIR:-/tmp}/gyrfalcon-tok-llama-3.1-8b);
 # PORT (8000); DEVICE (cuda); DTYPE (auto: bfloat16 on CUDA).
