@@ -8,10 +8,18 @@ import pytest
 import torch
 
 TINY_ARCHS = ("llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3")
+TINY_MOE_ARCHS = ("qwen3-moe", "mixtral")
 
 
-def make_tiny_hf_model(path: str, arch: str = "llama", seed: int = 0, **overrides):
-    """Save a tiny random HF causal LM (float32) into path; returns the HF model."""
+def make_tiny_hf_model(
+    path: str, arch: str = "llama", seed: int = 0, save_original_format: bool = True, **overrides
+):
+    """Save a tiny random HF causal LM (float32) into path; returns the HF model.
+
+    MoE archs (`TINY_MOE_ARCHS`): Qwen3-MoE with 8 experts, top-3, experts of 32;
+    Mixtral with 4 experts, top-2, experts of 32 (its intermediate_size). Saved in the
+    published checkpoints' per-expert layout, or with `save_original_format=False`
+    fused, as transformers 5 holds them (`experts.gate_up_proj`, `experts.down_proj`)."""
     import transformers as tf
 
     common = dict(
@@ -49,6 +57,15 @@ def make_tiny_hf_model(path: str, arch: str = "llama", seed: int = 0, **override
     elif arch == "qwen3":
         cfg = tf.Qwen3Config(**common, head_dim=32)
         cls = tf.Qwen3ForCausalLM
+    elif arch == "qwen3-moe":
+        moe = dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=3)
+        moe.update(norm_topk_prob=True, head_dim=16)
+        cfg = tf.Qwen3MoeConfig(**{**common, **moe, **overrides})
+        cls = tf.Qwen3MoeForCausalLM
+    elif arch == "mixtral":
+        moe = dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)
+        cfg = tf.MixtralConfig(**{**common, **moe, **overrides})
+        cls = tf.MixtralForCausalLM
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
@@ -56,9 +73,11 @@ def make_tiny_hf_model(path: str, arch: str = "llama", seed: int = 0, **override
     # Larger-than-default init so greedy continuations are not one repeated token.
     with torch.no_grad():
         for p in model.parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # NOTE: 3-D: fused MoE experts; dense models have none
                 p.normal_(0, 0.2)
-    model.save_pretrained(path)
+    # NOTE: transformers 4 has no save_original_format (and no fused experts)
+    fused = {} if save_original_format else {"save_original_format": False}
+    model.save_pretrained(path, **fused)
     return model
 
 

@@ -95,6 +95,12 @@ class ThreadGroupMember:
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.exchange(self.rank, x, lambda parts: torch.cat(parts, dim=-1))
 
+    def all_gather_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        def rows(parts: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+            return torch.cat(parts), [p.shape[0] for p in parts]
+
+        return self.group.exchange(self.rank, x, rows)
+
 
 def run_ranks(fn: Callable[[int], object], tp: int) -> list:
     """fn(rank) in tp threads at once, under inference mode; their results in rank
@@ -239,6 +245,41 @@ def rank_tp_logits(
         out[name] = dict(
             hidden=hidden, logits=logits, embed_rows=model.embed_tokens.weight.shape[0]
         )
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def rank_moe_logits(
+    rank: int,
+    world_size: int,
+    init_addr: str,
+    out_dir: str,
+    model_dirs: dict[str, str],
+    prompts: list[list[int]],
+) -> None:
+    """One TP group of all ranks; for each checkpoint and each MoE sharding ("tp":
+    ep_size 1, "ep": ep_size = the group), load this rank's share, prefill the prompts
+    and save {(name, mode): {"hidden", "logits", "w13"}} to rank{r}.pt (w13: the
+    shape of the last layer's experts here). Also {"rows": {"x", "moe"}}: the last
+    checkpoint's last MoE block under EP on rank-local tokens x (DP attention's
+    dispatch: rank r brings 3 r + 2 rows, rank 1 none)."""
+    from dataclasses import replace
+
+    parallel = init_tensor_parallel(
+        rank, world_size, world_size, init_addr, CPU, COLLECTIVE_TIMEOUT, ep_size=world_size
+    )
+    assert parallel.ep_size == world_size
+    out: dict = {}
+    for name, model_dir in model_dirs.items():
+        for mode, sharding in (("tp", replace(parallel, ep_size=1)), ("ep", parallel)):
+            ctx = LayerContext(parallel=sharding)
+            model = load_model(model_dir, ctx)
+            hidden = model(prefill_batch(model, prompts, ctx))  # [T, hidden]
+            logits = model.compute_logits(hidden)  # [T, vocab]
+            w13 = tuple(model.layers[-1].mlp.experts.w13.shape)
+            out[name, mode] = dict(hidden=hidden, logits=logits, w13=w13)
+    rows = 0 if rank == 1 else 3 * rank + 2
+    x = torch.randn(rows, model.cfg.hidden_size, generator=torch.Generator().manual_seed(rank))
+    out["rows"] = dict(x=x, moe=model.layers[-1].mlp(x, tokens_local=True))
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
 
 

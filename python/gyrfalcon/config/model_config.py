@@ -16,6 +16,8 @@ ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
+    "Qwen3MoeForCausalLM": "moe",
+    "MixtralForCausalLM": "moe",
 }
 
 
@@ -40,6 +42,19 @@ class ModelConfig:
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Mixture of experts (num_experts 0: a dense model). A MoE layer's router takes the
+    # softmax over all experts, keeps the top num_experts_per_tok and renormalizes them
+    # to sum to one iff norm_topk_prob; each expert is a gated MLP of
+    # moe_intermediate_size. The layers in moe_layers are MoE, the rest dense MLPs of
+    # intermediate_size (Qwen3-MoE's decoder_sparse_step and mlp_only_layers).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
+    # HF keeps Mixtral's top-k weights float32 (the expert outputs are scaled in float32,
+    # then rounded); Qwen3-MoE rounds them to the model dtype first
+    router_weights_fp32: bool = False
 
     @property
     def family(self) -> str:
@@ -58,7 +73,7 @@ class ModelConfig:
         head_dim = hf.get("head_dim") or hidden // num_heads
         model_type = hf.get("model_type", "llama")
         qkv_bias = bool(hf.get("attention_bias", model_type == "qwen2"))
-        qk_norm = model_type == "qwen3"
+        qk_norm = model_type in ("qwen3", "qwen3_moe")
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported hidden_act {act!r}")
@@ -102,6 +117,7 @@ class ModelConfig:
             torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=tuple(eos),
+            **_moe_fields(hf, arch),
         )
 
     @classmethod
@@ -117,3 +133,44 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def _moe_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The MoE fields of `ModelConfig` from an HF config (none for a dense model).
+
+    Mixtral: every layer is MoE, experts of intermediate_size, top-k always
+    renormalized. Qwen3-MoE: experts of moe_intermediate_size, renormalized iff
+    norm_topk_prob (HF's default False); layer i is MoE unless it is in
+    mlp_only_layers or (i + 1) is not a multiple of decoder_sparse_step.
+    NOTE: transformers 5 writes Qwen3-MoE's expert count as num_local_experts, the
+    published checkpoints as num_experts.
+    """
+    layers = hf["num_hidden_layers"]
+    if arch == "MixtralForCausalLM":
+        num_experts = int(hf["num_local_experts"])
+        fields = dict(
+            moe_intermediate_size=int(hf["intermediate_size"]),
+            norm_topk_prob=True,
+            moe_layers=tuple(range(layers)),
+            router_weights_fp32=True,
+        )
+    elif arch == "Qwen3MoeForCausalLM":
+        num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+        step = int(hf.get("decoder_sparse_step") or 1)
+        dense = set(hf.get("mlp_only_layers") or ())
+        sparse = tuple(
+            i for i in range(layers) if i not in dense and num_experts > 0 and (i + 1) % step == 0
+        )
+        fields = dict(
+            moe_intermediate_size=int(hf["moe_intermediate_size"]),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            moe_layers=sparse,
+        )
+    else:
+        return {}
+    if num_experts == 0:
+        return dict(fields, moe_layers=())  # NOTE: HF builds dense MLPs only then
+    top_k = int(hf["num_experts_per_tok"])
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"{top_k} experts per token out of {num_experts}")
+    return dict(fields, num_experts=num_experts, num_experts_per_tok=top_k)

@@ -44,6 +44,23 @@ class GroupCommunicator:
         ranks_last = stacked.view(self.size, *x.shape).movedim(0, -2)
         return ranks_last.reshape(*x.shape[:-1], self.size * x.shape[-1])
 
+    def all_gather_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """(x [n_r, ...] of every rank concatenated in rank order along dim 0, [n_r]):
+        the counts are gathered first (a host sync), then every rank's rows padded to
+        the largest count in one all-gather."""
+        x = x.contiguous()
+        count = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
+        counts_t = count.new_empty(self.size)
+        _all_gather_single(counts_t, count, group=self.group)
+        counts = counts_t.tolist()
+        rows = max(counts)
+        padded = x.new_zeros((rows, *x.shape[1:]))
+        padded[: x.shape[0]] = x
+        stacked = x.new_empty((self.size * rows, *x.shape[1:]))  # rank r at [r rows, ...)
+        _all_gather_single(stacked, padded, group=self.group)
+        parts = [stacked[r * rows : r * rows + n] for r, n in enumerate(counts)]
+        return torch.cat(parts), counts
+
 
 def backend_for(device: torch.device) -> str:
     """The process-group backend of a device: NCCL on CUDA, gloo on the CPU."""
@@ -57,18 +74,22 @@ def init_tensor_parallel(
     init_addr: str,
     device: torch.device,
     timeout: timedelta,
+    ep_size: int = 1,
 ) -> ParallelContext:
     """Join the default process group as `rank` of `world_size` through `init_addr`
     ("tcp://host:port", rank 0's store), build every TP group of `tp_size`
-    consecutive ranks, and return this rank's `ParallelContext`. Every rank calls it
-    with the same arguments but its rank; `timeout` bounds the rendezvous and every
-    collective. `destroy_distributed` undoes it."""
+    consecutive ranks, and return this rank's `ParallelContext` (its MoE layers split
+    experts over the TP group when `ep_size` is tp_size, `ParallelContext.ep_size`).
+    Every rank calls it with the same arguments but its rank; `timeout` bounds the
+    rendezvous and every collective. `destroy_distributed` undoes it."""
     if not init_addr.startswith("tcp://"):
         raise ValueError(f"init address {init_addr!r} is not tcp://host:port")
     if tp_size < 1 or world_size % tp_size:
         raise ValueError(f"tp size {tp_size} does not divide the world of {world_size} ranks")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in a world of {world_size}")
+    if ep_size not in (1, tp_size):
+        raise ValueError(f"ep size {ep_size} is neither 1 nor the tp size {tp_size}")
     extra = {}
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -92,7 +113,7 @@ def init_tensor_parallel(
         if rank in ranks:
             mine = group
     assert mine is not None
-    return ParallelContext(rank % tp_size, tp_size, GroupCommunicator(mine, tp_size))
+    return ParallelContext(rank % tp_size, tp_size, GroupCommunicator(mine, tp_size), ep_size)
 
 
 def destroy_distributed() -> None:

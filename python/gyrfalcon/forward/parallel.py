@@ -1,6 +1,11 @@
 """Tensor parallelism as the layers see it: this rank's place in its TP group, the
 all-reduce that sums row-parallel partial outputs, the all-gather that joins the
-vocab-parallel LM head's logits, and the head- and vocabulary-sharding math.
+vocab-parallel LM head's logits, and the head-, vocabulary- and expert-sharding math.
+
+MoE layers shard one of two ways over the same group (`ParallelContext.ep_size`):
+MoE-TP (ep_size 1: every rank holds every expert, a slice of its intermediate dim)
+or expert parallelism (ep_size == tp_size: rank r holds experts [r E/ep, (r+1) E/ep)
+whole). EP rank and TP rank are the same number, over the same communicator.
 
 A `ParallelContext` is a value handed to every layer constructor (through the
 model's `LayerContext`); nothing here is process-wide. The communicator is the
@@ -27,6 +32,12 @@ class Communicator(Protocol):
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., n] of every rank (the same shape on each), concatenated in rank order
         along the last dim: [..., group size * n], a new tensor."""
+        ...
+
+    def all_gather_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """(x [n_r, ...] of every rank concatenated in rank order along dim 0: [sum n_r,
+        ...], [n_0, n_1, ...]); the ranks' row counts may differ (0 included), the other
+        dims may not. A new tensor."""
         ...
 
 
@@ -113,16 +124,63 @@ def shard_vocab(vocab_size: int, tp_rank: int, tp_size: int) -> VocabShard:
 
 
 @dataclass(frozen=True)
+class ExpertShard:
+    """The MoE experts one rank holds: experts [start, start + num_experts), each with
+    intermediate rows [inter_start, inter_start + inter_size) of its full I."""
+
+    start: int
+    num_experts: int
+    inter_start: int
+    inter_size: int
+
+    def owns(self, expert: int) -> bool:
+        return self.start <= expert < self.start + self.num_experts
+
+
+def shard_experts(
+    num_experts: int, intermediate_size: int, tp_rank: int, tp_size: int, ep_size: int
+) -> ExpertShard:
+    """Rank tp_rank's share of a MoE layer's E experts of intermediate size I.
+
+    ep_size 1 (MoE-TP): all E experts, intermediate rows [r I/tp, (r+1) I/tp) of each.
+    ep_size == tp_size (EP): experts [r E/ep, (r+1) E/ep), all I rows of each.
+    Raises ValueError when the split is not even.
+    """
+    if ep_size == 1:
+        if intermediate_size % tp_size:
+            raise ValueError(
+                f"expert intermediate size {intermediate_size} does not split over tp size "
+                f"{tp_size} (MoE-TP); expert parallelism may fit"
+            )
+        part = intermediate_size // tp_size
+        return ExpertShard(0, num_experts, tp_rank * part, part)
+    if ep_size != tp_size:
+        raise ValueError(f"ep size {ep_size} is neither 1 nor the tp size {tp_size}")
+    if num_experts % ep_size:
+        raise ValueError(f"{num_experts} experts do not split over ep size {ep_size}")
+    per = num_experts // ep_size
+    return ExpertShard(tp_rank * per, per, 0, intermediate_size)
+
+
+@dataclass(frozen=True)
 class ParallelContext:
     """This rank's place in its tensor-parallel group, and the group's collectives."""
 
     tp_rank: int = 0
     tp_size: int = 1
     comm: Communicator | None = None  # needed when tp_size > 1
+    # MoE layers: 1 = MoE-TP (experts' intermediate dim split over the group); tp_size =
+    # expert parallelism (each rank holds E / tp experts whole, EP rank = tp_rank)
+    ep_size: int = 1
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp rank {self.tp_rank} is not in a group of {self.tp_size}")
+        if self.ep_size not in (1, self.tp_size):
+            raise ValueError(
+                f"ep size {self.ep_size} is neither 1 nor the tp size {self.tp_size}: "
+                "experts split over the ranks of the TP group"
+            )
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of x over the TP group: x itself at tp_size 1."""
@@ -136,6 +194,13 @@ class ParallelContext:
         if self.tp_size == 1:
             return x
         return self._comm("all-gather").all_gather(x)
+
+    def all_gather_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """(x [n_r, ...] of every TP rank concatenated along dim 0, each rank's n_r):
+        the row counts may differ. (x, [n]) at tp_size 1."""
+        if self.tp_size == 1:
+            return x, [x.shape[0]]
+        return self._comm("all-gather rows").all_gather_rows(x)
 
     def _comm(self, what: str) -> Communicator:
         if self.comm is None:
@@ -153,6 +218,12 @@ class ParallelContext:
     def vocab(self, vocab_size: int) -> VocabShard:
         """This rank's vocabulary rows (`shard_vocab`)."""
         return shard_vocab(vocab_size, self.tp_rank, self.tp_size)
+
+    def experts(self, num_experts: int, intermediate_size: int) -> ExpertShard:
+        """This rank's experts and slice of their intermediate dim (`shard_experts`)."""
+        return shard_experts(
+            num_experts, intermediate_size, self.tp_rank, self.tp_size, self.ep_size
+        )
 
 
 SINGLE_RANK = ParallelContext()

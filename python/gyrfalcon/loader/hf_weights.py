@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -84,9 +84,12 @@ def count_hf_weights(model_dir: str) -> int | None:
 
 
 def iter_hf_weights(
-    model_dir: str, show_progress: bool = True
+    model_dir: str,
+    show_progress: bool = True,
+    keep: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for every tensor of the checkpoint in ``model_dir``.
+    """Yield ``(name, tensor)`` for every tensor of the checkpoint in ``model_dir``
+    (every one that ``keep(name)`` accepts, when given: the others are not read).
 
     Each shard file is opened exactly once. Tensors are returned on the CPU with
     the dtype they were stored in. When ``show_progress`` is true a tqdm bar
@@ -109,9 +112,9 @@ def iter_hf_weights(
                     for name in names or []:
                         if name not in available:
                             raise KeyError(f"tensor {name!r} is not in shard {path}")
-                        tensor = f.get_tensor(name)
                         bar.update(1)
-                        yield name, tensor
+                        if keep is None or keep(name):
+                            yield name, f.get_tensor(name)
             else:
                 state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
                 wanted = list(state.keys()) if names is None else names
@@ -119,7 +122,8 @@ def iter_hf_weights(
                     if name not in state:
                         raise KeyError(f"tensor {name!r} is not in shard {path}")
                     bar.update(1)
-                    yield name, state[name]
+                    if keep is None or keep(name):
+                        yield name, state[name]
                 del state
     finally:
         bar.close()

@@ -111,7 +111,11 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx)
         self.self_attn = LlamaAttention(cfg, layer_id, ctx, attn_input_size)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx)
-        self.mlp = LlamaMLP(cfg, ctx)
+        self.mlp = self.build_mlp(cfg, layer_id, ctx)
+
+    def build_mlp(self, cfg: ModelConfig, layer_id: int, ctx: LayerContext) -> nn.Module:
+        """The layer's MLP (a subclass's own: the MoE decoders' sparse block)."""
+        return LlamaMLP(cfg, ctx)
 
     def forward(
         self,
@@ -126,9 +130,13 @@ class LlamaDecoderLayer(nn.Module):
         output still matches HF exactly on CPU; on CUDA add+norm is one kernel, folded
         into the next projection for a batch-1 row of a small model (forward_normed).
         """
-        attn, mlp = self.self_attn, self.mlp
+        attn = self.self_attn
         qkv, residual = attn.qkv_proj.forward_normed(h, residual, self.input_layernorm)
-        x = attn(positions, qkv, batch)
+        return self.mlp_out(attn(positions, qkv, batch), residual)
+
+    def mlp_out(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MLP's output delta and the residual stream, from the attention's x."""
+        mlp = self.mlp
         gate_up, residual = mlp.gate_up_proj.forward_normed(
             x, residual, self.post_attention_layernorm
         )
@@ -137,6 +145,8 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     packed_modules = LLAMA_PACKED_MODULES
+    # what each layer is built as: (cfg, layer id, ctx) -> module (the MoE models' own)
+    decoder_layer: type[nn.Module] = LlamaDecoderLayer
 
     def __init__(
         self, cfg: ModelConfig, ctx: LayerContext, embed_tokens: VocabEmbedding | None = None
@@ -149,7 +159,7 @@ class LlamaForCausalLM(nn.Module):
         if embed_tokens is None:
             embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx)
         self.embed_tokens = embed_tokens
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, ctx) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.decoder_layer(cfg, i, ctx) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx)
         tied = self.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, ctx, tied)
@@ -214,5 +224,11 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "embed_tokens.weight" and self.shares_embedding:
                 continue  # NOTE: the owner of the shared embedding loads it
-            loader.load(name, tensor, hf_name)
+            self.load_tensor(loader, name, tensor, hf_name)
         loader.check(expected)
+
+    def load_tensor(
+        self, loader: WeightLoader, name: str, tensor: torch.Tensor, hf_name: str
+    ) -> None:
+        """Place one checkpoint tensor (`name`: `hf_name` without "model.")."""
+        loader.load(name, tensor, hf_name)

@@ -29,6 +29,10 @@ def model_class(cfg: ModelConfig) -> type[nn.Module]:
         from gyrfalcon.models.llama import LlamaForCausalLM
 
         return LlamaForCausalLM
+    if cfg.family == "moe":
+        from gyrfalcon.models.moe import MoeForCausalLM
+
+        return MoeForCausalLM
     raise ValueError(f"no model for family {cfg.family!r}")
 
 
@@ -52,7 +56,9 @@ def build_model(
     else:
         from gyrfalcon.loader.hf_weights import iter_hf_weights
 
-        model.load_weights(iter_hf_weights(model_dir, show_progress=show_progress))
+        # NOTE: a model may skip tensors it has no share of (another EP rank's experts)
+        keep = getattr(model, "keeps_weight", None)
+        model.load_weights(iter_hf_weights(model_dir, show_progress=show_progress, keep=keep))
     return model.eval()
 
 
