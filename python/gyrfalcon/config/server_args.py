@@ -178,6 +178,13 @@ class ServerArgs:
             "(and GPUs), requests balanced over them by the one scheduler"
         },
     )
+    ep_size: int = field(
+        default=1,
+        metadata={
+            "help": "expert parallelism of MoE layers: 1 splits every expert over the TP "
+            "ranks (MoE-TP); the tp size gives each TP rank E / tp whole experts"
+        },
+    )
     dist_init_addr: str | None = field(
         default=None,
         metadata={
@@ -260,6 +267,11 @@ class ServerArgs:
             raise ValueError(f"--tp-size must be at least 1, got {self.tp_size}")
         if self.dp_size < 1:
             raise ValueError(f"--dp-size must be at least 1, got {self.dp_size}")
+        if self.ep_size not in (1, self.tp_size):
+            raise ValueError(
+                f"--ep-size {self.ep_size} must be 1 (MoE-TP) or the tp size {self.tp_size}: "
+                "experts split over the ranks of a TP group"
+            )
         if self.tp_size > 1 and self.speculative_algorithm:
             raise ValueError("--tp-size > 1 with speculative decoding is not supported yet")
         if self.dist_timeout <= 0:

@@ -4,6 +4,7 @@ model, its KV cache."""
 
 from __future__ import annotations
 
+import logging
 from datetime import timedelta
 
 import torch
@@ -15,6 +16,8 @@ from gyrfalcon.forward.parallel import SINGLE_RANK
 from gyrfalcon.ipc.contract import RankLayout
 from gyrfalcon.worker.kv_sizing import max_model_len, num_kv_pages
 from gyrfalcon.worker.step_worker import StepWorker, rank_device
+
+logger = logging.getLogger(__name__)
 
 
 def build_worker(
@@ -36,8 +39,12 @@ def build_worker(
         assert args.dist_init_addr is not None, "the launcher sets --dist-init-addr"
         timeout = timedelta(seconds=args.dist_timeout)
         parallel = init_tensor_parallel(
-            rank, layout.world_size, layout.tp_size, args.dist_init_addr, device, timeout
-        )
+            rank, layout.world_size, layout.tp_size, args.dist_init_addr, device, timeout,
+            args.ep_size,
+        )  # fmt: skip
+        if cfg.num_experts:
+            how = "expert parallel" if args.ep_size > 1 else "MoE-TP"
+            logger.info("rank %d: MoE experts split %s over %d ranks", rank, how, layout.tp_size)
     worker = StepWorker(args, cfg, model_dir, rank, layout.dp_rank(rank), parallel)
     executor = worker.executor
     tp_size = executor.ctx.parallel.tp_size
