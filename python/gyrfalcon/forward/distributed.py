@@ -10,6 +10,7 @@ collective: a rank whose peer died gets an error, never a hang.
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import torch
@@ -94,6 +95,10 @@ def init_tensor_parallel(
     if device.type == "cuda":
         torch.cuda.set_device(device)
         extra["device_id"] = device  # NOTE: NCCL binds the rank's GPU now, not lazily
+        # NOTE: NCCL's heartbeat monitor polls rank 0's store and prints a stack trace
+        # when rank 0 ends first at shutdown; the collectives' own timeout already
+        # bounds every hang (the launcher's liveness checks end the server)
+        os.environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "0")
     dist.init_process_group(
         backend_for(device),
         init_method=init_addr,
