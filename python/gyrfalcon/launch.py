@@ -118,7 +118,7 @@ def serve(args: ServerArgs) -> int:
     # NOTE: one worker process per rank; all below (sockets, processes, readiness,
     # results) is written for layout.world_size
     layout = RankLayout(dp_size=args.dp_size, tp_size=args.tp_size)
-    if layout.tp_size > 1 and args.dist_init_addr is None:
+    if args.joins_process_groups() and args.dist_init_addr is None:
         args = dataclasses.replace(args, dist_init_addr=f"tcp://127.0.0.1:{free_port()}")
     paths, ipc_root = IpcPaths.create(layout.world_size)
     engine = EngineClient(paths)

@@ -1,6 +1,9 @@
-"""A tiny Qwen3-MoE served over two ranks (gloo) with its experts split both ways,
-MoE-TP (`--tp-size 2`) and expert parallelism (`--tp-size 2 --ep-size 2`), answers
-a greedy batch exactly like the one-rank server, logprobs included, nothing leaked."""
+"""Tiny Qwen3-MoE and Mixtral models served over two ranks (gloo) with their experts
+split every way: MoE-TP (`--tp-size 2`), expert parallelism inside a TP group
+(`--tp-size 2 --ep-size 2`) and DP attention with expert parallelism across the DP
+groups (`--dp-size 2 --ep-size 2`: each group attends over its own requests, an idle
+one runs dummy rows into the experts' collectives) answer a greedy batch exactly
+like the one-rank server, logprobs included, nothing leaked on any rank."""
 
 import httpx
 import pytest
@@ -10,13 +13,13 @@ from server_util import start_server, stop_server, wait_drained
 PROMPTS = [[5, 9, 17, 33, 60], [7] * 12, list(range(3, 40))]
 
 
-@pytest.fixture(scope="module")
-def moe(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen3-moe", "mixtral"])
+def moe(request, tmp_path_factory):
     from gyrfalcon.bench.synthetic_tokenizer import make_synthetic_tokenizer
 
-    root = tmp_path_factory.mktemp("moe")
+    root = tmp_path_factory.mktemp(request.param)
     model, tok = str(root / "model"), str(root / "tok")
-    make_tiny_hf_model(model, "qwen3-moe")
+    make_tiny_hf_model(model, request.param)
     make_synthetic_tokenizer(model, tok)
     return model, tok
 
@@ -47,9 +50,14 @@ def one_rank(moe, tmp_path_factory):
     return serve_batch(moe, tmp_path_factory.mktemp("one"))
 
 
-@pytest.mark.parametrize(
-    "flags", [["--tp-size", "2"], ["--tp-size", "2", "--ep-size", "2"]], ids=["moe_tp2", "ep2"]
-)
+FLAGS = {
+    "moe_tp2": ["--tp-size", "2"],
+    "tp2_ep2": ["--tp-size", "2", "--ep-size", "2"],
+    "dp2_ep2": ["--dp-size", "2", "--ep-size", "2"],
+}
+
+
+@pytest.mark.parametrize("flags", list(FLAGS.values()), ids=list(FLAGS))
 def test_two_ranks_answer_like_one(moe, one_rank, tmp_path, flags):
     got, info, log = serve_batch(moe, tmp_path, *flags)
     want, _, _ = one_rank
@@ -59,3 +67,5 @@ def test_two_ranks_answer_like_one(moe, one_rank, tmp_path, flags):
         assert tokens == want_tokens
         assert lps == pytest.approx(want_lps, abs=1e-4)
     assert info["integrity_ok"] and info["num_free_pages"] == info["num_total_pages"], info
+    if "--dp-size" in flags:
+        assert "2 worker rank(s)" in log

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -16,6 +17,8 @@ from gyrfalcon.config.attention import default_attention_backend
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger(__name__)
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -182,7 +185,9 @@ class ServerArgs:
         default=1,
         metadata={
             "help": "expert parallelism of MoE layers: 1 splits every expert over the TP "
-            "ranks (MoE-TP); the tp size gives each TP rank E / tp whole experts"
+            "ranks (MoE-TP); the tp size gives each TP rank E / tp whole experts; tp x dp "
+            "(with --dp-size > 1: DP attention) gives every rank E / (tp x dp) experts, "
+            "each DP group attending over its own requests"
         },
     )
     dist_init_addr: str | None = field(
@@ -267,11 +272,18 @@ class ServerArgs:
             raise ValueError(f"--tp-size must be at least 1, got {self.tp_size}")
         if self.dp_size < 1:
             raise ValueError(f"--dp-size must be at least 1, got {self.dp_size}")
-        if self.ep_size not in (1, self.tp_size):
+        world = self.tp_size * self.dp_size
+        if self.ep_size not in (1, self.tp_size, world):
             raise ValueError(
-                f"--ep-size {self.ep_size} must be 1 (MoE-TP) or the tp size {self.tp_size}: "
-                "experts split over the ranks of a TP group"
+                f"--ep-size {self.ep_size} must be 1 (MoE-TP), the tp size {self.tp_size} "
+                f"or tp x dp = {world} (DP attention)"
             )
+        eager, static = self.enforce_eager, self.static_graph_replay
+        if self.ep_size > 1 and self.dp_size > 1 and (static or on_gpu and not eager):
+            # NOTE: the MoE layers' all-gather of every rank's own tokens exchanges row
+            # counts on the host: no graph until the ranks agree on one padded size
+            logger.warning("DP attention with expert parallelism runs eagerly (no graphs)")
+            eager, static = True, False
         if self.tp_size > 1 and self.speculative_algorithm:
             raise ValueError("--tp-size > 1 with speculative decoding is not supported yet")
         if self.dist_timeout <= 0:
@@ -294,6 +306,8 @@ class ServerArgs:
             max_num_batched_tokens=budget,
             chunked_prefill_size=chunk,
             cpu_threads=threads,
+            enforce_eager=eager,
+            static_graph_replay=static,
         )
 
     @property
@@ -313,6 +327,11 @@ class ServerArgs:
         import torch
 
         return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8_e4m3" else model_dtype
+
+    def joins_process_groups(self) -> bool:
+        """Whether the worker ranks join torch.distributed process groups: TP ranks
+        share collectives, and so do all ranks when MoE experts split over them."""
+        return self.tp_size > 1 or self.ep_size > 1
 
     def graph_mode(self) -> str | None:
         """How decode runs: "cuda" graphs, "static" buffer replay, or None (eager)."""

@@ -79,8 +79,10 @@ def init_tensor_parallel(
 ) -> ParallelContext:
     """Join the default process group as `rank` of `world_size` through `init_addr`
     ("tcp://host:port", rank 0's store), build every TP group of `tp_size`
-    consecutive ranks, and return this rank's `ParallelContext` (its MoE layers split
-    experts over the TP group when `ep_size` is tp_size, `ParallelContext.ep_size`).
+    consecutive ranks, and return this rank's `ParallelContext`. Its MoE layers split
+    experts over the TP group when `ep_size` is tp_size (`ParallelContext.ep_size`),
+    or over every rank of the world when `ep_size` is world_size and the world holds
+    several DP groups (DP attention: `ParallelContext.expert`, the world group).
     Every rank calls it with the same arguments but its rank; `timeout` bounds the
     rendezvous and every collective. `destroy_distributed` undoes it."""
     if not init_addr.startswith("tcp://"):
@@ -89,8 +91,11 @@ def init_tensor_parallel(
         raise ValueError(f"tp size {tp_size} does not divide the world of {world_size} ranks")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in a world of {world_size}")
-    if ep_size not in (1, tp_size):
-        raise ValueError(f"ep size {ep_size} is neither 1 nor the tp size {tp_size}")
+    if ep_size not in (1, tp_size, world_size):
+        raise ValueError(
+            f"ep size {ep_size} is neither 1, the tp size {tp_size} nor the world size {world_size}"
+        )
+    dp_attention = ep_size == world_size > tp_size
     extra = {}
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -107,8 +112,12 @@ def init_tensor_parallel(
         timeout=timeout,
         **extra,
     )
+    expert = None
+    if dp_attention:  # NOTE: experts over the whole world, each rank with its own tokens
+        world = GroupCommunicator(dist.group.WORLD, world_size)
+        expert = ParallelContext(rank, world_size, world, ep_size=world_size)
     if tp_size == 1:
-        return ParallelContext()
+        return ParallelContext(expert=expert)
     mine = None
     for first in range(0, world_size, tp_size):
         # NOTE: new_group is collective over the world: every rank builds every group,
@@ -118,7 +127,8 @@ def init_tensor_parallel(
         if rank in ranks:
             mine = group
     assert mine is not None
-    return ParallelContext(rank % tp_size, tp_size, GroupCommunicator(mine, tp_size), ep_size)
+    comm = GroupCommunicator(mine, tp_size)
+    return ParallelContext(rank % tp_size, tp_size, comm, 1 if dp_attention else ep_size, expert)
 
 
 def destroy_distributed() -> None:

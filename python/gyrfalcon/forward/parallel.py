@@ -172,6 +172,9 @@ class ParallelContext:
     # MoE layers: 1 = MoE-TP (experts' intermediate dim split over the group); tp_size =
     # expert parallelism (each rank holds E / tp experts whole, EP rank = tp_rank)
     ep_size: int = 1
+    # DP attention: the group MoE layers split their experts over when it spans the DP
+    # groups (every rank of the world); its ranks bring their own tokens (`moe_group`)
+    expert: ParallelContext | None = None
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
@@ -218,6 +221,15 @@ class ParallelContext:
     def vocab(self, vocab_size: int) -> VocabShard:
         """This rank's vocabulary rows (`shard_vocab`)."""
         return shard_vocab(vocab_size, self.tp_rank, self.tp_size)
+
+    @property
+    def moe_group(self) -> tuple[ParallelContext, bool]:
+        """(the group MoE layers shard and combine over, whether its ranks hold their
+        own tokens): the TP group, whose ranks share theirs, unless DP attention gave
+        the experts a group of their own across the DP groups."""
+        if self.expert is None:
+            return self, False
+        return self.expert, True
 
     def experts(self, num_experts: int, intermediate_size: int) -> ExpertShard:
         """This rank's experts and slice of their intermediate dim (`shard_experts`)."""

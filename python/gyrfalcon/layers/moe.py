@@ -152,7 +152,8 @@ class MoeExperts(nn.Module):
         super().__init__()
         self.kernels = ctx.kernels
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
-        self.shard = shard = ctx.parallel.experts(num_experts, intermediate_size)
+        group, _ = ctx.parallel.moe_group
+        self.shard = shard = group.experts(num_experts, intermediate_size)
         n, inter = shard.num_experts, shard.inter_size
         self.w13 = nn.Parameter(torch.empty(n, 2 * inter, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(n, hidden_size, inter), requires_grad=False)
@@ -232,17 +233,20 @@ class SparseMoeBlock(nn.Module):
         ctx: LayerContext,
     ):
         super().__init__()
-        self.parallel = ctx.parallel
+        self.parallel, self.tokens_local = ctx.parallel.moe_group
         self.gate = TopKRouter(hidden_size, num_experts, top_k, renormalize, weights_fp32)
         self.experts = MoeExperts(hidden_size, num_experts, intermediate_size, ctx)
 
-    def forward(self, x: torch.Tensor, tokens_local: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tokens_local: bool | None = None) -> torch.Tensor:
         """x [T, H] (post-attention-normed) -> [T, H], reduced over the group.
 
-        tokens_local: this rank's tokens are its own (DP attention), not the group's
-        shared ones: they are gathered from every rank first and this rank's rows of
-        the result returned. Every rank of the group must pass the same value.
+        tokens_local (default: the layer context's `moe_group`): this rank's tokens
+        are its own (DP attention), not the group's shared ones: they are gathered from
+        every rank first and this rank's rows of the result returned. Every rank of the
+        group must pass the same value.
         """
+        if tokens_local is None:
+            tokens_local = self.tokens_local
         rows = x.shape[0]
         if tokens_local:
             x, counts = self.parallel.all_gather_rows(x)  # [sum T, H]

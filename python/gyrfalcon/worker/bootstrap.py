@@ -35,7 +35,7 @@ def build_worker(
         torch.cuda.set_device(device)
     layout = layout or RankLayout()
     parallel = SINGLE_RANK
-    if layout.tp_size > 1:  # NOTE: DP groups of one rank share no collective yet
+    if args.joins_process_groups():  # NOTE: else DP groups share no collective
         assert args.dist_init_addr is not None, "the launcher sets --dist-init-addr"
         timeout = timedelta(seconds=args.dist_timeout)
         parallel = init_tensor_parallel(
@@ -44,7 +44,8 @@ def build_worker(
         )  # fmt: skip
         if cfg.num_experts:
             how = "expert parallel" if args.ep_size > 1 else "MoE-TP"
-            logger.info("rank %d: MoE experts split %s over %d ranks", rank, how, layout.tp_size)
+            group = layout.world_size if parallel.expert is not None else layout.tp_size
+            logger.info("rank %d: MoE experts split %s over %d ranks", rank, how, group)
     worker = StepWorker(args, cfg, model_dir, rank, layout.dp_rank(rank), parallel)
     executor = worker.executor
     tp_size = executor.ctx.parallel.tp_size

@@ -130,8 +130,8 @@ def test_speculative_flags_resolve_k_and_k_plus_one():
             "--tp-size > 1 with speculative decoding is not supported yet",
         ),
         (dict(tp_size=2, dist_timeout=0), "--dist-timeout must be positive"),
-        (dict(tp_size=2, ep_size=3), "--ep-size 3 must be 1 \\(MoE-TP\\) or the tp size 2"),
-        (dict(ep_size=2), "--ep-size 2 must be 1 \\(MoE-TP\\) or the tp size 1"),
+        (dict(tp_size=2, ep_size=3), "--ep-size 3 must be 1 \\(MoE-TP\\), the tp size 2 or"),
+        (dict(ep_size=2), "--ep-size 2 must be 1 \\(MoE-TP\\), the tp size 1 or tp x dp = 1"),
     ],
 )  # fmt: skip
 def test_bad_speculative_combinations_fail_at_start_up(kwargs, message):
