@@ -63,3 +63,34 @@ def test_spec_server_answers_like_the_plain_server(server, spec_server, prompt):
     )
     info = wait_drained(spec_server)
     assert info["integrity_ok"] and info["num_free_pages"] == info["num_total_pages"], info
+
+
+@pytest.fixture(scope="module")
+def tp_spec_server(smollm2_dir, tmp_path_factory):
+    """EAGLE3 over three tensor-parallel ranks (gloo): target and drafter split by
+    heads (9 and 3 KV heads each), the drafter's LM head by its vocabulary."""
+    root = tmp_path_factory.mktemp("tp-spec-server")
+    draft = str(root / "draft")
+    make_tiny_eagle3(draft, **SMOLLM2_SHAPE)
+    srv = start_server(
+        smollm2_dir, str(root / "server.log"), "--num-kv-pages", "256", "--page-size", "16",
+        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", draft,
+        "--speculative-num-steps", "2", "--static-graph-replay", "--cuda-graph-bs", "1,2,4",
+        "--cuda-graph-max-bs", "4", "--tp-size", "3", "--cpu-threads", "1",
+    )  # fmt: skip
+    yield srv
+    assert stop_server(srv) == 0, srv.log()[-3000:]
+
+
+def test_spec_server_over_tp_ranks_answers_like_the_plain_server(server, tp_spec_server):
+    body = dict(messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=24)
+    plain = chat(server.base_url, **body, logprobs=True)
+    spec = chat(tp_spec_server.base_url, **body, logprobs=True)
+    p, s = plain.choices[0], spec.choices[0]
+    assert (s.message.content, s.finish_reason) == (p.message.content, p.finish_reason)
+    for pe, se in zip(p.logprobs.content, s.logprobs.content):
+        assert se.token == pe.token and se.logprob == pytest.approx(pe.logprob, abs=1e-3)
+    assert spec.usage.model_extra["spec_verify_steps"] > 0
+    assert "3 worker rank(s)" in tp_spec_server.log()
+    info = wait_drained(tp_spec_server)
+    assert info["integrity_ok"] and info["num_free_pages"] == info["num_total_pages"], info

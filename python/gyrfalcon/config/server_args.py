@@ -284,8 +284,6 @@ class ServerArgs:
             # counts on the host: no graph until the ranks agree on one padded size
             logger.warning("DP attention with expert parallelism runs eagerly (no graphs)")
             eager, static = True, False
-        if self.tp_size > 1 and self.speculative_algorithm:
-            raise ValueError("--tp-size > 1 with speculative decoding is not supported yet")
         if self.dist_timeout <= 0:
             raise ValueError(f"--dist-timeout must be positive, got {self.dist_timeout}")
         steps, verified = resolve_speculative(

@@ -292,6 +292,7 @@ class GraphRunner:
             batch.attn_meta = backend.build_metadata(batch)
         return batch
 
+    @torch.inference_mode()  # NOTE: as every replay runs (a TP all-gather writes views)
     def capture(self) -> None:
         """Capture every key, most tokens first, into one memory pool.
 

@@ -125,10 +125,6 @@ def test_speculative_flags_resolve_k_and_k_plus_one():
         ),
         (dict(tp_size=0), "--tp-size must be at least 1"),
         (dict(dp_size=0), "--dp-size must be at least 1"),
-        (
-            dict(tp_size=2, speculative_algorithm="EAGLE3", speculative_draft_model_path="d"),
-            "--tp-size > 1 with speculative decoding is not supported yet",
-        ),
         (dict(tp_size=2, dist_timeout=0), "--dist-timeout must be positive"),
         (dict(tp_size=2, ep_size=3), "--ep-size 3 must be 1 \\(MoE-TP\\), the tp size 2 or"),
         (dict(ep_size=2), "--ep-size 2 must be 1 \\(MoE-TP\\), the tp size 1 or tp x dp = 1"),
