@@ -21,15 +21,21 @@ from gyrfalcon.config.server_args import ServerArgs, resolve_speculative
 ROOT = Path(__file__).resolve().parents[3]
 CONFIGS = sorted((ROOT / "configs").glob("*.sh"))
 SERVING = [c for c in CONFIGS if not c.name.startswith("cpu_")]  # cpu_*: benchmark scripts
-SPEC = {"smollm2_eagle3.sh", "llama8b_eagle3_dummy.sh", "attn_dp2_eagle3.sh"}
+SPEC = {"smollm2_eagle3.sh", "llama8b_eagle3_dummy.sh", "attn_dp2_eagle3.sh", "attn_tp2_eagle3.sh"}
 DUMMY = {
     "llama8b.sh",
     "llama8b_eagle3_dummy.sh",
     "attn_tp2.sh",
     "attn_dp2.sh",
     "attn_dp2_eagle3.sh",
+    "attn_tp2_eagle3.sh",
 }
-RANKS = {"attn_tp2.sh": (2, 1), "attn_dp2.sh": (1, 2), "attn_dp2_eagle3.sh": (1, 2)}
+RANKS = {
+    "attn_tp2.sh": (2, 1),
+    "attn_dp2.sh": (1, 2),
+    "attn_dp2_eagle3.sh": (1, 2),
+    "attn_tp2_eagle3.sh": (2, 1),
+}
 STUB = '#!/bin/sh\nprintf "%s\\0" "$@" > "$ARGV_OUT"\n'
 
 
