@@ -19,12 +19,12 @@ def moe(request, tmp_path_factory):
 
     root = tmp_path_factory.mktemp(request.param)
     model, tok = str(root / "model"), str(root / "tok")
-    make_tiny_hf_model(model, request.param)
+    make_tiny_hf_model(model, request.param, num_hidden_layers=4)  # EAGLE3's aux layers
     make_synthetic_tokenizer(model, tok)
     return model, tok
 
 
-def serve_batch(moe, tmp_path, *flags: str) -> tuple[list, dict, str]:
+def serve_batch(moe, tmp_path, *flags: str, prompts=PROMPTS) -> tuple[list, dict, str]:
     model, tok = moe
     srv = start_server(
         model, str(tmp_path / "server.log"), "--tokenizer", tok, "--served-model-name", "m",
@@ -32,14 +32,14 @@ def serve_batch(moe, tmp_path, *flags: str) -> tuple[list, dict, str]:
     )  # fmt: skip
     try:
         body = {
-            "model": "m", "prompt": PROMPTS, "max_tokens": 12, "temperature": 0,
+            "model": "m", "prompt": prompts, "max_tokens": 12, "temperature": 0,
             "logprobs": 1, "ignore_eos": True,
         }  # fmt: skip
         r = httpx.post(f"{srv.base_url}/v1/completions", json=body, timeout=300)
         assert r.status_code == 200, r.text
         choices = sorted(r.json()["choices"], key=lambda c: c["index"])
         out = [(c["logprobs"]["tokens"], c["logprobs"]["token_logprobs"]) for c in choices]
-        info = wait_drained(srv)
+        info = {**wait_drained(srv), "usage": r.json()["usage"]}
     finally:
         assert stop_server(srv) == 0, srv.log()[-3000:]
     return out, info, srv.log()
@@ -69,3 +69,29 @@ def test_two_ranks_answer_like_one(moe, one_rank, tmp_path, flags):
     assert info["integrity_ok"] and info["num_free_pages"] == info["num_total_pages"], info
     if "--dp-size" in flags:
         assert "2 worker rank(s)" in log
+
+
+def test_eagle3_with_dp_attention_and_an_idle_group_is_lossless(moe, one_rank, tmp_path):
+    """SPEC_DECODE.md bug class 6: EAGLE3 over two DP groups whose MoE layers share the
+    experts. One request: one group verifies (a random drafter: mostly 0 accepted)
+    while the other stays idle and runs dummy rows into every MoE collective of each
+    verify step. No hang, and the tokens are the plain one-rank server's."""
+    import json
+
+    from conftest import make_tiny_eagle3
+
+    model, _ = moe
+    with open(f"{model}/config.json") as f:
+        cfg = json.load(f)
+    draft = str(tmp_path / "draft")
+    make_tiny_eagle3(draft, rope_theta=cfg.get("rope_theta", 10000.0), max_position_embeddings=512)
+    flags = [
+        "--dp-size", "2", "--ep-size", "2", "--speculative-algorithm", "EAGLE3",
+        "--speculative-draft-model-path", draft, "--speculative-num-steps", "2",
+    ]  # fmt: skip
+    got, info, log = serve_batch(moe, tmp_path, *flags, prompts=PROMPTS[:1])
+    want, _, _ = one_rank
+    assert got[0][0] == want[0][0]
+    assert got[0][1] == pytest.approx(want[0][1], abs=1e-4)
+    assert info["usage"]["spec_verify_steps"] > 0
+    assert info["integrity_ok"] and info["num_free_pages"] == info["num_total_pages"], info
