@@ -1,20 +1,10 @@
 #!/usr/bin/env bash
 # Llama-3.1-8B shape with dummy (random) weights on 2 GPUs: two data-parallel groups of
 # one GPU each, one scheduler balancing requests over them.
-# A synthetic tokenizer is made once into TOKENIZER (python -m gyrfalcon.bench.synthetic_tokenizer).
-# MODEL (benchmarks/models/llama-3.1-8b); TOKENIZER (${TMPDIR:-/tmp}/gyrfalcon-tok-llama-3.1-8b);
-# PORT (8000); DEVICE (cuda); DTYPE (auto: bfloat16 on CUDA).
-# Extra arguments go to `gyrfalcon serve`. benchmarks/run_config.sh benchmarks it.
+# Variables and defaults: configs/lib/llama8b_dummy_env.sh. Extra arguments go to
+# `gyrfalcon serve`. benchmarks/run_config.sh benchmarks it.
 set -euo pipefail
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-PYTHON=${PYTHON:-python3}
-MODEL=${MODEL:-$ROOT/benchmarks/models/llama-3.1-8b}
-TOKENIZER=${TOKENIZER:-${TMPDIR:-/tmp}/gyrfalcon-tok-llama-3.1-8b}
-PORT=${PORT:-8000}
-DEVICE=${DEVICE:-cuda}
-DTYPE=${DTYPE:-auto}
-[ -f "$TOKENIZER/tokenizer.json" ] \
-  || "$PYTHON" -m gyrfalcon.bench.synthetic_tokenizer "$MODEL" "$TOKENIZER" >/dev/null
+source "$(dirname "${BASH_SOURCE[0]}")/lib/llama8b_dummy_env.sh"
 
 exec gyrfalcon serve "$MODEL" --load-format dummy --tokenizer "$TOKENIZER" \
   --served-model-name llama-3.1-8b-dummy --port "$PORT" --device "$DEVICE" --dtype "$DTYPE" \

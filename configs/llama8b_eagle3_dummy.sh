@@ -2,22 +2,10 @@
 # Llama-3.1-8B shape with EAGLE3 speculative decoding, target and drafter both dummy
 # (random) weights: the drafter's shape comes from DRAFT/config.json. Measures the cost
 # of drafting and verifying, not acceptance (random drafts are almost never accepted).
-# MODEL (benchmarks/models/llama-3.1-8b); DRAFT (benchmarks/models/llama-3.1-8b-eagle3);
-# STEPS (3); TOKENIZER (${TMPDIR:-/tmp}/gyrfalcon-tok-llama-3.1-8b, synthetic, made once);
-# PORT (8000); DEVICE (cuda); DTYPE (auto: bfloat16 on CUDA).
-# Extra arguments go to `gyrfalcon serve`. benchmarks/run_config.sh benchmarks it.
+# Variables and defaults: configs/lib/llama8b_dummy_env.sh. Extra arguments go to
+# `gyrfalcon serve`. benchmarks/run_config.sh benchmarks it.
 set -euo pipefail
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-PYTHON=${PYTHON:-python3}
-MODEL=${MODEL:-$ROOT/benchmarks/models/llama-3.1-8b}
-DRAFT=${DRAFT:-$ROOT/benchmarks/models/llama-3.1-8b-eagle3}
-STEPS=${STEPS:-3}
-TOKENIZER=${TOKENIZER:-${TMPDIR:-/tmp}/gyrfalcon-tok-llama-3.1-8b}
-PORT=${PORT:-8000}
-DEVICE=${DEVICE:-cuda}
-DTYPE=${DTYPE:-auto}
-[ -f "$TOKENIZER/tokenizer.json" ] \
-  || "$PYTHON" -m gyrfalcon.bench.synthetic_tokenizer "$MODEL" "$TOKENIZER" >/dev/null
+source "$(dirname "${BASH_SOURCE[0]}")/lib/llama8b_dummy_env.sh"
 
 exec gyrfalcon serve "$MODEL" --load-format dummy --tokenizer "$TOKENIZER" \
   --served-model-name llama-3.1-8b-dummy --port "$PORT" --device "$DEVICE" --dtype "$DTYPE" \

@@ -45,7 +45,9 @@ def test_configs_exist() -> None:
 
 
 @pytest.mark.parametrize(
-    "script", [*CONFIGS, ROOT / "benchmarks" / "run_config.sh"], ids=lambda p: p.name
+    "script",
+    [*CONFIGS, *(ROOT / "configs" / "lib").glob("*.sh"), ROOT / "benchmarks" / "run_config.sh"],
+    ids=lambda p: p.name,
 )
 def test_bash_syntax(script: Path) -> None:
     subprocess.run(["bash", "-n", str(script)], check=True)
