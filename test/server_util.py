@@ -116,3 +116,34 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+@dataclass
+class Served:
+    """What `serve_greedy` got: per prompt (tokens, logprobs), the server's page
+    accounting after them (with the response's usage), and its log."""
+
+    out: list[tuple[list[str], list[float]]]
+    info: dict
+    log: str
+
+
+def serve_greedy(
+    model_dir: str, log_path: str, prompts: list, max_tokens: int, *flags: str
+) -> Served:
+    """Start a server with `flags` (served as model "m"), send the prompts as one greedy
+    completions request (EOS ignored, logprobs 1), wait until every page is back, stop."""
+    srv = start_server(model_dir, log_path, "--served-model-name", "m", *flags)
+    try:
+        body = {
+            "model": "m", "prompt": prompts, "max_tokens": max_tokens, "temperature": 0,
+            "logprobs": 1, "ignore_eos": True,
+        }  # fmt: skip
+        r = httpx.post(f"{srv.base_url}/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+        out = [(c["logprobs"]["tokens"], c["logprobs"]["token_logprobs"]) for c in choices]
+        info = {**wait_drained(srv), "usage": r.json()["usage"]}
+    finally:
+        assert stop_server(srv) == 0, srv.log()[-3000:]
+    return Served(out, info, srv.log())

@@ -5,10 +5,9 @@ groups (`--dp-size 2 --ep-size 2`: each group attends over its own requests, an 
 one runs dummy rows into the experts' collectives) answer a greedy batch exactly
 like the one-rank server, logprobs included, nothing leaked on any rank."""
 
-import httpx
 import pytest
 from conftest import make_tiny_hf_model
-from server_util import start_server, stop_server, wait_drained
+from server_util import serve_greedy
 
 PROMPTS = [[5, 9, 17, 33, 60], [7] * 12, list(range(3, 40))]
 
@@ -26,23 +25,11 @@ def moe(request, tmp_path_factory):
 
 def serve_batch(moe, tmp_path, *flags: str, prompts=PROMPTS) -> tuple[list, dict, str]:
     model, tok = moe
-    srv = start_server(
-        model, str(tmp_path / "server.log"), "--tokenizer", tok, "--served-model-name", "m",
-        "--page-size", "4", "--num-kv-pages", "128", "--cpu-threads", "1", *flags,
-    )  # fmt: skip
-    try:
-        body = {
-            "model": "m", "prompt": prompts, "max_tokens": 12, "temperature": 0,
-            "logprobs": 1, "ignore_eos": True,
-        }  # fmt: skip
-        r = httpx.post(f"{srv.base_url}/v1/completions", json=body, timeout=300)
-        assert r.status_code == 200, r.text
-        choices = sorted(r.json()["choices"], key=lambda c: c["index"])
-        out = [(c["logprobs"]["tokens"], c["logprobs"]["token_logprobs"]) for c in choices]
-        info = {**wait_drained(srv), "usage": r.json()["usage"]}
-    finally:
-        assert stop_server(srv) == 0, srv.log()[-3000:]
-    return out, info, srv.log()
+    flags = ("--tokenizer", tok, "--page-size", "4", "--num-kv-pages", "128", *flags)
+    got = serve_greedy(
+        model, str(tmp_path / "server.log"), prompts, 12, "--cpu-threads", "1", *flags
+    )
+    return got.out, got.info, got.log
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,9 @@ tensor parallelism (tp 2) and with two data-parallel groups, CUDA graphs on, ans
 greedy batches exactly like one GPU, logprobs included; a bf16 tp-2 server on the
 default backends serves a batch with nothing leaked."""
 
-import httpx
 import pytest
 import torch
-from server_util import start_server, stop_server, wait_drained
+from server_util import serve_greedy
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,23 +28,19 @@ def serve_batch(tiny, tmp_path, name: str, *flags: str) -> tuple[list, dict]:
     """Greedy completions of PROMPTS (all at once) from a server with `flags`: their
     (tokens, logprobs) and the server's page accounting after them."""
     model, tok = tiny
-    srv = start_server(
-        model, str(tmp_path / f"{name}.log"), "--device", "cuda", "--tokenizer", tok,
-        "--served-model-name", "m", "--page-size", "16", "--num-kv-pages", "256", *flags,
-    )  # fmt: skip
-    try:
-        body = {
-            "model": "m", "prompt": PROMPTS, "max_tokens": 24, "temperature": 0,
-            "logprobs": 1, "ignore_eos": True,
-        }  # fmt: skip
-        r = httpx.post(f"{srv.base_url}/v1/completions", json=body, timeout=300)
-        assert r.status_code == 200, r.text
-        choices = sorted(r.json()["choices"], key=lambda c: c["index"])
-        out = [(c["logprobs"]["tokens"], c["logprobs"]["token_logprobs"]) for c in choices]
-        info = wait_drained(srv)
-    finally:
-        assert stop_server(srv) == 0, srv.log()[-3000:]
-    return out, info
+    flags = (
+        "--device",
+        "cuda",
+        "--tokenizer",
+        tok,
+        "--page-size",
+        "16",
+        "--num-kv-pages",
+        "256",
+        *flags,
+    )
+    got = serve_greedy(model, str(tmp_path / f"{name}.log"), PROMPTS, 24, *flags)
+    return got.out, got.info
 
 
 @pytest.fixture(scope="module")
