@@ -118,7 +118,8 @@ def moe_reference(
 
 
 @functools.cache
-def _has_fused_moe() -> bool:
+def fused_moe_available() -> bool:
+    """Whether the fused GPU kernel exists (`kernels/fused_moe.py`)."""
     return importlib.util.find_spec(FUSED_MOE_MODULE) is not None
 
 
@@ -134,7 +135,7 @@ def fused_experts(
     honours the same contract, ids outside [0, E) skipped), the reference otherwise.
     The one place the kernel plugs in."""
     # NOTE: the module check goes once kernels/fused_moe.py lands
-    if kernels.use_fused(x) and _has_fused_moe():
+    if kernels.use_fused(x) and fused_moe_available():
         from gyrfalcon.kernels.fused_moe import fused_moe
 
         return fused_moe(x, w13, w2, topk_weights, topk_ids)

@@ -126,6 +126,10 @@ class ModelExecutor:
         assert self.kv_cache is not None, "init_kv_cache() first"
         self.graphs = None
         mode = self.args.graph_mode()
+        if mode == "cuda" and not getattr(self.model, "captures_cuda_graphs", True):
+            name = type(self.model).__name__
+            logger.warning("%s cannot be captured in CUDA graphs here: it runs eagerly", name)
+            return
         if mode is None:
             return
         specs = [GraphSpec(ForwardMode.DECODE, 1, self.token_logits, self.backends.decode)]
