@@ -32,9 +32,9 @@ class Server:
         return httpx.get(f"{self.base_url}/server_info", timeout=30).json()
 
 
-def start_server(model_dir: str, log_path: str, *extra: str) -> Server:
-    port = free_port()
-    cmd = [
+def serve_command(model_dir: str, port: int, *extra: str) -> list[str]:
+    """`gyrfalcon serve` on the CPU in float32, HTTP on `port`, invariants checked."""
+    return [
         sys.executable,
         "-m",
         "gyrfalcon.cli",
@@ -49,8 +49,17 @@ def start_server(model_dir: str, log_path: str, *extra: str) -> Server:
         "--check-invariants",
         *extra,
     ]
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def spawn_serve(cmd: list[str], log_path: str) -> subprocess.Popen:
+    """Run cmd in its own session (process group), output to log_path."""
+    with open(log_path, "w") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def start_server(model_dir: str, log_path: str, *extra: str) -> Server:
+    port = free_port()
+    proc = spawn_serve(serve_command(model_dir, port, *extra), log_path)
     server = Server(proc, f"http://127.0.0.1:{port}", log_path)
     deadline = time.time() + STARTUP_TIMEOUT_S
     while time.time() < deadline:

@@ -12,7 +12,14 @@ from gyrfalcon.config.server_args import ServerArgs
 def _serve(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="gyrfalcon serve", description="Start the server.")
     ServerArgs.add_cli_args(parser)
-    args = ServerArgs.from_cli_args(parser.parse_args(argv))
+    try:
+        args = ServerArgs.from_cli_args(parser.parse_args(argv))
+    except ValueError as e:  # NOTE: a bad combination of flags, before anything loads
+        parser.error(str(e))
+    if args.node_rank > 0:  # NOTE: not the head: this node's ranks only
+        from gyrfalcon.node import serve_node
+
+        return serve_node(args)
     from gyrfalcon.launch import serve
 
     return serve(args)

@@ -8,6 +8,12 @@ Children ignore the group's signals (utils.ChildStop), so an ordered stop is
 never seen as a death. If a child dies while serving, the watchdog logs why,
 stops the server, and we exit non-zero.
 
+Several nodes (--nnodes > 1): this process is the head (node 0) and runs only its
+own ranks; every other node runs `node.py`, whose ranks reach the scheduler over
+TCP (ipc/sockets.NodePorts). The watchdog also stops the server when another node
+fails or falls silent (node_link.NodeWatch), and the others are told when the head
+stops.
+
 Threads: the frontend and the scheduler run torch on one thread; the worker on
 `--cpu-threads`. The children are spawned with OMP_WAIT_POLICY=PASSIVE and
 KMP_BLOCKTIME=0 (unless set by the user), so their idle OpenMP threads sleep
@@ -27,16 +33,19 @@ from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
 
 from gyrfalcon.config.model_config import ModelConfig
+from gyrfalcon.config.nodes import parse_init_addr
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.frontend.engine_client import EngineClient
 from gyrfalcon.ipc.contract import RankLayout
-from gyrfalcon.ipc.sockets import IpcPaths
+from gyrfalcon.ipc.sockets import IpcPaths, NodePorts
+from gyrfalcon.node_link import NodeWatch
 from gyrfalcon.utils import (
-    CHILD_START_BLOCKED,
     configure_logging,
+    dead_child,
     free_port,
-    set_child_openmp_env,
     set_torch_threads,
+    start_children,
+    stop_children,
 )
 
 if TYPE_CHECKING:
@@ -45,36 +54,29 @@ if TYPE_CHECKING:
 logger = logging.getLogger("gyrfalcon")
 
 WATCHDOG_PERIOD_S = 0.5
-CHILD_JOIN_TIMEOUT_S = 5.0
-
-
-def _stop_children(procs: list[BaseProcess]) -> None:
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    for p in procs:
-        p.join(CHILD_JOIN_TIMEOUT_S)
-        if p.is_alive():
-            logger.warning("%s did not stop; killing it", p.name)
-            p.kill()
-            p.join()
 
 
 async def _watchdog(
-    procs: list[BaseProcess], server: object, engine: EngineClient, state: dict[str, int]
+    procs: list[BaseProcess],
+    nodes: NodeWatch | None,
+    server: object,
+    engine: EngineClient,
+    state: dict,
 ) -> None:
-    """Stop the server when a child dies. It runs only while uvicorn serves; the
-    children are stopped after it is cancelled, so an ordered stop is not reported."""
+    """Stop the server when a child dies, or another node (`nodes`). It runs only while
+    uvicorn serves; the children are stopped after it is cancelled, so an ordered stop
+    is not reported."""
     while True:
         await asyncio.sleep(WATCHDOG_PERIOD_S)
-        for p in procs:
-            if not p.is_alive():
-                msg = f"{p.name} exited unexpectedly (exit code {p.exitcode})"
-                logger.error("%s; shutting down", msg)
-                engine.mark_dead(msg)
-                state["code"] = 1
-                server.should_exit = True  # type: ignore[attr-defined]
-                return
+        dead = dead_child(procs)
+        msg = dead and f"{dead.name} exited unexpectedly (exit code {dead.exitcode})"
+        msg = msg or (nodes.check() if nodes is not None else None)
+        if msg is not None:
+            logger.error("%s; shutting down", msg)
+            engine.mark_dead(msg)
+            state["code"], state["error"] = 1, msg
+            server.should_exit = True  # type: ignore[attr-defined]
+            return
 
 
 def _sigterm_while_starting(*_: object) -> None:
@@ -120,7 +122,18 @@ def serve(args: ServerArgs) -> int:
     layout = RankLayout(dp_size=args.dp_size, tp_size=args.tp_size)
     if args.joins_process_groups() and args.dist_init_addr is None:
         args = dataclasses.replace(args, dist_init_addr=f"tcp://127.0.0.1:{free_port()}")
-    paths, ipc_root = IpcPaths.create(layout.world_size)
+    local = args.node_ranks()  # NOTE: all ranks but on several nodes
+    ports, nodes = None, None
+    if args.nnodes > 1:
+        assert args.dist_init_addr is not None  # NOTE: ServerArgs asks for it
+        ports = NodePorts(*parse_init_addr(args.dist_init_addr), layout.world_size)
+        nodes = NodeWatch(ports, args.nnodes)
+        logger.info(
+            "head of %d nodes: ranks %d..%d here, %d..%d on the others (ports %d..%d)",
+            args.nnodes, local.start, local.stop - 1, local.stop, layout.world_size - 1,
+            ports.port, ports.port + 2 + layout.world_size,
+        )  # fmt: skip
+    paths, ipc_root = IpcPaths.create(layout.world_size, ports, len(local))
     engine = EngineClient(paths)
     app = create_app(engine, tokenizer, name)
     server = make_uvicorn_server(app, args.host, args.port, args.log_level)
@@ -131,31 +144,29 @@ def serve(args: ServerArgs) -> int:
     procs: list[BaseProcess] = [
         ctx.Process(target=run_scheduler, args=scheduler_args, name="scheduler")
     ]
-    for rank in range(layout.world_size):
-        worker_args = (args, paths, model_dir, model_cfg, rank, layout, stopping)
+    for rank in local:
+        endpoints = paths.worker_endpoints(rank)
+        worker_args = (args, endpoints, model_dir, model_cfg, rank, layout, stopping)
         procs.append(ctx.Process(target=run_worker, args=worker_args, name=f"worker{rank}"))
-    state = {"code": 0}
+    state: dict = {"code": 0, "error": ""}
 
     async def main() -> None:
         await engine.start()
-        watchdog = asyncio.create_task(_watchdog(procs, server, engine, state))
+        watchdog = None
         try:
+            if nodes is not None:
+                await nodes.start()
+            watchdog = asyncio.create_task(_watchdog(procs, nodes, server, engine, state))
             await server.serve()
         finally:
-            watchdog.cancel()
+            if watchdog is not None:
+                watchdog.cancel()
             engine.close()
+            if nodes is not None:  # NOTE: the other nodes stop their ranks meanwhile
+                await nodes.close(state["error"])
 
     signal.signal(signal.SIGTERM, lambda *_: _on_sigterm(server))
-    set_child_openmp_env()
-    # NOTE: the children inherit this mask (it survives exec) and unblock the signals once
-    # their handlers are in (setup_child): a group signal that comes while a child still
-    # imports torch waits for them instead of killing it.
-    signal.pthread_sigmask(signal.SIG_BLOCK, CHILD_START_BLOCKED)
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, CHILD_START_BLOCKED)
+    start_children(procs)
     try:
         asyncio.run(main())
     except KeyboardInterrupt:
@@ -163,7 +174,7 @@ def serve(args: ServerArgs) -> int:
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         stopping.value = True  # NOTE: before the SIGTERMs: the children act on them only then
-        _stop_children(procs)
+        stop_children(procs)
         shutil.rmtree(ipc_root, ignore_errors=True)
     logger.info("server stopped")
     return state["code"]

@@ -16,6 +16,8 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Sequence
+from multiprocessing.process import BaseProcess
 from types import FrameType
 
 logger = logging.getLogger(__name__)
@@ -29,6 +31,7 @@ PR_SET_PDEATHSIG = 1
 CHILD_OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
 # Blocked while the launcher spawns children, until setup_child has its handlers in.
 CHILD_START_BLOCKED = frozenset({signal.SIGINT, signal.SIGTERM})
+CHILD_JOIN_TIMEOUT_S = 5.0  # how long a stopped child may take before it is killed
 
 
 def die_with_parent() -> None:
@@ -81,6 +84,39 @@ def setup_child(name: str, log_level: str, stopping: ctypes.c_bool) -> ChildStop
     signal.pthread_sigmask(signal.SIG_UNBLOCK, CHILD_START_BLOCKED)  # blocked by the launcher
     die_with_parent()
     return stop
+
+
+def start_children(procs: Sequence[BaseProcess]) -> None:
+    """Start the children with OpenMP's busy-wait off (set_child_openmp_env) and the
+    group's signals blocked: they inherit the mask (it survives exec) and unblock the
+    signals once their handlers are in (setup_child), so a group signal that comes
+    while a child still imports torch waits for them instead of killing it."""
+    set_child_openmp_env()
+    signal.pthread_sigmask(signal.SIG_BLOCK, CHILD_START_BLOCKED)
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, CHILD_START_BLOCKED)
+
+
+def dead_child(procs: Sequence[BaseProcess]) -> BaseProcess | None:
+    """A child that has exited (they serve until stopped), or None."""
+    return next((p for p in procs if not p.is_alive()), None)
+
+
+def stop_children(procs: Sequence[BaseProcess]) -> None:
+    """SIGTERM the children that still run, wait for each, SIGKILL a late one. Set the
+    shared `stopping` flag first: the children act on a SIGTERM only then."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(CHILD_JOIN_TIMEOUT_S)
+        if p.is_alive():
+            logger.warning("%s did not stop; killing it", p.name)
+            p.kill()
+            p.join()
 
 
 def set_child_openmp_env() -> None:

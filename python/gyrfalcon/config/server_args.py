@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from gyrfalcon.config.attention import default_attention_backend
+from gyrfalcon.config.nodes import check_nodes, init_url
 
 if TYPE_CHECKING:
     import torch
@@ -190,11 +191,26 @@ class ServerArgs:
             "each DP group attending over its own requests"
         },
     )
+    nnodes: int = field(
+        default=1,
+        metadata={
+            "help": "nodes (hosts) the ranks run on, tp x dp / nnodes each: start `gyrfalcon "
+            "serve` with the same flags on every node, each with its own --node-rank"
+        },
+    )
+    node_rank: int = field(
+        default=0,
+        metadata={
+            "help": "this node, in [0, --nnodes): node 0 (the head) runs the HTTP server, the "
+            "scheduler and ranks [0, k); node n only ranks [n k, (n + 1) k), on cuda:0..k-1"
+        },
+    )
     dist_init_addr: str | None = field(
         default=None,
         metadata={
-            "help": "tcp://host:port where the ranks meet (torch.distributed); default: a "
-            "free port on this host"
+            "help": "HOST:PORT (or tcp://HOST:PORT) of the head, where the ranks meet "
+            "(torch.distributed's store; with --nnodes > 1 also PORT+1.. for the nodes' "
+            "ZMQ sockets, docs/architecture.md); default: a free port on this host"
         },
     )
     dist_timeout: float = field(
@@ -227,6 +243,10 @@ class ServerArgs:
             "choices": ["prefill", "decode"],
         },
     )
+
+    def __post_init__(self) -> None:
+        # NOTE: at parse time, before a model loads: a misspelt node fails at once
+        check_nodes(self.nnodes, self.node_rank, self.tp_size * self.dp_size, self.dist_init_addr)
 
     # ---- helpers -------------------------------------------------------
 
@@ -293,8 +313,10 @@ class ServerArgs:
             self.speculative_eagle_topk,
             self.speculative_num_draft_tokens,
         )
+        init_addr = self.dist_init_addr and init_url(self.dist_init_addr)
         return dataclasses.replace(
             self,
+            dist_init_addr=init_addr,
             speculative_num_steps=steps,
             speculative_num_draft_tokens=verified,
             device=device,
@@ -330,6 +352,12 @@ class ServerArgs:
         """Whether the worker ranks join torch.distributed process groups: TP ranks
         share collectives, and so do all ranks when MoE experts split over them."""
         return self.tp_size > 1 or self.ep_size > 1
+
+    def node_ranks(self) -> range:
+        """The worker ranks this node runs: tp x dp split evenly over --nnodes, node n
+        running [n k, (n + 1) k); on CUDA rank r uses the node's cuda:(r - n k)."""
+        k = self.tp_size * self.dp_size // self.nnodes
+        return range(self.node_rank * k, (self.node_rank + 1) * k)
 
     def graph_mode(self) -> str | None:
         """How decode runs: "cuda" graphs, "static" buffer replay, or None (eager)."""

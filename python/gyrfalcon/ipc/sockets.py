@@ -1,4 +1,5 @@
-"""ZMQ socket helpers: PUSH/PULL pairs over ipc:// paths in a private temp dir."""
+"""ZMQ socket helpers: PUSH/PULL pairs over ipc:// paths in a private temp dir, and
+over TCP to the ranks of other nodes (`NodePorts`)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,63 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+# Several nodes (--nnodes > 1): the head's TCP ports, all derived from the port P of
+# --dist-init-addr. torch.distributed's store (rank 0's) listens on P itself.
+WORKERS_TO_SCHEDULER_OFFSET = 1  # P + 1: the scheduler's PULL; every rank connects
+HEARTBEAT_OFFSET = 2  # P + 2: the head's ROUTER; every other node process connects
+SCHEDULER_TO_WORKER_OFFSET = 3  # P + 3 + r: the scheduler's PUSH to rank r off the head
+ANY_INTERFACE = "*"  # NOTE: the head binds all of them: its name may resolve to loopback
+LOCALHOST = "127.0.0.1"  # where the head's own ranks reach the TCP sockets
+MAX_PORT = 65535
+
+
+@dataclass(frozen=True)
+class NodePorts:
+    """The head's TCP endpoints of a multi-node deployment: `host` is the head's address
+    as the other nodes reach it and `port` the --dist-init-addr port (offsets above).
+    The head binds them on every interface; workers connect to `host`."""
+
+    host: str
+    port: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        last = self.port + SCHEDULER_TO_WORKER_OFFSET + self.world_size - 1
+        if last > MAX_PORT:
+            raise ValueError(
+                f"--dist-init-addr port {self.port}: the nodes' sockets need ports up to {last}"
+            )
+
+    def bind(self, offset: int) -> str:
+        return f"tcp://{ANY_INTERFACE}:{self.port + offset}"
+
+    def connect(self, offset: int) -> str:
+        return f"tcp://{self.host}:{self.port + offset}"
+
+    def worker_endpoints(self, rank: int) -> WorkerEndpoints:
+        """What rank (on a node other than the head) connects to."""
+        return WorkerEndpoints(
+            self.connect(SCHEDULER_TO_WORKER_OFFSET + rank),
+            self.connect(WORKERS_TO_SCHEDULER_OFFSET),
+        )
+
+
+@dataclass(frozen=True)
+class WorkerEndpoints:
+    """The two endpoints one worker rank connects to: its own plans' PULL and the
+    PUSH of readiness, results and errors that every rank shares."""
+
+    from_scheduler: str
+    to_scheduler: str
+
 
 @dataclass(frozen=True)
 class IpcPaths:
-    """The endpoints of one deployment: the frontend's pair, one scheduler -> worker
-    PUSH/PULL pair per worker rank (so every rank gets every plan), and one
-    worker -> scheduler PULL that all ranks connect to (readiness, results, errors)."""
+    """The endpoints of one deployment as the scheduler and the frontend bind them: the
+    frontend's pair, one scheduler -> worker PUSH/PULL pair per worker rank (so every
+    rank gets every plan), and one worker -> scheduler PULL that all ranks connect to
+    (readiness, results, errors). With several nodes the ranks off the head and the
+    shared PULL are TCP endpoints (`NodePorts`); the rest stay ipc://."""
 
     frontend_to_scheduler: str
     scheduler_to_frontend: str
@@ -25,17 +77,38 @@ class IpcPaths:
     worker_to_scheduler: str
 
     @classmethod
-    def create(cls, num_workers: int = 1) -> tuple[IpcPaths, str]:
-        """Make a private 0700 directory and endpoint names inside it."""
+    def create(
+        cls, num_workers: int = 1, nodes: NodePorts | None = None, head_ranks: int = 0
+    ) -> tuple[IpcPaths, str]:
+        """Make a private 0700 directory and endpoint names inside it; with `nodes`,
+        ranks from `head_ranks` on (those of the other nodes) get TCP endpoints."""
         assert num_workers >= 1, num_workers
+        assert nodes is None or nodes.world_size == num_workers, (nodes, num_workers)
         root = tempfile.mkdtemp(prefix="gyrfalcon-")
         os.chmod(root, 0o700)
 
         def ep(name: str) -> str:
             return f"ipc://{os.path.join(root, name)}"
 
-        to_workers = tuple(ep(f"s2w{rank}") for rank in range(num_workers))
-        return cls(ep("f2s"), ep("s2f"), to_workers, ep("w2s")), root
+        def to_worker(rank: int) -> str:
+            if nodes is None or rank < head_ranks:
+                return ep(f"s2w{rank}")
+            return nodes.bind(SCHEDULER_TO_WORKER_OFFSET + rank)
+
+        to_workers = tuple(to_worker(rank) for rank in range(num_workers))
+        # NOTE: one PULL binds one endpoint: TCP for every rank as soon as one is remote
+        from_workers = ep("w2s") if nodes is None else nodes.bind(WORKERS_TO_SCHEDULER_OFFSET)
+        return cls(ep("f2s"), ep("s2f"), to_workers, from_workers), root
+
+    def worker_endpoints(self, rank: int) -> WorkerEndpoints:
+        """What rank, on the head, connects to: a TCP endpoint bound on every
+        interface is reached at the loopback address."""
+
+        def connectable(endpoint: str) -> str:
+            return endpoint.replace(f"tcp://{ANY_INTERFACE}:", f"tcp://{LOCALHOST}:")
+
+        to_worker = connectable(self.scheduler_to_workers[rank])
+        return WorkerEndpoints(to_worker, connectable(self.worker_to_scheduler))
 
 
 class Channel:

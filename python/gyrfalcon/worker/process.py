@@ -19,7 +19,7 @@ from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.forward.distributed import destroy_distributed
 from gyrfalcon.ipc.contract import RankLayout
 from gyrfalcon.ipc.messages import SchedulerToWorker, Shutdown, StepPlan, WorkerError, WorkerReady
-from gyrfalcon.ipc.sockets import Channel, IpcPaths
+from gyrfalcon.ipc.sockets import Channel, WorkerEndpoints
 from gyrfalcon.profiling import process_profile
 from gyrfalcon.utils import ChildStop, set_torch_threads, setup_child
 from gyrfalcon.worker.bootstrap import build_worker
@@ -31,19 +31,20 @@ POLL_MS = 1000
 
 def run_worker(
     args: ServerArgs,
-    paths: IpcPaths,
+    endpoints: WorkerEndpoints,
     model_dir: str,
     cfg: ModelConfig,
     rank: int,
     layout: RankLayout,
     stopping: ctypes.c_bool,
 ) -> None:
-    """Entry point of a worker process; returns when the launcher stops it."""
+    """Entry point of a worker process; returns when its launcher (the head's, or its
+    node's) stops it."""
     stop = setup_child(f"worker{rank}", args.log_level, stopping)
     set_torch_threads(args.cpu_threads)  # None (CUDA): torch's default, see ServerArgs
     ctx = zmq.Context()
-    inbox = Channel(ctx, zmq.PULL, paths.scheduler_to_workers[rank], False, SchedulerToWorker)
-    outbox = Channel(ctx, zmq.PUSH, paths.worker_to_scheduler, False)
+    inbox = Channel(ctx, zmq.PULL, endpoints.from_scheduler, False, SchedulerToWorker)
+    outbox = Channel(ctx, zmq.PUSH, endpoints.to_scheduler, False)
     try:
         with process_profile(f"worker{rank}"):
             _serve(args, model_dir, cfg, rank, layout, inbox, outbox, stop)

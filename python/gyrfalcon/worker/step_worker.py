@@ -70,8 +70,9 @@ RESERVED_SLOTS_PER_SEQ = 4
 
 
 def rank_device(args: ServerArgs, rank: int) -> torch.device:
-    """The device of worker `rank`: its own GPU on CUDA."""
-    return torch.device(args.device if args.device != "cuda" else f"cuda:{rank}")
+    """The device of worker `rank`: its own GPU of its node on CUDA."""
+    local = rank - args.node_ranks().start  # NOTE: rank itself on one node
+    return torch.device(args.device if args.device != "cuda" else f"cuda:{local}")
 
 
 class StepWorker:

@@ -133,3 +133,43 @@ def test_speculative_flags_resolve_k_and_k_plus_one():
 def test_bad_speculative_combinations_fail_at_start_up(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ServerArgs(device="cpu", **kwargs).resolved()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--nnodes", "2", "--node-rank", "2", "--dist-init-addr", "h:5000"],
+         "--node-rank 2 is not in [0, 2) (--nnodes 2)"),
+        (["--node-rank", "-1"], "--node-rank -1 is not in [0, 1)"),
+        (["--nnodes", "0"], "--nnodes must be at least 1"),
+        (["--tp-size", "3", "--nnodes", "2", "--dist-init-addr", "h:5000"],
+         "the 3 worker ranks (--tp-size x --dp-size) do not split evenly over --nnodes 2"),
+        (["--tp-size", "2", "--nnodes", "2"], "--nnodes 2 needs --dist-init-addr HOST:PORT"),
+        (["--tp-size", "2", "--dist-init-addr", "h"], "--dist-init-addr 'h' is not HOST:PORT"),
+        (["--dist-init-addr", "tcp://h:99999"], "'tcp://h:99999' is not HOST:PORT"),
+    ],
+)  # fmt: skip
+def test_bad_node_flags_fail_when_parsed(argv, message, capsys):
+    """Before any model loads: the dataclass refuses them, and `gyrfalcon serve` exits
+    2 with the message (argparse's usage error)."""
+    import re
+
+    from gyrfalcon.cli import main
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse(*argv)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_ranks_split_evenly_over_the_nodes():
+    a = parse("--tp-size", "4", "--dp-size", "2", "--nnodes", "2", "--node-rank", "1",
+              "--dist-init-addr", "10.0.0.1:5000")  # fmt: skip
+    assert a.node_ranks() == range(4, 8)
+    assert ServerArgs(tp_size=4).node_ranks() == range(0, 4)  # one node: every rank
+    r = a.resolved()
+    assert r.dist_init_addr == "tcp://10.0.0.1:5000"  # SGLang's form, as torch takes it
+    assert parse("--dist-init-addr", "tcp://h:1").resolved().dist_init_addr == "tcp://h:1"
+    assert ServerArgs().resolved().dist_init_addr is None
