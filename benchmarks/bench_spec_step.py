@@ -8,6 +8,12 @@ drafter measures it. Reports per batch size the wall time per steady-state step 
 each engine (total over the steps it planned), their ratio (the goal for the
 Llama-3.1-8B shape: <= 1.35x at batch 1) and the tokens emitted per step.
 
+With --arrival-len P it also measures what a request arriving into the running batch
+costs: a prompt of P tokens is added (and the oldest row aborted, so the batch stays
+at bs) every --arrival-every steps; the extra wall time over that many steady steps,
+per arrival, is the cost of the step that prefills it beside the decoding rows (a
+MIXED step: eager, with the drafter's round over every row in the spec engine).
+
     python benchmarks/bench_spec_step.py benchmarks/models/llama-3.1-8b \
         benchmarks/models/llama-3.1-8b-eagle3 --load-format dummy --device-kind nvidia-h100-x1
 """
@@ -19,6 +25,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 try:
@@ -48,6 +55,20 @@ def step_times(eng: LocalEngine, bs: int, prompt_len: int, steps: int, seed: int
         eng.step()  # prefill
     for _ in range(8):
         eng.step()  # warm: every row decoding
+    elapsed, planned, emitted = _timed_steps(eng, steps)
+    for i in range(bs):
+        eng.abort(f"r{i}")
+    while eng.has_work():
+        eng.step()
+    return elapsed / planned, emitted / planned
+
+
+def _timed_steps(
+    eng: LocalEngine, steps: int, between: Callable[[int], None] | None = None
+) -> tuple[float, int, int]:
+    """Step until `steps` steps are planned, calling `between(planned)` after each
+    engine turn, then take the results in flight unless `between` keeps adding work;
+    (wall seconds, steps planned, tokens emitted)."""
     submit, planned = eng.worker.submit, [0]
 
     def counted(plan):
@@ -55,21 +76,55 @@ def step_times(eng: LocalEngine, bs: int, prompt_len: int, steps: int, seed: int
         submit(plan)
 
     eng.worker.submit = counted
-    emitted = 0
     if eng.args.device == "cuda":
         torch.cuda.synchronize()
+    emitted = 0
     t0 = time.perf_counter()
     while planned[0] < steps:
         emitted += sum(len(o.token_ids) for o in eng.step())
-    while eng.scheduler.num_inflight:  # the last planned steps' results
+        if between is not None:
+            between(planned[0])
+    while between is None and eng.scheduler.num_inflight:  # the last steps' results
         emitted += sum(len(o.token_ids) for o in eng.step())
     elapsed = time.perf_counter() - t0
     eng.worker.submit = submit
-    for i in range(bs):
-        eng.abort(f"r{i}")
+    return elapsed, planned[0], emitted
+
+
+def arrival_cost(
+    eng: LocalEngine, bs: int, ns: argparse.Namespace, step_s: float, seed: int
+) -> float:
+    """Seconds a request of ns.arrival_len prompt tokens adds when it arrives into a
+    running batch of bs decoding rows (module docstring)."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = eng.model_cfg.vocab_size
+    sp = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
+    live: list[str] = []
+
+    def add(n: int) -> None:
+        live.append(f"a{seed}-{len(live)}-{n}-{time.monotonic_ns()}")
+        eng.add(live[-1], torch.randint(3, vocab, (n,), generator=gen).tolist(), sp)
+
+    for _ in range(bs):
+        add(ns.prompt_len)
+    while any(r.num_computed < len(r.prompt_ids) for r in eng.scheduler.requests.values()):
+        eng.step()
+    for _ in range(8):
+        eng.step()
+    done = [0]
+
+    def arrive(planned: int) -> None:
+        if done[0] < ns.arrivals and planned >= done[0] * ns.arrival_every:
+            eng.abort(live.pop(0))
+            add(ns.arrival_len)
+            done[0] += 1
+
+    total_s, total_steps, _ = _timed_steps(eng, ns.arrivals * ns.arrival_every, arrive)
+    for rid in live:
+        eng.abort(rid)
     while eng.has_work():
         eng.step()
-    return elapsed / planned[0], emitted / planned[0]
+    return (total_s - total_steps * step_s) / ns.arrivals
 
 
 def profile(eng: LocalEngine, bs: int, ns: argparse.Namespace, path: str) -> None:
@@ -96,6 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--kv-cache-memory", default=None)
+    p.add_argument(
+        "--arrival-len", type=int, default=0,
+        help="also measure a request of this many prompt tokens arriving into the batch",
+    )  # fmt: skip
+    p.add_argument("--arrival-every", type=int, default=12, help="steps between arrivals")
+    p.add_argument("--arrivals", type=int, default=12)
     p.add_argument("--device-kind", default="unknown")
     p.add_argument("--output-dir", default="benchmarks/results")
     p.add_argument("--tag", default="")
@@ -119,13 +180,20 @@ def main(argv: list[str] | None = None) -> int:
         speculative_num_steps=ns.num_steps,
     )
     rows = []
-    results = {}
+    results, arrivals = {}, {}
     for name, extra in (("plain", {}), ("spec", spec)):
         # NOTE: no page-allocator check after every step (the server's default)
         eng = LocalEngine(ServerArgs(**common, **extra), ns.model, check_invariants=False)
         results[name] = {bs: step_times(eng, bs, ns.prompt_len, ns.steps, bs) for bs in sizes}
+        if ns.arrival_len:
+            arrivals[name] = {
+                bs: arrival_cost(eng, bs, ns, results[name][bs][0], bs) for bs in sizes
+            }
         if ns.profile_dir:
             profile(eng, sizes[0], ns, os.path.join(ns.profile_dir, f"host_{name}.txt"))
+            if ns.arrival_len:
+                with host_profile(os.path.join(ns.profile_dir, f"host_{name}_arrivals.txt")):
+                    arrival_cost(eng, sizes[0], ns, results[name][sizes[0]][0], 0)
         del eng
         if ns.device == "cuda":
             torch.cuda.empty_cache()
@@ -135,10 +203,16 @@ def main(argv: list[str] | None = None) -> int:
             dict(batch_size=bs, plain_step_ms=tp * 1e3, spec_step_ms=ts * 1e3,
                  ratio=ts / tp, plain_tokens_per_step=ep, spec_tokens_per_step=es)
         )  # fmt: skip
+        if arrivals:
+            rows[-1].update(
+                plain_arrival_ms=arrivals["plain"][bs] * 1e3,
+                spec_arrival_ms=arrivals["spec"][bs] * 1e3,
+            )
     name = f"spec_step_{Path(ns.model).name}{ns.tag}_k{ns.num_steps}_{ns.device_kind}"
     report = dict(
         bench="spec_step", model=ns.model, draft=ns.draft, load_format=ns.load_format,
-        k=ns.num_steps, prompt_len=ns.prompt_len, device_kind=ns.device_kind,
+        k=ns.num_steps, prompt_len=ns.prompt_len, arrival_len=ns.arrival_len,
+        arrival_every=ns.arrival_every, device_kind=ns.device_kind,
         commit=os.environ.get("GYRFALCON_COMMIT") or git_commit(), rows=rows,
     )  # fmt: skip
     os.makedirs(ns.output_dir, exist_ok=True)
@@ -148,14 +222,23 @@ def main(argv: list[str] | None = None) -> int:
         f"Spec step cost, {Path(ns.model).name} ({ns.load_format}), k={ns.num_steps}, "
         f"prompt {ns.prompt_len}, {ns.device_kind}, commit {report['commit']}",
         "",
-        "| batch | plain step ms | spec step ms | ratio | tokens/step (spec) |",
-        "| ---: | ---: | ---: | ---: | ---: |",
+        "| batch | plain step ms | spec step ms | ratio | tokens/step (spec) |"
+        + (" plain arrival ms | spec arrival ms |" if arrivals else ""),
+        "| ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if arrivals else ""),
     ]
     for r in rows:
-        lines.append(
+        line = (
             f"| {r['batch_size']} | {r['plain_step_ms']:.3f} | {r['spec_step_ms']:.3f} | "
             f"{r['ratio']:.2f}x | {r['spec_tokens_per_step']:.2f} |"
         )
+        if arrivals:
+            line += f" {r['plain_arrival_ms']:.2f} | {r['spec_arrival_ms']:.2f} |"
+        lines.append(line)
+    if arrivals:
+        lines += [
+            "",
+            f"Arrival: a {ns.arrival_len}-token prompt joining the batch (module docstring).",
+        ]
     table = "\n".join(lines) + "\n"
     with open(os.path.join(ns.output_dir, name + ".md"), "w") as f:
         f.write(table)
