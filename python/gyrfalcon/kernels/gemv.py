@@ -109,7 +109,7 @@ def gemv_config(m: int, n: int, k: int, num_sms: int, *, act_silu_mul: bool = Fa
 
 
 @triton.jit
-def _silu_mul(gate, up, dtype: tl.constexpr):
+def silu_mul_rounded(gate, up, dtype: tl.constexpr):
     """silu(gate) * up in dtype, rounded as `silu_and_mul` rounds (float32 math)."""
     gate = gate.to(tl.float32)
     act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
@@ -165,7 +165,7 @@ def _skinny_gemm_kernel(
             x_mask = m_mask & (offs_k[None, :] < K - k0 - BLOCK_K)  # empty at the last step
             gate_next = tl.load(x_ptrs + BLOCK_K, mask=x_mask, other=0.0)
             up_next = tl.load(x_ptrs + BLOCK_K + K, mask=x_mask, other=0.0)
-            a = _silu_mul(gate, up, x_ptr.dtype.element_ty)
+            a = silu_mul_rounded(gate, up, x_ptr.dtype.element_ty)
         else:
             a = tl.load(x_ptrs, mask=m_mask & k_mask, other=0.0)
         if USE_DOT and DOT_F32:

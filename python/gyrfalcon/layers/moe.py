@@ -27,17 +27,14 @@ all-gather of [sum T, H] and reduces all sum T rows, not each rank's share. Comp
 per rank is the (token, slot) pairs routed to its experts: T k / ep on average,
 more on the rank holding hot experts (EP does not balance load).
 
-The expert compute is one call, `fused_experts`: the dispatch point where the fused
-GPU kernel (`kernels/fused_moe.fused_moe`, the signature of `moe_reference`) plugs
-in; everywhere else, and on the CPU, `moe_reference` runs. The reference asks the
-host which experts have tokens, so a MoE model captures no CUDA graph without the
-kernel (`--enforce-eager` until then).
+The expert compute is one call, `fused_experts`: the fused GPU kernel
+(`kernels/fused_moe.fused_moe`, the contract of `moe_reference`, host-free, so CUDA
+graphs capture MoE models) on CUDA; `moe_reference` on the CPU and wherever fused
+kernels are off. The reference asks the host which experts have tokens, so a model
+running it on CUDA captures no graph.
 """
 
 from __future__ import annotations
-
-import functools
-import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -45,8 +42,6 @@ from torch import nn
 
 from gyrfalcon.kernels.dispatch import KernelPolicy
 from gyrfalcon.layers.context import LayerContext
-
-FUSED_MOE_MODULE = "gyrfalcon.kernels.fused_moe"
 
 
 def route_topk(
@@ -117,12 +112,6 @@ def moe_reference(
     return out.to(x.dtype)
 
 
-@functools.cache
-def fused_moe_available() -> bool:
-    """Whether the fused GPU kernel exists (`kernels/fused_moe.py`)."""
-    return importlib.util.find_spec(FUSED_MOE_MODULE) is not None
-
-
 def fused_experts(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -131,14 +120,12 @@ def fused_experts(
     topk_ids: torch.Tensor,
     kernels: KernelPolicy,
 ) -> torch.Tensor:
-    """`moe_reference`'s result: the fused GPU kernel on CUDA where it exists (it
-    honours the same contract, ids outside [0, E) skipped), the reference otherwise.
-    The one place the kernel plugs in."""
-    # NOTE: the module check goes once kernels/fused_moe.py lands
-    if kernels.use_fused(x) and fused_moe_available():
+    """`moe_reference`'s result: the fused GPU kernel on CUDA (the same contract, ids
+    outside [0, E) skipped), the reference otherwise. The one place the kernel plugs in."""
+    if kernels.use_fused(x):
         from gyrfalcon.kernels.fused_moe import fused_moe
 
-        return fused_moe(x, w13, w2, topk_weights, topk_ids)
+        return fused_moe(x, w13, w2, topk_weights, topk_ids, pdl=kernels.pdl)
     return moe_reference(x, w13, w2, topk_weights, topk_ids)
 
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.layers.context import LayerContext
-from gyrfalcon.layers.moe import MoeExperts, SparseMoeBlock, fused_moe_available
+from gyrfalcon.layers.moe import MoeExperts, SparseMoeBlock
 from gyrfalcon.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from gyrfalcon.models.weights import WeightLoader, expert_param
 
@@ -56,9 +56,9 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     @property
     def captures_cuda_graphs(self) -> bool:
-        """Only with the fused MoE kernel: the reference asks the host which experts
+        """Only with fused kernels on: the reference experts ask the host which experts
         have tokens (`layers/moe.py`)."""
-        return fused_moe_available()
+        return all(m.kernels.fused for m in self.modules() if isinstance(m, MoeExperts))
 
     def load_tensor(
         self, loader: WeightLoader, name: str, tensor: torch.Tensor, hf_name: str
