@@ -82,6 +82,7 @@ class ThreadGroup:
 class ThreadGroupMember:
     def __init__(self, group: ThreadGroup, rank: int):
         self.group, self.rank = group, rank
+        self.equal_rows = False  # NOTE: the parts carry their counts either way
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         def add(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -5,6 +5,8 @@ groups (`--dp-size 2 --ep-size 2`: each group attends over its own requests, an 
 one runs dummy rows into the experts' collectives) answer a greedy batch exactly
 like the one-rank server, logprobs included, nothing leaked on any rank."""
 
+import re
+
 import pytest
 from conftest import make_tiny_hf_model
 from server_util import serve_greedy
@@ -41,6 +43,8 @@ FLAGS = {
     "moe_tp2": ["--tp-size", "2"],
     "tp2_ep2": ["--tp-size", "2", "--ep-size", "2"],
     "dp2_ep2": ["--dp-size", "2", "--ep-size", "2"],
+    # the DP groups agree on one padded graph size a step (StepPlan.graph_rows)
+    "dp2_ep2_graphs": ["--dp-size", "2", "--ep-size", "2", "--static-graph-replay"],
 }
 
 
@@ -56,6 +60,10 @@ def test_two_ranks_answer_like_one(moe, one_rank, tmp_path, flags):
     assert info["integrity_ok"] and info["num_free_pages"] == info["num_total_pages"], info
     if "--dp-size" in flags:
         assert "2 worker rank(s)" in log
+    if "--static-graph-replay" in flags:  # decode steps replayed, on both ranks
+        for rank in (0, 1):
+            runs = re.search(rf"rank {rank}: \d+ steps, (\d+) target forwards through graphs", log)
+            assert runs and int(runs[1]) > 0, log[-3000:]
 
 
 def test_eagle3_with_dp_attention_and_an_idle_group_is_lossless(moe, one_rank, tmp_path):

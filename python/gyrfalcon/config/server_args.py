@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -19,7 +18,6 @@ from gyrfalcon.config.nodes import check_nodes, init_url
 if TYPE_CHECKING:
     import torch
 
-logger = logging.getLogger(__name__)
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -298,12 +296,6 @@ class ServerArgs:
                 f"--ep-size {self.ep_size} must be 1 (MoE-TP), the tp size {self.tp_size} "
                 f"or tp x dp = {world} (DP attention)"
             )
-        eager, static = self.enforce_eager, self.static_graph_replay
-        if self.ep_size > 1 and self.dp_size > 1 and (static or on_gpu and not eager):
-            # NOTE: the MoE layers' all-gather of every rank's own tokens exchanges row
-            # counts on the host: no graph until the ranks agree on one padded size
-            logger.warning("DP attention with expert parallelism runs eagerly (no graphs)")
-            eager, static = True, False
         if self.dist_timeout <= 0:
             raise ValueError(f"--dist-timeout must be positive, got {self.dist_timeout}")
         steps, verified = resolve_speculative(
@@ -326,8 +318,6 @@ class ServerArgs:
             max_num_batched_tokens=budget,
             chunked_prefill_size=chunk,
             cpu_threads=threads,
-            enforce_eager=eager,
-            static_graph_replay=static,
         )
 
     @property
@@ -352,6 +342,12 @@ class ServerArgs:
         """Whether the worker ranks join torch.distributed process groups: TP ranks
         share collectives, and so do all ranks when MoE experts split over them."""
         return self.tp_size > 1 or self.ep_size > 1
+
+    def dp_ranks_agree(self) -> bool:
+        """Whether the DP ranks' collectives span the DP groups (MoE experts split over
+        every rank with DP attention): then every step all ranks run eagerly or all
+        replay graphs padded to one size (`StepPlan.graph_rows`)."""
+        return self.dp_size > 1 and self.ep_size == self.tp_size * self.dp_size > 1
 
     def node_ranks(self) -> range:
         """The worker ranks this node runs: tp x dp split evenly over --nnodes, node n

@@ -15,6 +15,8 @@ and `all_reduce` and `all_gather` are the identity (the same tensor back, no cop
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -33,6 +35,10 @@ class Communicator(Protocol):
         """x [..., n] of every rank (the same shape on each), concatenated in rank order
         along the last dim: [..., group size * n], a new tensor."""
         ...
+
+    # set while every rank brings the same number of rows (`ParallelContext.rows_agreed`):
+    # all_gather_rows then exchanges no counts
+    equal_rows: bool
 
     def all_gather_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """(x [n_r, ...] of every rank concatenated in rank order along dim 0: [sum n_r,
@@ -230,6 +236,23 @@ class ParallelContext:
         if self.expert is None:
             return self, False
         return self.expert, True
+
+    @contextlib.contextmanager
+    def rows_agreed(self) -> Iterator[None]:
+        """Inside: every rank of the MoE group brings the same number of token rows (the
+        DP ranks replay graphs padded to one agreed batch size), so the MoE layers'
+        gather of every rank's tokens needs no host exchange of row counts, and CUDA
+        graphs capture it. A no-op where the MoE group shares its tokens."""
+        group, local = self.moe_group
+        comm = group.comm if local and group.tp_size > 1 else None
+        if comm is None:
+            yield
+            return
+        before, comm.equal_rows = comm.equal_rows, True
+        try:
+            yield
+        finally:
+            comm.equal_rows = before
 
     def experts(self, num_experts: int, intermediate_size: int) -> ExpertShard:
         """This rank's experts and slice of their intermediate dim (`shard_experts`)."""

@@ -187,6 +187,10 @@ class RankBatch(msgspec.Struct, array_like=True):
 class StepPlan(msgspec.Struct, tag=True):
     step_id: int
     batches: list[RankBatch]  # one per DP rank, indexed by DP rank
+    # the rows every DP rank pads its graph batch to where their collectives span the
+    # DP groups (MoE experts over DP attention): the most rows of any rank when every
+    # batch is DECODE or IDLE, else 0 (every rank eager); `plan.agreed_graph_rows`
+    graph_rows: int = 0
 
 
 class Shutdown(msgspec.Struct, tag=True):

@@ -40,3 +40,14 @@ def rank_batch(decision: Decision, finished_rids: list[str]) -> RankBatch:
         )
         rows.append(row)
     return RankBatch(forward_mode(decision), rows, new_requests, finished_rids)
+
+
+def agreed_graph_rows(batches: list[RankBatch]) -> int:
+    """The batch size every DP rank replays its graph at when their collectives span
+    the DP groups (`StepPlan.graph_rows`): the most rows of any rank (an IDLE rank runs
+    one dummy row) when every batch is a plain DECODE or IDLE, else 0: one rank's
+    prefill or verify step, which runs eagerly, makes every rank run eagerly, since an
+    eager rank gathers row counts on the host where a replaying one would not."""
+    if any(b.forward_mode not in (ForwardMode.DECODE, ForwardMode.IDLE) for b in batches):
+        return 0
+    return max(max(len(b.rows) for b in batches), 1)

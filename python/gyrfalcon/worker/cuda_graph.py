@@ -269,14 +269,17 @@ class GraphRunner:
                 if backend.supports_cuda_graph:  # NOTE: flashinfer: per mode; triton: shared
                     backend.capture_buffers(self.sizes[-1], max_pages, device, m, s.tokens_per_row)
 
-    def can_run(self, mode: ForwardMode, bt: BatchTensors, variant: str = "") -> bool:
+    def can_run(
+        self, mode: ForwardMode, bt: BatchTensors, variant: str = "", rows: int = 0
+    ) -> bool:
+        """Whether a graph serves bt (padded to at least `rows` rows)."""
         spec = self.specs.get((mode, variant))
         if spec is None:
             return False
         bs, t = len(bt.seq_lens_cpu), spec.tokens_per_row
         # NOTE: one comparison serves decode (every q_len >= 1, so T == bs means all 1)
         return (
-            bs <= self.sizes[-1]
+            max(bs, rows) <= self.sizes[-1]
             and bt.page_table.shape[1] <= self.buf.max_pages
             and bt.input_ids.shape[0] == bs * t
             and (t == 1 or bt.q_lens_cpu.count(t) == bs)
@@ -344,14 +347,15 @@ class GraphRunner:
         )
 
     def run(
-        self, mode: ForwardMode, bt: BatchTensors, variant: str = ""
+        self, mode: ForwardMode, bt: BatchTensors, variant: str = "", rows: int = 0
     ) -> tuple[torch.Tensor, ...]:
         """Outputs of the real rows' tokens: each of the mode's (variant's) forward(...)
-        tensors [:bs * tokens_per_row] (`can_run` first)."""
+        tensors [:bs * tokens_per_row] (`can_run` first); the graph padded for at least
+        `rows` rows (ranks that agree on one size)."""
         bs = len(bt.seq_lens_cpu)
         spec = self.specs[mode, variant]
         t = spec.tokens_per_row
-        key = GraphKey(mode, padded_batch_size(bs, self.sizes), t, variant)
+        key = GraphKey(mode, padded_batch_size(max(bs, rows), self.sizes), t, variant)
         batch = self._prepare(key, self.buf.fill(bt, key))
         self.num_runs += 1
         if self.mode == "cuda":

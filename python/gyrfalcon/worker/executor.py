@@ -157,7 +157,8 @@ class ModelExecutor:
             mode=mode,
             sizes=self.args.graph_batch_sizes(),
         )
-        self.graphs.capture()
+        with self.ctx.parallel.rows_agreed():  # NOTE: graphs run only at agreed sizes
+            self.graphs.capture()
 
     def token_logits(self, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
         """The captured function of every mode: a static batch -> (logits [T, vocab] of
@@ -185,17 +186,30 @@ class ModelExecutor:
         return self.model.compute_logits(hidden)
 
     def forward(
-        self, mode: ForwardMode, bt: BatchTensors, logit_tokens: torch.Tensor, every_token: bool
+        self,
+        mode: ForwardMode,
+        bt: BatchTensors,
+        logit_tokens: torch.Tensor,
+        every_token: bool,
+        graph_rows: int | None = None,
     ) -> ForwardOutput:
         """Run the batch: through a captured graph when one serves its mode and size and
         every token wants logits (`every_token`: logit_tokens is all T tokens in order,
         e.g. a DECODE or a VERIFY step), else eagerly. logit_tokens: [n] int64, the
-        tokens (indices into the batch's T) whose logits are returned."""
+        tokens (indices into the batch's T) whose logits are returned. graph_rows: where
+        ranks agree on graphs (`StepPlan.graph_rows`): 0 runs eagerly, n > 0 the graph
+        padded for n rows, which must then serve the batch (every rank decides alike)."""
         assert self.kv_cache is not None, "init_kv_cache() first"
-        graphs = self.graphs
-        if every_token and graphs is not None and graphs.can_run(mode, bt):
-            logits, argmax, *aux = graphs.run(mode, bt)  # [T, vocab], [T][, [T, 3H]]
+        graphs, rows = self.graphs, graph_rows or 0
+        usable = graph_rows != 0 and every_token and graphs is not None
+        if usable and graphs.can_run(mode, bt, rows=rows):
+            with self.ctx.parallel.rows_agreed():  # NOTE: static replay runs the callable
+                logits, argmax, *aux = graphs.run(mode, bt, rows=rows)
             return ForwardOutput(logits, argmax, None, aux[0] if aux else None)
+        assert not (usable and rows) or rows > graphs.sizes[-1], (
+            f"the ranks agreed on a graph for {rows} rows that this rank's {mode.name} "
+            "batch cannot replay"
+        )
         attn = self.backend_for(mode)
         batch = ForwardBatch.from_tensors(mode, bt, self.page_size, self.kv_cache, attn)
         batch.attn_meta = attn.build_metadata(batch)

@@ -93,6 +93,7 @@ def _serve(
                     return
                 continue
         if isinstance(msg, Shutdown):
+            logger.info("rank %d: %s", rank, runner.summary())
             return
         assert isinstance(msg, StepPlan)
         runner.submit(msg)

@@ -103,6 +103,10 @@ class StepWorker:
         self.pending: deque[PendingStep] = deque()
         self.max_model_len = 0
         self.fused: FusedSpecStep | None = None  # the whole greedy spec step in one graph
+        # where the DP ranks' collectives span the DP groups, the plan's agreed graph
+        # size (`StepPlan.graph_rows`; 0: eager, as in warm-up); None: this rank decides
+        self.graph_rows: int | None = 0 if args.dp_ranks_agree() else None
+        self.num_plans = 0  # plans run (warm-up excluded)
 
     @property
     def floats_rows(self) -> bool:
@@ -123,7 +127,10 @@ class StepWorker:
         if self.drafter is not None:
             verify = self.num_draft + 1
             self.drafter.init_kv_cache(num_pages, self.args.kv_dtype(self.executor.dtype))
-            if self.floats_rows and self.args.graph_mode() is not None:
+            # NOTE: the fused step replays whatever its rows; DP ranks that agree on graphs
+            # run verify steps eagerly (`plan.agreed_graph_rows`)
+            fusable = self.graph_rows is None and self.args.graph_mode() is not None
+            if self.floats_rows and fusable:
                 self.requests.reserve(
                     max(MIN_SLOTS, RESERVED_SLOTS_PER_SEQ * self.args.max_num_seqs)
                 )
@@ -139,7 +146,14 @@ class StepWorker:
     @torch.inference_mode()
     def submit(self, plan: StepPlan) -> None:
         """Launch this rank's batch of `plan`; its result comes from a later `take()`."""
-        self.submit_batch(plan.step_id, plan.batches[self.dp_rank])
+        self.num_plans += 1
+        if self.graph_rows is not None:
+            self.graph_rows = plan.graph_rows
+        try:
+            self.submit_batch(plan.step_id, plan.batches[self.dp_rank])
+        finally:
+            if self.graph_rows is not None:
+                self.graph_rows = 0  # NOTE: batches outside a plan (warm-up) run eagerly
 
     @torch.inference_mode()
     def submit_batch(self, step_id: int, rb: RankBatch) -> None:
@@ -155,6 +169,12 @@ class StepWorker:
         else:
             assert rb.rows, f"a {rb.forward_mode.name} batch without rows"
             self.pending.append(self._launch(step_id, rb))
+
+    def summary(self) -> str:
+        """How many plans ran, and how many target forwards replayed graphs."""
+        graphs = self.executor.graphs
+        runs = graphs.num_runs if graphs is not None else 0
+        return f"{self.num_plans} steps, {runs} target forwards through graphs"
 
     def oldest_done(self) -> bool:
         """Whether take() would return without waiting for the device."""
@@ -189,7 +209,7 @@ class StepWorker:
         through the executor's normal DECODE path, graphs included; output discarded."""
         dummy = RowInput(0, [0], [DUMMY_PAGE])
         bt = build_batch_tensors([dummy], self.args.page_size, self.device, extra=[[0]])
-        self.executor.forward(ForwardMode.DECODE, bt, bt.extra[0], True)
+        self.executor.forward(ForwardMode.DECODE, bt, bt.extra[0], True, self.graph_rows)
 
     def _launch(self, step_id: int, rb: RankBatch) -> PendingStep:
         rows = rb.rows
@@ -241,7 +261,7 @@ class StepWorker:
         if layout.dr_pos:
             bt.input_ids[dr_pos_t] = self.requests.draft_tokens.view(-1)[dr_src_t]
         every_token = len(layout.logit_tokens) == num_tokens
-        out = self.executor.forward(rb.forward_mode, bt, logit_t, every_token)
+        out = self.executor.forward(rb.forward_mode, bt, logit_t, every_token, self.graph_rows)
         if out.hidden is not None:
             self._prompt_logprobs(rows, reqs, out.hidden, bt, step.results)
         emitted = accept_len = None

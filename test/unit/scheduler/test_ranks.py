@@ -7,10 +7,13 @@ from gyrfalcon.ipc.contract import PLACEHOLDER, RankLayout
 from gyrfalcon.ipc.messages import (
     ForwardMode,
     GenerateRequest,
+    RankBatch,
     RowResult,
     SamplingParams,
+    ScheduledRow,
     StepResult,
 )
+from gyrfalcon.scheduler.plan import agreed_graph_rows
 from gyrfalcon.scheduler.scheduler import Scheduler, SchedulerConfig
 
 EOS = 99
@@ -28,10 +31,12 @@ class RankSim:
         self.seqs: dict[str, list[int]] = {}
         self.results: list[StepResult] = []
         self.modes: list[ForwardMode] = []
+        self.graph_rows: list[int] = []
 
     def submit(self, plan):
         rb = plan.batches[self.dp_rank]
         self.modes.append(rb.forward_mode)
+        self.graph_rows.append(plan.graph_rows)
         for rid in rb.finished_rids:
             del self.seqs[rid]
         for new in rb.new_requests:
@@ -139,3 +144,33 @@ def test_rank_layout_maps_ranks_to_dp_groups():
     assert [layout.dp_rank(r) for r in range(4)] == [0, 0, 1, 1]
     assert [layout.reports(r) for r in range(4)] == [True, False, True, False]
     assert RankLayout().world_size == 1 and RankLayout().reports(0)
+
+
+def _batch(mode: ForwardMode, rows: int) -> RankBatch:
+    return RankBatch(mode, [ScheduledRow(f"r{i}", 4, [1], [], True) for i in range(rows)])
+
+
+@pytest.mark.parametrize(
+    "modes, want",
+    [
+        ([(ForwardMode.DECODE, 3), (ForwardMode.DECODE, 5)], 5),
+        ([(ForwardMode.DECODE, 3), (ForwardMode.IDLE, 0)], 3),
+        ([(ForwardMode.IDLE, 0), (ForwardMode.IDLE, 0)], 1),  # the dummy rows
+        ([(ForwardMode.DECODE, 3), (ForwardMode.MIXED, 2)], 0),
+        ([(ForwardMode.PREFILL, 1), (ForwardMode.IDLE, 0)], 0),
+        ([(ForwardMode.VERIFY, 2), (ForwardMode.DECODE, 2)], 0),
+    ],
+)
+def test_dp_ranks_agree_on_one_graph_size_or_all_run_eagerly(modes, want):
+    """With experts over DP attention every rank replays at the largest rank's size,
+    or, if any rank's batch runs eagerly, all do (their collectives must match)."""
+    assert agreed_graph_rows([_batch(m, n) for m, n in modes]) == want
+
+
+def test_the_scheduler_sends_the_agreed_size_with_every_plan():
+    _, (sim0, sim1) = run(REQUESTS, 2, 1, first)
+    steps = list(zip(sim0.modes, sim1.modes, sim0.graph_rows))
+    assert steps[0] == (ForwardMode.PREFILL, ForwardMode.PREFILL, 0)
+    # a and c decode on rank 0 while rank 1 idles: both replay the 2-row graph
+    assert (ForwardMode.DECODE, ForwardMode.IDLE, 2) in steps
+    assert all(rows == 0 for m0, m1, rows in steps if ForwardMode.MIXED in (m0, m1))
