@@ -8,6 +8,8 @@
 #   sweep:  the same server, random 1024 in / 512 out at concurrency 1, 16, 64, 256.
 #   ranks:  several GPUs (NCCL): the same server at tp 1 and tp 2 (batch-1 decode), then
 #           dp 2 against one GPU at concurrency 256.
+#   moe:    two GPUs: the Qwen3-30B-A3B shape as DP 2 + EP 2 and as MoE-TP 2 (MOE_CONC,
+#           MOE_FLAGS).
 #   fi-cache: pack flashinfer's compiled modules (the .so files only, those restored and
 #           those built here) into $OUT/fi-aot.tgz.part* (15 MiB parts); put them in
 #           .fi-cache/ here and send that folder along (carry): restored into flashinfer's
@@ -67,18 +69,20 @@ export GYRFALCON_SMOLLM2_GGUF=${GYRFALCON_SMOLLM2_GGUF:-/tmp/SmolLM2-135M-Instru
 export GYRFALCON_CACHE=/tmp/gyr-cache
 # NOTE: the device's copy may carry a stale .git; results name the commit given here
 export GYRFALCON_COMMIT=${GYRFALCON_COMMIT:-unknown}
-start_server() {  # dummy 8B with a synthetic tokenizer; records the start-up time
-  python3 -m gyrfalcon.bench.synthetic_tokenizer benchmarks/models/llama-3.1-8b /tmp/tok8b >/dev/null
+start_server() {  # dummy $MODEL (the 8B) with a synthetic tokenizer; records the start-up time
+  local model=${MODEL:-benchmarks/models/llama-3.1-8b} name
+  name=$(basename "$model")
+  python3 -m gyrfalcon.bench.synthetic_tokenizer "$model" "/tmp/tok-$name" >/dev/null
   local t0=$(date +%s.%N)
-  python3 -m gyrfalcon.cli serve benchmarks/models/llama-3.1-8b --load-format dummy \
-    --tokenizer /tmp/tok8b --port 8100 --served-model-name llama-3.1-8b-dummy ${SERVER_FLAGS:-} \
+  python3 -m gyrfalcon.cli serve "$model" --load-format dummy \
+    --tokenizer "/tmp/tok-$name" --port 8100 --served-model-name "$name-dummy" ${SERVER_FLAGS:-} \
     > "$OUT/server_$1.log" 2>&1 &
   SERVER=$!
   until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8100/health')" 2>/dev/null; do
     kill -0 $SERVER 2>/dev/null || { echo "server died"; tail -30 "$OUT/server_$1.log"; exit 1; }
     sleep 0.5
   done
-  echo "{\"bench\": \"startup\", \"device_kind\": \"$KIND\", \"model\": \"llama-3.1-8b dummy\", \"commit\": \"${GYRFALCON_COMMIT:-unknown}\", \"seconds_to_healthy\": $(python3 -c "print(round($(date +%s.%N) - $t0, 1))")}" > "$OUT/startup_$1.json"
+  echo "{\"bench\": \"startup\", \"device_kind\": \"$KIND\", \"model\": \"$name dummy\", \"commit\": \"${GYRFALCON_COMMIT:-unknown}\", \"seconds_to_healthy\": $(python3 -c "print(round($(date +%s.%N) - $t0, 1))")}" > "$OUT/startup_$1.json"
   cat "$OUT/startup_$1.json"; grep -a "captured" "$OUT/server_$1.log"
 }
 serve_bench() {  # name, then bench_serving flags
@@ -121,6 +125,18 @@ case "${1:-tests}" in
       serve_bench "c256_${R%%:*}" --num-prompts ${NUM_DP:-512} --random-input-len 1024 \
         --random-output-len 512 --ignore-eos --max-concurrency 256 --seed 2
       kill -TERM $SERVER; wait $SERVER; echo "server exit $?"
+    done ;;
+  moe)  # two GPUs: the Qwen3-30B-A3B shape (dummy) as DP attention 2 + EP 2 and as MoE-TP 2,
+    # random 1024 in / 512 out at each concurrency of MOE_CONC (one wave of prompts each)
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    export MODEL=benchmarks/models/qwen3-30b-a3b
+    for R in "dp2ep2:--dp-size 2 --ep-size 2" "tp2:--tp-size 2"; do
+      SERVER_FLAGS="--attention-backend triton ${R#*:} ${MOE_FLAGS:-}" start_server "moe_${R%%:*}"
+      for C in ${MOE_CONC:-16 64 256}; do
+        serve_bench "moe_${R%%:*}_c$C" --num-prompts "$C" --random-input-len 1024 \
+          --random-output-len 512 --ignore-eos --max-concurrency "$C" --seed 4
+      done
+      kill -TERM $SERVER; wait $SERVER; echo "server exit $?"; grep -a "target forwards" "$OUT/server_moe_${R%%:*}.log"
     done ;;
   fi-cache)
     mkdir -p /tmp/fi-pack && cp -r "$FI_AOT"/. /tmp/fi-pack/ && rm -f /tmp/fi-pack/.restored

@@ -3,6 +3,8 @@ tensor parallelism (tp 2) and with two data-parallel groups, CUDA graphs on, ans
 greedy batches exactly like one GPU, logprobs included; a bf16 tp-2 server on the
 default backends serves a batch with nothing leaked."""
 
+import re
+
 import pytest
 import torch
 from server_util import serve_greedy
@@ -62,3 +64,39 @@ def test_bf16_tp2_on_the_default_backends_serves_and_leaks_nothing(tiny, tmp_pat
     got, info = serve_batch(tiny, tmp_path, "bf16", "--dtype", "bfloat16", "--tp-size", "2")
     assert [len(tokens) for tokens, _ in got] == [24] * len(PROMPTS)
     assert info["integrity_ok"] and info["num_free_pages"] == info["num_total_pages"], info
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    from conftest import make_tiny_hf_model
+
+    from gyrfalcon.bench.synthetic_tokenizer import make_synthetic_tokenizer
+
+    root = tmp_path_factory.mktemp("tiny-moe")
+    model, tok = str(root / "model"), str(root / "tok")
+    make_tiny_hf_model(model, "qwen3-moe", num_hidden_layers=4)
+    make_synthetic_tokenizer(model, tok)
+    return model, tok
+
+
+MOE_FLAGS = {
+    "dp2_ep2": ["--dp-size", "2", "--ep-size", "2"],
+    "moe_tp2": ["--tp-size", "2"],
+}
+
+
+@pytest.mark.parametrize("flags", list(MOE_FLAGS.values()), ids=list(MOE_FLAGS))
+def test_two_gpus_serve_a_moe_model_like_one_under_graphs(tiny_moe, tmp_path, flags):
+    """The fused MoE kernel in CUDA graphs, float32: DP attention with the experts
+    over both GPUs (the groups replay graphs of one agreed size, an idle group's dummy
+    rows included) and MoE-TP answer like one GPU; decode steps replayed graphs."""
+    one, _ = serve_batch(tiny_moe, tmp_path, "one", "--attention-backend", "triton")
+    got, info = serve_batch(tiny_moe, tmp_path, "ranks", "--attention-backend", "triton", *flags)
+    for (tokens, lps), (want_tokens, want_lps) in zip(got, one):
+        assert tokens == want_tokens
+        assert lps == pytest.approx(want_lps, abs=1e-3)
+    assert info["integrity_ok"] and info["num_free_pages"] == info["num_total_pages"], info
+    log = (tmp_path / "ranks.log").read_text()
+    for rank in (0, 1):
+        runs = re.search(rf"rank {rank}: \d+ steps, (\d+) target forwards through graphs", log)
+        assert runs and int(runs[1]) > 0, log[-3000:]
