@@ -11,6 +11,7 @@ import ctypes
 import logging
 import sys
 import traceback
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -23,6 +24,9 @@ from gyrfalcon.ipc.sockets import Channel, WorkerEndpoints
 from gyrfalcon.profiling import process_profile
 from gyrfalcon.utils import ChildStop, set_torch_threads, setup_child
 from gyrfalcon.worker.bootstrap import build_worker
+
+if TYPE_CHECKING:
+    from gyrfalcon.worker.step_worker import StepWorker
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +78,16 @@ def _serve(
         WorkerReady(rank, runner.executor.kv_cache.num_pages, context_len, runner.floats_rows)
     )
     stop.serving()
+    try:
+        _run_plans(runner, inbox, outbox, stop, reports)
+    finally:  # NOTE: however it stops (Shutdown, the stop flag, its parent gone)
+        logger.info("rank %d: %s", rank, runner.summary())
+
+
+def _run_plans(
+    runner: StepWorker, inbox: Channel, outbox: Channel, stop: ChildStop, reports: bool
+) -> None:
+    """Run plans as they come and send results as they are in, until stopped."""
     while not stop.requested:
         if runner.pending:
             # NOTE: spin between the next plan and the oldest step's end: a plan
@@ -93,7 +107,6 @@ def _serve(
                     return
                 continue
         if isinstance(msg, Shutdown):
-            logger.info("rank %d: %s", rank, runner.summary())
             return
         assert isinstance(msg, StepPlan)
         runner.submit(msg)
