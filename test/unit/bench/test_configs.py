@@ -21,7 +21,13 @@ from gyrfalcon.config.server_args import ServerArgs, resolve_speculative
 ROOT = Path(__file__).resolve().parents[3]
 CONFIGS = sorted((ROOT / "configs").glob("*.sh"))
 SERVING = [c for c in CONFIGS if not c.name.startswith("cpu_")]  # cpu_*: benchmark scripts
+# the MoE configs (Qwen3-30B-A3B shape): name -> (tp, dp, ep), each with an _eagle3 variant
+MOE = {f"attn_dp{n}_moe_ep{n}": (1, n, n) for n in (2, 4, 8)} | {
+    f"attn_tp{n}_moe_tp{n}": (n, 1, 1) for n in (2, 4)
+}
+MOE_SCRIPTS = {f"{name}{v}.sh": ranks for name, ranks in MOE.items() for v in ("", "_eagle3")}
 SPEC = {"smollm2_eagle3.sh", "llama8b_eagle3_dummy.sh", "attn_dp2_eagle3.sh", "attn_tp2_eagle3.sh"}
+SPEC |= {name for name in MOE_SCRIPTS if name.endswith("_eagle3.sh")}
 DUMMY = {
     "llama8b.sh",
     "llama8b_eagle3_dummy.sh",
@@ -29,12 +35,14 @@ DUMMY = {
     "attn_dp2.sh",
     "attn_dp2_eagle3.sh",
     "attn_tp2_eagle3.sh",
+    *MOE_SCRIPTS,
 }
 RANKS = {
     "attn_tp2.sh": (2, 1),
     "attn_dp2.sh": (1, 2),
     "attn_dp2_eagle3.sh": (1, 2),
     "attn_tp2_eagle3.sh": (2, 1),
+    **{name: (tp, dp) for name, (tp, dp, _) in MOE_SCRIPTS.items()},
 }
 STUB = '#!/bin/sh\nprintf "%s\\0" "$@" > "$ARGV_OUT"\n'
 
@@ -105,6 +113,9 @@ def test_serving_config_execs_one_accepted_serve_command(script: Path, tmp_path:
         args.speculative_num_draft_tokens,
     )  # fmt: skip
     assert (args.tp_size, args.dp_size) == RANKS.get(script.name, (1, 1))
+    if script.name in MOE_SCRIPTS:
+        assert args.ep_size == MOE_SCRIPTS[script.name][2]
+        assert args.resolved(128).ep_size == args.ep_size  # the layout validates
     if script.name in SPEC:
         assert args.speculative_algorithm == "EAGLE3" and (k, verified) == (3, 4)
     else:
@@ -152,6 +163,17 @@ def test_llama8b_eagle3_defaults_point_at_the_repo_configs(tmp_path: Path) -> No
     draft = Path(argv[argv.index("--speculative-draft-model-path") + 1])
     assert model.resolve() == ROOT / "benchmarks" / "models" / "llama-3.1-8b"
     assert draft.resolve() == ROOT / "benchmarks" / "models" / "llama-3.1-8b-eagle3"
+
+
+def test_dummy_qwen3_moe_drafter_config_fits_its_target() -> None:
+    models = ROOT / "benchmarks" / "models"
+    target = ModelConfig.from_dir(str(models / "qwen3-30b-a3b"))
+    draft = DraftConfig.from_dir(str(models / "qwen3-30b-a3b-eagle3"))
+    check_draft_config(target, draft)
+    assert (draft.layer.rope_theta, draft.layer.rope_scaling) == (
+        target.rope_theta,
+        target.rope_scaling,
+    )
 
 
 def test_dummy_llama8b_drafter_config_fits_its_target() -> None:
