@@ -262,7 +262,8 @@ def rank_moe_logits(
     and save {(name, mode): {"hidden", "logits", "w13"}} to rank{r}.pt (w13: the
     shape of the last layer's experts here). Also {"rows": {"x", "moe"}}: the last
     checkpoint's last MoE block under EP on rank-local tokens x (DP attention's
-    dispatch: rank r brings 3 r + 2 rows, rank 1 none)."""
+    dispatch: rank r brings 3 r + 2 rows, rank 1 none), and {"rows_equal": ...} the
+    same with 4 rows on every rank gathered as graphs do (`equal_rows`)."""
     from dataclasses import replace
 
     parallel = init_tensor_parallel(
@@ -281,6 +282,11 @@ def rank_moe_logits(
     rows = 0 if rank == 1 else 3 * rank + 2
     x = torch.randn(rows, model.cfg.hidden_size, generator=torch.Generator().manual_seed(rank))
     out["rows"] = dict(x=x, moe=model.layers[-1].mlp(x, tokens_local=True))
+    # graphs' gather: every rank brings 4 rows, no host exchange of counts
+    x = torch.randn(4, model.cfg.hidden_size, generator=torch.Generator().manual_seed(9 + rank))
+    if parallel.comm is not None:
+        parallel.comm.equal_rows = True
+    out["rows_equal"] = dict(x=x, moe=model.layers[-1].mlp(x, tokens_local=True))
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
 
 

@@ -1,7 +1,8 @@
 """MoE sharding over torch.distributed (gloo, CPU): Qwen3-MoE and Mixtral prefill
 logits are one rank's whether the group splits each expert's intermediate dim
-(MoE-TP) or the experts themselves (EP), over 2 ranks and, for Qwen3-MoE, 4; under
-EP, ranks bringing their own tokens (DP attention) get back the MoE of their rows."""
+(MoE-TP) or the experts themselves (EP), over 2 ranks and, for Qwen3-MoE, 4 and 8;
+under EP, ranks bringing their own tokens (DP attention) get back the MoE of their
+rows, whether their counts are exchanged or agreed (graphs)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,14 @@ def two_ranks(checkpoint_dirs, tmp_path_factory) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
+def eight_heads(tmp_path_factory) -> dict[str, str]:
+    """Qwen3-MoE with 8 query heads (2 KV heads: replicated over 8 TP ranks)."""
+    path = str(tmp_path_factory.mktemp("moe-8h"))
+    make_tiny_hf_model(path, "qwen3-moe", num_attention_heads=8, mlp_only_layers=[0])
+    return {"qwen3-moe": path}
+
+
+@pytest.fixture(scope="module")
 def four_ranks(checkpoint_dirs, tmp_path_factory) -> list[dict]:
     dirs = {"qwen3-moe": checkpoint_dirs["qwen3-moe"]}
     return spawn_run(4, dirs, str(tmp_path_factory.mktemp("moe-4")))
@@ -87,6 +96,23 @@ def test_four_ranks_logits_equal_one_ranks(four_ranks, one_rank, mode):
     check_ranks_equal_one_rank(four_ranks, one_rank, "qwen3-moe", mode)
 
 
+def test_eight_ranks_logits_equal_one_ranks(eight_heads, tmp_path):
+    """Qwen3-MoE over 8 ranks: one expert each (EP) or 4 intermediate rows (MoE-TP),
+    one query head each with the KV heads replicated; the equal-rows gather too."""
+    ranks = spawn_run(8, eight_heads, str(tmp_path))
+    ctx = LayerContext()
+    model = load_model(eight_heads["qwen3-moe"], ctx)
+    with torch.inference_mode():
+        hidden = model(prefill_batch(model, PROMPTS, ctx))
+        one = {"qwen3-moe": (hidden, model.compute_logits(hidden), model)}
+        for mode in ("tp", "ep"):
+            check_ranks_equal_one_rank(ranks, one, "qwen3-moe", mode)
+        block = model.layers[-1].mlp
+        for out in ranks:
+            x, got = out["rows_equal"]["x"], out["rows_equal"]["moe"]
+            torch.testing.assert_close(got, block(x), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_with_their_own_tokens_get_their_rows_of_the_moe(
     request, one_rank, checkpoint_dirs, world
@@ -99,4 +125,6 @@ def test_ranks_with_their_own_tokens_get_their_rows_of_the_moe(
         x, got = out["rows"]["x"], out["rows"]["moe"]
         assert got.shape == x.shape == (0 if r == 1 else 3 * r + 2, block.gate.weight.shape[1])
         with torch.inference_mode():
+            torch.testing.assert_close(got, block(x), atol=1e-5, rtol=1e-5)
+            x, got = out["rows_equal"]["x"], out["rows_equal"]["moe"]  # the graphs' gather
             torch.testing.assert_close(got, block(x), atol=1e-5, rtol=1e-5)
