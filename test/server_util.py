@@ -156,3 +156,12 @@ def serve_greedy(
     finally:
         assert stop_server(srv) == 0, srv.log()[-3000:]
     return Served(out, info, srv.log())
+
+
+def graph_forwards(log: str, rank: int) -> int:
+    """The target forwards rank `rank` replayed through graphs, from the count its
+    worker logs when it stops (0 if it logged none)."""
+    import re
+
+    found = re.search(rf"rank {rank}: \d+ steps, (\d+) target forwards through graphs", log)
+    return int(found[1]) if found else 0

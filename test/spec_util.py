@@ -185,9 +185,9 @@ def record_graph_runs(eng: LocalEngine) -> list[tuple]:
     assert graphs is not None
     replay = graphs.run
 
-    def recorded(mode, bt, *variant):
+    def recorded(mode, bt, *variant, **padding):
         runs.append((mode.name, *variant, len(bt.seq_lens_cpu)))
-        return replay(mode, bt, *variant)
+        return replay(mode, bt, *variant, **padding)
 
     graphs.run = recorded
     return runs
