@@ -4,6 +4,7 @@ and the tiny model and prefill batch both kinds of rank run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import multiprocessing as mp
@@ -22,6 +23,7 @@ from gyrfalcon.forward.batch import ForwardBatch
 from gyrfalcon.forward.distributed import destroy_distributed, init_tensor_parallel
 from gyrfalcon.forward.kv_cache import KVCache
 from gyrfalcon.forward.metadata import RowInput, build_batch_tensors
+from gyrfalcon.forward.parallel import ParallelContext
 from gyrfalcon.ipc.messages import ForwardMode
 from gyrfalcon.layers.attention.torch_ref import TorchRefBackend
 from gyrfalcon.layers.context import LayerContext
@@ -55,6 +57,16 @@ def prefill_batch(model, prompts: list[list[int]], ctx: LayerContext) -> Forward
     batch = ForwardBatch.from_tensors(ForwardMode.PREFILL, bt, PAGE, cache, backend)
     batch.attn_meta = backend.build_metadata(batch)
     return batch
+
+
+def prefill_logits(
+    model_dir: str, ctx: LayerContext, prompts: list[list[int]]
+) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """Load model_dir's share for ctx and prefill the prompts: (the model, {"hidden"
+    [T, hidden], "logits" [T, vocab]}); one rank's reference with the default ctx."""
+    model = load_model(model_dir, ctx)
+    hidden = model(prefill_batch(model, prompts, ctx))
+    return model, dict(hidden=hidden, logits=model.compute_logits(hidden))
 
 
 # ---- ranks as threads -------------------------------------------------------------
@@ -203,12 +215,22 @@ def _rank_main(
 COLLECTIVE_TIMEOUT = timedelta(seconds=20)
 
 
+def join_ranks(
+    rank: int, world_size: int, init_addr: str, tp_size: int, ep_size: int = 1
+) -> ParallelContext:
+    """This rank's place in TP groups of tp_size over the world (`init_tensor_parallel`
+    on the CPU, every collective bounded by COLLECTIVE_TIMEOUT)."""
+    return init_tensor_parallel(
+        rank, world_size, tp_size, init_addr, CPU, COLLECTIVE_TIMEOUT, ep_size=ep_size
+    )
+
+
 def rank_checks_collectives(
     rank: int, world_size: int, init_addr: str, out_dir: str, tp_size: int
 ) -> None:
     """Join TP group rank // tp_size; check its all-reduce and all-gather sum and join
     the group's members only (rank m contributes tensors made from m)."""
-    parallel = init_tensor_parallel(rank, world_size, tp_size, init_addr, CPU, COLLECTIVE_TIMEOUT)
+    parallel = join_ranks(rank, world_size, init_addr, tp_size)
     assert (parallel.tp_rank, parallel.tp_size) == (rank % tp_size, tp_size)
     first = rank - rank % tp_size
     members = range(first, first + tp_size)
@@ -224,6 +246,10 @@ def rank_checks_collectives(
         assert torch.equal(parallel.all_gather(part(rank)), want), shape
 
 
+def save_rank(out_dir: str, rank: int, out: dict) -> None:
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
 def rank_tp_logits(
     rank: int,
     world_size: int,
@@ -234,19 +260,12 @@ def rank_tp_logits(
 ) -> None:
     """One TP group of all ranks: load each checkpoint with this rank's share, prefill
     the prompts and save {name: {"hidden", "logits", "embed_rows"}} to rank{r}.pt."""
-    parallel = init_tensor_parallel(
-        rank, world_size, world_size, init_addr, CPU, COLLECTIVE_TIMEOUT
-    )
-    ctx = LayerContext(parallel=parallel)
+    ctx = LayerContext(parallel=join_ranks(rank, world_size, init_addr, world_size))
     out = {}
     for name, model_dir in model_dirs.items():
-        model = load_model(model_dir, ctx)
-        hidden = model(prefill_batch(model, prompts, ctx))  # [T, hidden]
-        logits = model.compute_logits(hidden)  # [T, vocab]
-        out[name] = dict(
-            hidden=hidden, logits=logits, embed_rows=model.embed_tokens.weight.shape[0]
-        )
-    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+        model, out[name] = prefill_logits(model_dir, ctx, prompts)
+        out[name]["embed_rows"] = model.embed_tokens.weight.shape[0]
+    save_rank(out_dir, rank, out)
 
 
 def rank_moe_logits(
@@ -266,19 +285,15 @@ def rank_moe_logits(
     same with 4 rows on every rank gathered as graphs do (`equal_rows`)."""
     from dataclasses import replace
 
-    parallel = init_tensor_parallel(
-        rank, world_size, world_size, init_addr, CPU, COLLECTIVE_TIMEOUT, ep_size=world_size
-    )
+    parallel = join_ranks(rank, world_size, init_addr, world_size, ep_size=world_size)
     assert parallel.ep_size == world_size
     out: dict = {}
     for name, model_dir in model_dirs.items():
         for mode, sharding in (("tp", replace(parallel, ep_size=1)), ("ep", parallel)):
-            ctx = LayerContext(parallel=sharding)
-            model = load_model(model_dir, ctx)
-            hidden = model(prefill_batch(model, prompts, ctx))  # [T, hidden]
-            logits = model.compute_logits(hidden)  # [T, vocab]
-            w13 = tuple(model.layers[-1].mlp.experts.w13.shape)
-            out[name, mode] = dict(hidden=hidden, logits=logits, w13=w13)
+            model, out[name, mode] = prefill_logits(
+                model_dir, LayerContext(parallel=sharding), prompts
+            )
+            out[name, mode]["w13"] = tuple(model.layers[-1].mlp.experts.w13.shape)
     rows = 0 if rank == 1 else 3 * rank + 2
     x = torch.randn(rows, model.cfg.hidden_size, generator=torch.Generator().manual_seed(rank))
     out["rows"] = dict(x=x, moe=model.layers[-1].mlp(x, tokens_local=True))
@@ -287,15 +302,43 @@ def rank_moe_logits(
     if parallel.comm is not None:
         parallel.comm.equal_rows = True
     out["rows_equal"] = dict(x=x, moe=model.layers[-1].mlp(x, tokens_local=True))
-    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    save_rank(out_dir, rank, out)
+
+
+def rank_dp_attention_logits(
+    rank: int,
+    world_size: int,
+    init_addr: str,
+    out_dir: str,
+    model_dir: str,
+    tp_size: int,
+    prompts: list[list[list[int]]],
+    agreed_prompts: list[list[list[int]]],
+) -> None:
+    """DP attention: DP groups of tp_size ranks, the MoE experts split over every rank
+    of the world (ep_size = world_size). Rank r prefills its DP group's prompts
+    (`prompts[r // tp_size]`, the groups' token counts differing), then its group's
+    `agreed_prompts` (the same count in every group) under `rows_agreed` (graphs'
+    gather: no count exchange), and saves {"own" | "agreed": {"hidden", "logits"},
+    "w13": the shape of the last layer's experts here} to rank{r}.pt."""
+    parallel = join_ranks(rank, world_size, init_addr, tp_size, ep_size=world_size)
+    assert parallel.tp_size == tp_size and parallel.moe_group[1], parallel
+    ctx = LayerContext(parallel=parallel)
+    model = load_model(model_dir, ctx)
+    out: dict = {"w13": tuple(model.layers[-1].mlp.experts.w13.shape)}
+    group = rank // tp_size
+    for name, by_group in (("own", prompts), ("agreed", agreed_prompts)):
+        rows = parallel.rows_agreed() if name == "agreed" else contextlib.nullcontext()
+        with rows:
+            hidden = model(prefill_batch(model, by_group[group], ctx))  # [T, hidden]
+        out[name] = dict(hidden=hidden, logits=model.compute_logits(hidden))
+    save_rank(out_dir, rank, out)
 
 
 def rank_outlives_its_peer(rank: int, world_size: int, init_addr: str, out_dir: str) -> None:
     """Rank 1 vanishes after the groups are built (as if killed); rank 0's all-reduce
     must raise, not hang: rank 0 saves the error and how long it took to peer.json."""
-    parallel = init_tensor_parallel(
-        rank, world_size, world_size, init_addr, CPU, COLLECTIVE_TIMEOUT
-    )
+    parallel = join_ranks(rank, world_size, init_addr, world_size)
     if rank == 1:
         os._exit(0)  # NOTE: no cleanup, no goodbye: the peer just disappears
     start = time.monotonic()
@@ -311,9 +354,7 @@ def rank_outlives_its_peer(rank: int, world_size: int, init_addr: str, out_dir: 
 
 def rank_fails_while_peer_waits(rank: int, world_size: int, init_addr: str, out_dir: str) -> None:
     """Rank 1 raises after the groups are built; rank 0 waits in an all-reduce."""
-    parallel = init_tensor_parallel(
-        rank, world_size, world_size, init_addr, CPU, COLLECTIVE_TIMEOUT
-    )
+    parallel = join_ranks(rank, world_size, init_addr, world_size)
     if rank == 1:
         raise ValueError("rank 1 fails")
     parallel.all_reduce(torch.ones(4))

@@ -222,6 +222,12 @@ class SparseMoeBlock(nn.Module):
     ):
         super().__init__()
         self.parallel, self.tokens_local = ctx.parallel.moe_group
+        # the rank whose copy of this rank's rows the combine returns: under DP attention
+        # every TP rank of a DP group brings the group's rows, and all of them take the
+        # copy of the group's TP rank 0 (the all-reduce sums each copy in its own float
+        # order, and the group's TP ranks must hold the same bits)
+        first = self.parallel.tp_rank
+        self.rows_from = first - ctx.parallel.tp_rank if self.tokens_local else first
         self.gate = TopKRouter(hidden_size, num_experts, top_k, renormalize, weights_fp32)
         self.experts = MoeExperts(hidden_size, num_experts, intermediate_size, ctx)
 
@@ -241,6 +247,6 @@ class SparseMoeBlock(nn.Module):
         topk_weights, topk_ids = self.gate(x)
         out = self.parallel.all_reduce(self.experts(x, topk_weights, topk_ids))
         if tokens_local:
-            start = sum(counts[: self.parallel.tp_rank])
+            start = sum(counts[: self.rows_from])
             out = out[start : start + rows]
         return out

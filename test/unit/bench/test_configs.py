@@ -1,7 +1,8 @@
 """configs/*.sh and benchmarks/run_config.sh: valid bash; each serving config execs one
 `gyrfalcon serve` whose flags the server's own parser accepts (run with a stub
 `gyrfalcon` on PATH that records its arguments: no server is started); the dummy
-EAGLE3 drafter config fits its target."""
+EAGLE3 drafter configs fit their targets; every rank of a MoE config's layout builds
+its share of the model (meta device)."""
 
 from __future__ import annotations
 
@@ -174,6 +175,43 @@ def test_dummy_qwen3_moe_drafter_config_fits_its_target() -> None:
         target.rope_theta,
         target.rope_scaling,
     )
+
+
+@pytest.mark.parametrize("name", list(MOE))
+def test_moe_config_ranks_build_their_share_of_the_model(name: str, tmp_path: Path) -> None:
+    """Every rank of the config's layout builds its share of the target and of the dummy
+    drafter its _eagle3 variant names (on the meta device: no memory), and the ranks'
+    experts hold each expert's weights once in all (no DP group holds them all)."""
+    import torch
+
+    from gyrfalcon.forward.parallel import ParallelContext
+    from gyrfalcon.layers.context import LayerContext
+    from gyrfalcon.models.llama_eagle3 import LlamaForCausalLMEagle3
+    from gyrfalcon.models.registry import model_class
+
+    argv = run_with_stub(ROOT / "configs" / f"{name}_eagle3.sh", tmp_path)
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = ServerArgs.from_cli_args(parser.parse_args(argv[1:])).resolved(128)
+    target = ModelConfig.from_dir(args.model)
+    draft = DraftConfig.from_dir(args.speculative_draft_model_path)
+    draft = draft.with_max_positions(target.max_position_embeddings)
+    tp, world = args.tp_size, args.tp_size * args.dp_size
+    dp_attention = args.dp_ranks_agree()  # the experts over every rank of the world
+    expert_weights = 0
+    for rank in range(world):
+        # NOTE: the contexts init_tensor_parallel returns, without process groups
+        expert = ParallelContext(rank, world, ep_size=world) if dp_attention else None
+        ep = 1 if dp_attention else args.ep_size
+        ctx = LayerContext(parallel=ParallelContext(rank % tp, tp, None, ep, expert))
+        with torch.device("meta"):
+            model = model_class(target)(target, ctx)
+            LlamaForCausalLMEagle3(draft, ctx, model.embed_tokens)
+        assert model.embed_tokens.weight.shape[0] == -(-target.vocab_size // tp)
+        experts = model.layers[-1].mlp.experts
+        expert_weights += experts.w13.numel() + experts.w2.numel()
+    e, i, h = target.num_experts, target.moe_intermediate_size, target.hidden_size
+    assert expert_weights == 3 * e * i * h  # each expert's gate, up and down once
 
 
 def test_dummy_llama8b_drafter_config_fits_its_target() -> None:
