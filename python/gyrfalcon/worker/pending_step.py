@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from gyrfalcon.ipc.messages import RowResult, StepResult
 from gyrfalcon.worker.logprobs import HostCopy, SampleOutput
@@ -25,6 +26,8 @@ class PendingStep:
     # the N logit rows, whose logprobs it carries (`spec_verify.verify_sample`)
     width: int = 1
     logit_starts: list[int] = field(default_factory=list)  # first logit row of each
+    kind: str = "eager"  # how it ran (step_stats.KINDS)
+    span: Any = None  # its CUDA events (`StepStats.end`), when timing
 
     def done(self) -> bool:
         return self.copy is None or self.copy.done()

@@ -101,6 +101,7 @@ def _run_plans(
             if msg is None:
                 continue
         else:
+            runner.stats.idle(True)  # NOTE: the device has nothing left to run
             msg = inbox.recv(POLL_MS)
             if msg is None:
                 if stop.parent_gone():
@@ -109,4 +110,5 @@ def _run_plans(
         if isinstance(msg, Shutdown):
             return
         assert isinstance(msg, StepPlan)
+        runner.stats.idle(False)
         runner.submit(msg)

@@ -60,6 +60,7 @@ from gyrfalcon.worker.spec_verify import (
     verify_sample,
 )
 from gyrfalcon.worker.step_layout import StepLayout, latest_start
+from gyrfalcon.worker.step_stats import StepStats
 from gyrfalcon.worker.warmup import WARMUP_CHUNK, warmup_batches
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ class StepWorker:
         # size (`StepPlan.graph_rows`; 0: eager, as in warm-up); None: this rank decides
         self.graph_rows: int | None = 0 if args.dp_ranks_agree() else None
         self.num_plans = 0  # plans run (warm-up excluded)
+        self.stats = StepStats(self.device)  # per kind of step (warm-up excluded)
 
     @property
     def floats_rows(self) -> bool:
@@ -149,11 +151,14 @@ class StepWorker:
         self.num_plans += 1
         if self.graph_rows is not None:
             self.graph_rows = plan.graph_rows
+        began = self.stats.begin()
         try:
             self.submit_batch(plan.step_id, plan.batches[self.dp_rank])
         finally:
             if self.graph_rows is not None:
                 self.graph_rows = 0  # NOTE: batches outside a plan (warm-up) run eagerly
+        step = self.pending[-1]
+        step.span = self.stats.end(step.kind, len(step.results), began)
 
     @torch.inference_mode()
     def submit_batch(self, step_id: int, rb: RankBatch) -> None:
@@ -165,16 +170,18 @@ class StepWorker:
         if rb.forward_mode == ForwardMode.IDLE:
             assert not rb.rows, "an IDLE batch has no rows"
             self._run_dummy_row()
-            self.pending.append(PendingStep(step_id, self.dp_rank, []))
+            self.pending.append(PendingStep(step_id, self.dp_rank, [], kind="idle"))
         else:
             assert rb.rows, f"a {rb.forward_mode.name} batch without rows"
             self.pending.append(self._launch(step_id, rb))
 
     def summary(self) -> str:
-        """How many plans ran, and how many target forwards replayed graphs."""
+        """How many plans ran, how many target forwards replayed graphs, and the time
+        per kind of step (step_stats.py)."""
         graphs = self.executor.graphs
         runs = graphs.num_runs if graphs is not None else 0
-        return f"{self.num_plans} steps, {runs} target forwards through graphs"
+        counts = f"{self.num_plans} steps, {runs} target forwards through graphs"
+        return f"{counts}; {self.stats.summary()}"
 
     def oldest_done(self) -> bool:
         """Whether take() would return without waiting for the device."""
@@ -182,7 +189,10 @@ class StepWorker:
 
     def take(self) -> StepResult:
         """The oldest submitted step's result (blocks until its ids are on the host)."""
-        return self.pending.popleft().resolve()
+        step = self.pending.popleft()
+        result = step.resolve()
+        self.stats.span_done(step.span)
+        return result
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one plan to completion (nothing else may be in flight)."""
@@ -262,6 +272,7 @@ class StepWorker:
             bt.input_ids[dr_pos_t] = self.requests.draft_tokens.view(-1)[dr_src_t]
         every_token = len(layout.logit_tokens) == num_tokens
         out = self.executor.forward(rb.forward_mode, bt, logit_t, every_token, self.graph_rows)
+        step.kind = "eager" if out.hidden is not None else "graph"
         if out.hidden is not None:
             self._prompt_logprobs(rows, reqs, out.hidden, bt, step.results)
         emitted = accept_len = None
@@ -334,7 +345,7 @@ class StepWorker:
         accepted, emitted = self.fused.run(self.executor.graphs, bt, bt.extra[0].view(4, len(rows)))
         step.sample_rows = list(range(len(rows)))
         step.states = [q.sampling for q in reqs]
-        step.width = k + 1
+        step.width, step.kind = k + 1, "fused"
         step.copy = HostCopy(
             SampleOutput(torch.cat([accepted, emitted.view(-1)]), None, None, None)
         )

@@ -6,7 +6,7 @@ import torch
 
 from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs
-from gyrfalcon.ipc.contract import DUMMY_PAGE, RankLayout
+from gyrfalcon.ipc.contract import DUMMY_PAGE, PLACEHOLDER, RankLayout
 from gyrfalcon.ipc.messages import (
     ForwardMode,
     NewRequest,
@@ -75,3 +75,26 @@ def test_worker_runs_its_dp_ranks_batch_and_returns_token_lists(tiny_model_dirs)
     drop = RankBatch(ForwardMode.IDLE, [], [], ["r"])
     assert w.execute(StepPlan(1, [RankBatch(ForwardMode.IDLE, []), drop])).rows == []
     assert not w.requests
+
+
+def test_summary_counts_each_kind_of_step(tiny_model_dirs):
+    """The exit log line says how each step ran: the prompt eagerly, its decodes through
+    the (static) graph, an IDLE step as a dummy row; rows per step and host time each."""
+    w = worker(tiny_model_dirs, static=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=4)
+    new = [NewRequest("r", [5, 6, 7], sp)]
+    w.execute(
+        StepPlan(
+            0, [RankBatch(ForwardMode.PREFILL, [ScheduledRow("r", 0, [5, 6, 7], [1], True)], new)]
+        )
+    )
+    for i in range(2):
+        row = ScheduledRow("r", 3 + i, [PLACEHOLDER], [1], True)
+        w.execute(StepPlan(1 + i, [RankBatch(ForwardMode.DECODE, [row])]))
+    w.execute(StepPlan(3, [RankBatch(ForwardMode.IDLE, [], [], ["r"])]))
+    kinds = {k: (s.steps, s.rows) for k, s in w.stats.kinds.items() if s.steps}
+    assert kinds == {"eager": (1, 1), "graph": (2, 2), "idle": (1, 0)}
+    assert all(s.host_s > 0 for s in w.stats.kinds.values() if s.steps)
+    text = w.summary()
+    assert text.startswith("4 steps, ") and "; graph 2 x " in text
+    assert "; eager 1 x " in text and "; idle 1 x " in text and "; waited 0.00 s" in text
