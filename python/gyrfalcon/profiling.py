@@ -19,7 +19,7 @@ from collections.abc import Iterator
 logger = logging.getLogger(__name__)
 
 PROFILE_DIR_ENV = "GYRFALCON_PROFILE_DIR"
-TOP = 45  # functions listed per ordering
+TOP = 90  # functions listed per ordering
 
 
 def write_stats(prof: cProfile.Profile, path: str, header: str = "", top: int = TOP) -> None:

@@ -130,6 +130,13 @@ class ServerArgs:
     cuda_graph_max_bs: int = field(
         default=256, metadata={"help": "largest decode batch run through a CUDA graph"}
     )
+    piecewise_cuda_graph_max_tokens: int = field(
+        default=512,
+        metadata={
+            "help": "largest eager forward (prefill chunks, mixed steps) run as piecewise "
+            "CUDA graphs between attention calls (0: none)"
+        },
+    )
     cuda_graph_bs: str | None = field(
         default=None,
         metadata={"help": "comma-separated decode batch sizes to capture (default: 1,2,4,8,16,..)"},

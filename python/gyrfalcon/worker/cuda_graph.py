@@ -88,12 +88,13 @@ def capture_batch_sizes(max_bs: int, explicit: list[int] | None = None) -> list[
     return sorted(set(sizes) | {max_bs})
 
 
-def padded_batch_size(bs: int, sizes: list[int]) -> int:
-    """Smallest capture size >= bs (sizes ascending)."""
+def padded_batch_size(bs: int, sizes: list[int], what: str = "batch size") -> int:
+    """Smallest capture size >= bs (sizes ascending): rows of a graph batch, or tokens
+    of a piecewise pass (what names them in the error)."""
     for s in sizes:
         if s >= bs:
             return s
-    raise ValueError(f"batch size {bs} exceeds the largest capture size {sizes[-1]}")
+    raise ValueError(f"{what} {bs} exceeds the largest capture size {sizes[-1]}")
 
 
 def graph_keys(specs: list[GraphSpec], sizes: list[int]) -> list[GraphKey]:

@@ -28,6 +28,7 @@ from gyrfalcon.layers.attention.registry import create_backends
 from gyrfalcon.layers.context import LayerContext
 from gyrfalcon.models.registry import build_model
 from gyrfalcon.worker.cuda_graph import GraphRunner, GraphSpec
+from gyrfalcon.worker.piecewise_graph import PiecewiseGraphs, piecewise_sizes
 from gyrfalcon.worker.sampler import argmax_rows
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class ForwardOutput:
     # [T, 3 * hidden] every token's aux hidden states (`aux_layers`), concatenated in
     # their order: what an EAGLE3 drafter fuses; None unless the executor captures them
     aux: torch.Tensor | None = None
+    ran: str = "eager"  # how: "graph", "piecewise" (worker/piecewise_graph.py) or "eager"
 
 
 class ModelExecutor:
@@ -81,6 +83,7 @@ class ModelExecutor:
         self.attn, self.decode_attn = self.backends.extend, self.backends.decode
         self.kv_cache: KVCache | None = None
         self.graphs: GraphRunner | None = None
+        self.piecewise: PiecewiseGraphs | None = None  # the eager path's forwards
         # target layers whose inputs every forward also returns (`ForwardOutput.aux`);
         # set before the graphs are captured, by the drafter that reads them
         self.aux_layers: tuple[int, ...] | None = None
@@ -159,6 +162,28 @@ class ModelExecutor:
         )
         with self.ctx.parallel.rows_agreed():  # NOTE: graphs run only at agreed sizes
             self.graphs.capture()
+        self._setup_piecewise(mode)
+
+    def _setup_piecewise(self, mode: str) -> None:
+        """Piecewise graphs for the eager path (worker/piecewise_graph.py), up to
+        --piecewise-cuda-graph-max-tokens tokens; none where the ranks bring their own
+        tokens to the MoE layers (DP attention: their gathers exchange row counts)."""
+        self.piecewise = None
+        sizes = piecewise_sizes(self.args.piecewise_cuda_graph_max_tokens)
+        if not sizes or self.ctx.parallel.moe_group[1]:
+            return
+        assert self.kv_cache is not None
+        self.piecewise = PiecewiseGraphs(
+            self._model_outputs, self.backends.extend, self.kv_cache, self.dtype,
+            self.page_size, self.device, mode, sizes,
+        )  # fmt: skip
+        self.piecewise.capture()
+
+    def _model_outputs(self, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
+        """(final hidden states,) or (them, the aux states): what a pass of piecewise
+        graphs returns."""
+        hidden, aux = self._run_model(batch)
+        return (hidden,) if aux is None else (hidden, aux)
 
     def token_logits(self, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
         """The captured function of every mode: a static batch -> (logits [T, vocab] of
@@ -205,14 +230,18 @@ class ModelExecutor:
         if usable and graphs.can_run(mode, bt, rows=rows):
             with self.ctx.parallel.rows_agreed():  # NOTE: static replay runs the callable
                 logits, argmax, *aux = graphs.run(mode, bt, rows=rows)
-            return ForwardOutput(logits, argmax, None, aux[0] if aux else None)
+            return ForwardOutput(logits, argmax, None, aux[0] if aux else None, "graph")
         assert not (usable and rows) or rows > graphs.sizes[-1], (
             f"the ranks agreed on a graph for {rows} rows that this rank's {mode.name} "
             "batch cannot replay"
         )
-        attn = self.backend_for(mode)
-        batch = ForwardBatch.from_tensors(mode, bt, self.page_size, self.kv_cache, attn)
-        batch.attn_meta = attn.build_metadata(batch)
-        hidden, aux = self._run_model(batch)  # [T, hidden], [T, 3 * hidden] or None
+        attn, ran = self.backend_for(mode), "eager"
+        if graph_rows != 0 and self.piecewise is not None and self.piecewise.can_run(bt):
+            hidden, *rest = self.piecewise.run(mode, bt, attn)
+            aux, ran = (rest[0] if rest else None), "piecewise"
+        else:
+            batch = ForwardBatch.from_tensors(mode, bt, self.page_size, self.kv_cache, attn)
+            batch.attn_meta = attn.build_metadata(batch)
+            hidden, aux = self._run_model(batch)  # [T, hidden], [T, 3 * hidden] or None
         logits = self.compute_logits(hidden if every_token else hidden[logit_tokens])
-        return ForwardOutput(logits, None, hidden, aux)
+        return ForwardOutput(logits, None, hidden, aux, ran)

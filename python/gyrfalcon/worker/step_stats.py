@@ -1,12 +1,13 @@
 """Where a worker's time goes, per kind of step: logged when the worker stops.
 
 Kinds: `fused` (the whole greedy spec step in one replay), `graph` (the target's
-forward replayed from a graph), `eager` (the target's forward launched op by op: a
-prefill chunk, a mixed step, a size no graph serves) and `idle` (a DP rank's dummy
-row). For each: how many steps, their mean rows, and the host time spent launching
-them. `waited` sums the gaps under `SHORT_GAP_S` in which the worker had nothing in
-flight and waited for the next plan: the device idled on the scheduler then (longer
-gaps are a server without work).
+forward replayed from a graph), `piecewise` (a prefill chunk or mixed step through
+piecewise graphs, worker/piecewise_graph.py), `eager` (the target's forward launched
+op by op: a size no graph serves) and `idle` (a DP rank's dummy row). For each:
+how many steps, their mean rows, and the host time spent launching them. `waited`
+sums the gaps under `SHORT_GAP_S` in which the worker had nothing in flight and
+waited for the next plan: the device idled on the scheduler then (longer gaps are a
+server without work).
 
 With `GYRFALCON_STEP_TIMES=1` each step also records CUDA events around its launch:
 the device-stream span of a kind (from its first kernel's queueing point to its last
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 STEP_TIMES_ENV = "GYRFALCON_STEP_TIMES"
-KINDS = ("fused", "graph", "eager", "idle")
+KINDS = ("fused", "graph", "piecewise", "eager", "idle")
 SHORT_GAP_S = 0.1
 
 
@@ -32,11 +33,13 @@ class KindStats:
     steps: int = 0
     rows: int = 0
     host_s: float = 0.0
+    max_host_s: float = 0.0  # the slowest launch (a kernel compiling shows here)
     device_s: float = 0.0  # summed event spans (GYRFALCON_STEP_TIMES only)
 
     def line(self, name: str, timed: bool) -> str:
         n = self.steps
-        text = f"{name} {n} x {1e3 * self.host_s / n:.2f} ms host, {self.rows / n:.1f} rows"
+        mean, most = 1e3 * self.host_s / n, 1e3 * self.max_host_s
+        text = f"{name} {n} x {mean:.2f} ms host (max {most:.1f}), {self.rows / n:.1f} rows"
         if timed:
             text += f", {1e3 * self.device_s / n:.2f} ms device span"
         return text
@@ -69,7 +72,9 @@ class StepStats:
         stats = self.kinds[kind]
         stats.steps += 1
         stats.rows += rows
-        stats.host_s += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        stats.host_s += took
+        stats.max_host_s = max(stats.max_host_s, took)
         if start is None:
             return None
         stop = torch.cuda.Event(enable_timing=True)

@@ -272,7 +272,7 @@ class StepWorker:
             bt.input_ids[dr_pos_t] = self.requests.draft_tokens.view(-1)[dr_src_t]
         every_token = len(layout.logit_tokens) == num_tokens
         out = self.executor.forward(rb.forward_mode, bt, logit_t, every_token, self.graph_rows)
-        step.kind = "eager" if out.hidden is not None else "graph"
+        step.kind = out.ran
         if out.hidden is not None:
             self._prompt_logprobs(rows, reqs, out.hidden, bt, step.results)
         emitted = accept_len = None

@@ -20,11 +20,11 @@ from gyrfalcon.worker.bootstrap import build_worker
 PS = 4
 
 
-def worker(tiny_model_dirs, static=False, dp_rank=0):
+def worker(tiny_model_dirs, static=False, dp_rank=0, **kw):
     d = tiny_model_dirs["llama"]
     args = ServerArgs(
         model=d, device="cpu", dtype="float32", page_size=PS, num_kv_pages=32,
-        static_graph_replay=static,
+        static_graph_replay=static, **kw,
     ).resolved()  # fmt: skip
     # NOTE: rank dp_rank of dp_rank + 1 DP groups of one rank each: no process group
     layout = RankLayout(dp_size=dp_rank + 1)
@@ -77,10 +77,13 @@ def test_worker_runs_its_dp_ranks_batch_and_returns_token_lists(tiny_model_dirs)
     assert not w.requests
 
 
-def test_summary_counts_each_kind_of_step(tiny_model_dirs):
-    """The exit log line says how each step ran: the prompt eagerly, its decodes through
-    the (static) graph, an IDLE step as a dummy row; rows per step and host time each."""
-    w = worker(tiny_model_dirs, static=True)
+@pytest.mark.parametrize("piecewise", [0, 16], ids=["eager", "piecewise"])
+def test_summary_counts_each_kind_of_step(tiny_model_dirs, piecewise):
+    """The exit log line says how each step ran: the prompt eagerly (or through the
+    piecewise graphs), its decodes through the (static) graph, an IDLE step as a dummy
+    row; rows per step and host time each."""
+    w = worker(tiny_model_dirs, static=True, piecewise_cuda_graph_max_tokens=piecewise)
+    prefill = "piecewise" if piecewise else "eager"
     sp = SamplingParams(temperature=0.0, max_tokens=4)
     new = [NewRequest("r", [5, 6, 7], sp)]
     w.execute(
@@ -93,8 +96,8 @@ def test_summary_counts_each_kind_of_step(tiny_model_dirs):
         w.execute(StepPlan(1 + i, [RankBatch(ForwardMode.DECODE, [row])]))
     w.execute(StepPlan(3, [RankBatch(ForwardMode.IDLE, [], [], ["r"])]))
     kinds = {k: (s.steps, s.rows) for k, s in w.stats.kinds.items() if s.steps}
-    assert kinds == {"eager": (1, 1), "graph": (2, 2), "idle": (1, 0)}
+    assert kinds == {prefill: (1, 1), "graph": (2, 2), "idle": (1, 0)}
     assert all(s.host_s > 0 for s in w.stats.kinds.values() if s.steps)
     text = w.summary()
     assert text.startswith("4 steps, ") and "; graph 2 x " in text
-    assert "; eager 1 x " in text and "; idle 1 x " in text and "; waited 0.00 s" in text
+    assert f"; {prefill} 1 x " in text and "; idle 1 x " in text and "; waited 0.00 s" in text
