@@ -42,6 +42,7 @@ from gyrfalcon.ipc.messages import (
     StepPlan,
     StepResult,
 )
+from gyrfalcon.worker.compile_watch import CompileWatch
 from gyrfalcon.worker.drafter import Drafter, DraftRound
 from gyrfalcon.worker.executor import ModelExecutor
 from gyrfalcon.worker.logprobs import HostCopy, SampleOutput
@@ -61,7 +62,7 @@ from gyrfalcon.worker.spec_verify import (
 )
 from gyrfalcon.worker.step_layout import StepLayout, latest_start
 from gyrfalcon.worker.step_stats import StepStats
-from gyrfalcon.worker.warmup import WARMUP_CHUNK, warmup_batches
+from gyrfalcon.worker.warmup import WARMUP_CHUNK, warmup_batches, warmup_last_position
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +110,7 @@ class StepWorker:
         self.graph_rows: int | None = 0 if args.dp_ranks_agree() else None
         self.num_plans = 0  # plans run (warm-up excluded)
         self.stats = StepStats(self.device)  # per kind of step (warm-up excluded)
+        self.compiles = CompileWatch()  # Triton kernels first built after the warm-up
 
     @property
     def floats_rows(self) -> bool:
@@ -181,7 +183,7 @@ class StepWorker:
         graphs = self.executor.graphs
         runs = graphs.num_runs if graphs is not None else 0
         counts = f"{self.num_plans} steps, {runs} target forwards through graphs"
-        return f"{counts}; {self.stats.summary()}"
+        return f"{counts}; {self.stats.summary()}; {self.compiles.summary()}"
 
     def oldest_done(self) -> bool:
         """Whether take() would return without waiting for the device."""
@@ -203,16 +205,18 @@ class StepWorker:
     def warm_up(self, context_len: int) -> None:
         """Run one step of each kind on the dummy page (kernels compile now, not in the
         first requests), within `context_len` positions; leaves no request state behind."""
-        chunk = min(WARMUP_CHUNK, (context_len - 2) // 2)  # the longest row: 2 chunks + 2
-        if chunk < 1:
-            return
-        t0 = time.perf_counter()
-        assert not self.pending, "warm-up with steps in flight"
-        for i, rb in enumerate(warmup_batches(self.args.page_size, chunk)):
-            self.submit_batch(-1 - i, rb)  # NOTE: negative step ids: never the scheduler's
-            self.take()
-        assert not len(self.requests), "warm-up requests left behind"
-        logger.info("warm-up steps ran in %.1f s", time.perf_counter() - t0)
+        k = self.num_draft
+        chunk = min(WARMUP_CHUNK, (context_len - 1 - warmup_last_position(0, k)) // 2)
+        if chunk >= 1:
+            t0 = time.perf_counter()
+            assert not self.pending, "warm-up with steps in flight"
+            for i, rb in enumerate(warmup_batches(self.args.page_size, chunk, k)):
+                self.submit_batch(-1 - i, rb)  # NOTE: negative step ids: never the scheduler's
+                self.take()
+            assert not len(self.requests), "warm-up requests left behind"
+            logger.info("warm-up steps ran in %.1f s", time.perf_counter() - t0)
+        if self.device.type == "cuda":
+            self.compiles.install()
 
     def _run_dummy_row(self) -> None:
         """An IDLE rank's step: one padded row (token 0 at position 0 on the dummy page)

@@ -23,29 +23,46 @@ TOKEN = 1  # any id the vocabulary has
 WARMUP_CHUNK = 24  # prompt tokens per prefill row
 
 
-def warmup_batches(page_size: int, chunk: int = WARMUP_CHUNK) -> list[RankBatch]:
+def warmup_last_position(chunk: int, num_draft: int = 0) -> int:
+    """The last position `warmup_batches(_, chunk, num_draft)` writes."""
+    return 2 * chunk + 2 + num_draft if num_draft else 2 * chunk + 1
+
+
+def warmup_batches(
+    page_size: int, chunk: int = WARMUP_CHUNK, num_draft: int = 0
+) -> list[RankBatch]:
     """Prefill, a chunk on a cached prefix, a mixed step (a decode row beside a
     prefill, one greedy and one sampled row), a decode step, then the drop (an IDLE
     batch: its dummy row runs too).
 
-    Every page of both requests is the dummy page. The longest request reaches
-    position 2 * chunk + 1."""
-    a, b = WARMUP_RIDS
-    greedy = SamplingParams(temperature=0.0, max_tokens=3)
-    sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=2)
+    With a drafter (num_draft = k > 0) the mixed step's decode row and both decode
+    rows verify k drafts (a VERIFY step, greedy beside sampled: the general path), and
+    a greedy VERIFY row alone follows (the fused step where graphs serve it): every
+    kernel a spec server's mixed steps launch compiles now, not at its first
+    arrivals. A verify row continues as if it accepted nothing.
 
-    def row(rid: str, start: int, n: int, sample: bool, placeholder: bool = False):
-        pages = pages_needed(pages_needed(0, start, page_size), start + n, page_size)
+    Every page of both requests is the dummy page. The longest request reaches
+    position `warmup_last_position(chunk, k)`."""
+    a, b = WARMUP_RIDS
+    greedy = SamplingParams(temperature=0.0, max_tokens=4)
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=2)
+    k = num_draft
+
+    def row(rid: str, start: int, n: int, sample: bool, placeholder: bool = False, d: int = 0):
+        pages = pages_needed(pages_needed(0, start, page_size), start + n + d, page_size)
         ids = [PLACEHOLDER] if placeholder else [TOKEN] * n
-        return ScheduledRow(rid, start, ids, [DUMMY_PAGE] * pages, sample, False)
+        return ScheduledRow(rid, start, ids, [DUMMY_PAGE] * pages, sample, False, d)
 
     new = [NewRequest(a, [TOKEN] * 2 * chunk, greedy), NewRequest(b, [TOKEN] * chunk, sampled)]
     c = chunk
+    decode = ForwardMode.VERIFY if k else ForwardMode.DECODE
     steps = [
         (ForwardMode.PREFILL, [new[0]], [row(a, 0, c, False)]),
         (ForwardMode.PREFILL, [], [row(a, c, c, True)]),
-        (ForwardMode.MIXED, [new[1]], [row(a, 2 * c, 1, True, True), row(b, 0, c, True)]),
-        (ForwardMode.DECODE, [], [row(a, 2 * c + 1, 1, True, True), row(b, c, 1, True, True)]),
-        (ForwardMode.IDLE, [], []),
+        (ForwardMode.MIXED, [new[1]], [row(a, 2 * c, 1, True, True, k), row(b, 0, c, True)]),
+        (decode, [], [row(a, 2 * c + 1, 1, True, True, k), row(b, c, 1, True, True, k)]),
     ]
+    if k:
+        steps.append((decode, [], [row(a, 2 * c + 2, 1, True, True, k)]))
+    steps.append((ForwardMode.IDLE, [], []))
     return [RankBatch(m, r, n, [] if r else list(WARMUP_RIDS)) for m, n, r in steps]

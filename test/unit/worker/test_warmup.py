@@ -9,15 +9,18 @@ from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.ipc.contract import DUMMY_PAGE
 from gyrfalcon.ipc.messages import ForwardMode
 from gyrfalcon.worker.bootstrap import build_worker
-from gyrfalcon.worker.warmup import WARMUP_RIDS, warmup_batches
+from gyrfalcon.worker.warmup import WARMUP_RIDS, warmup_batches, warmup_last_position
 
 
-def test_plans_give_every_request_the_pages_its_tokens_need():
+@pytest.mark.parametrize("k", [0, 3])
+def test_plans_give_every_request_the_pages_its_tokens_need(k):
+    """Rows continue where the last ended (a verify row as if it accepted nothing); with
+    a drafter the decodes verify k drafts, greedy beside sampled, then greedy alone."""
     ps = 16
-    batches = warmup_batches(ps, chunk=24)
+    batches = warmup_batches(ps, chunk=24, num_draft=k)
+    decodes = [ForwardMode.VERIFY] * 2 if k else [ForwardMode.DECODE]
     assert [b.forward_mode for b in batches] == [
-        ForwardMode.PREFILL, ForwardMode.PREFILL, ForwardMode.MIXED, ForwardMode.DECODE,
-        ForwardMode.IDLE,
+        ForwardMode.PREFILL, ForwardMode.PREFILL, ForwardMode.MIXED, *decodes, ForwardMode.IDLE,
     ]  # fmt: skip
     pages = {rid: 0 for rid in WARMUP_RIDS}
     computed = {rid: 0 for rid in WARMUP_RIDS}
@@ -25,9 +28,12 @@ def test_plans_give_every_request_the_pages_its_tokens_need():
         for row in batch.rows:
             assert row.start == computed[row.rid], "rows continue where the last one ended"
             assert set(row.new_pages) <= {DUMMY_PAGE}
-            computed[row.rid] += len(row.input_ids)
+            assert row.num_draft == (k if len(row.input_ids) == 1 else 0)
             pages[row.rid] += len(row.new_pages)
-            assert pages[row.rid] == -(-computed[row.rid] // ps)
+            assert pages[row.rid] == -(
+                -(computed[row.rid] + len(row.input_ids) + row.num_draft) // ps
+            )
+            computed[row.rid] += len(row.input_ids)
     assert sorted(batches[-1].finished_rids) == sorted(WARMUP_RIDS)
     assert [r.rid for b in batches for r in b.new_requests] == list(WARMUP_RIDS)
     mixed = batches[2].rows
@@ -53,14 +59,35 @@ def test_warm_up_touches_only_the_dummy_page(tiny_model_dirs, static):
     assert runner.requests.num_free_slots == runner.requests.last_tokens.shape[0]  # every slot back
 
 
-def test_plans_stay_within_2_chunks_plus_2_positions():
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_plans_stay_within_their_last_position(k):
     for chunk in (1, 4, 24):
         ends = [
-            row.start + len(row.input_ids)
-            for batch in warmup_batches(4, chunk)
+            row.start + len(row.input_ids) + row.num_draft
+            for batch in warmup_batches(4, chunk, k)
             for row in batch.rows
         ]
-        assert max(ends) == 2 * chunk + 2
+        assert max(ends) - 1 == warmup_last_position(chunk, k) == 2 * chunk + 1 + (k + 1) * (k > 0)
+
+
+def test_spec_warm_up_touches_only_the_dummy_page_of_target_and_drafter(tmp_path):
+    """With a drafter the warm-up verifies drafts (general path and fused step) and
+    drafts after every row; every page it writes, the target's and the drafter's, is
+    the dummy page, and nothing is left behind."""
+    from spec_util import engine, make_pair
+
+    target, draft = make_pair(tmp_path)
+    eng = engine(target, draft, static_graph_replay=True)
+    w = eng.worker
+    assert w.fused is not None
+    for kv in (w.executor.kv_cache, w.drafter.kv_cache):
+        ps = kv.page_size
+        dummy = slice(DUMMY_PAGE * ps, (DUMMY_PAGE + 1) * ps)
+        assert kv.k[:, dummy].abs().sum() > 0
+        rest = torch.ones(kv.k.shape[1], dtype=torch.bool)
+        rest[dummy] = False
+        assert not kv.k[:, rest].any() and not kv.v[:, rest].any()
+    assert not w.requests and not w.pending
 
 
 @pytest.mark.parametrize("context,runs", [(10, True), (3, False)])

@@ -1,0 +1,67 @@
+"""Triton kernels first used while serving.
+
+A Triton kernel compiles (or loads from its disk cache) the first time a process
+launches it with a new specialization: argument dtypes, constexprs, and integers
+that are 1 or divisible by 16. The warm-up (worker/warmup.py) exists so that this
+happens before the server reports ready; a specialization it misses costs the step
+that meets it hundreds of milliseconds at a request's expense. `CompileWatch`, set
+after the warm-up, logs each such first use with its time and counts them for the
+worker's exit line, so a missed specialization shows instead of hiding in a mean.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+
+logger = logging.getLogger(__name__)
+
+
+def kernel_name(spec: str) -> str:
+    """The kernel's name in Triton's description of a specialization
+    ("name[num_warps=4, ...](arg: i32, ...)")."""
+    return spec.split("[", 1)[0].split("(", 1)[0]
+
+
+class CompileWatch:
+    """Triton's JIT hooks (before and after a specialization is built) -> per-kernel
+    counts and the seconds spent, from `install()` on."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self.seconds = 0.0
+        self._started: float | None = None
+
+    def install(self) -> bool:
+        """Set Triton's hooks; False where Triton is absent or its hooks are taken."""
+        try:
+            from triton import knobs
+        except ImportError:
+            return False
+        rt = knobs.runtime
+        if rt.jit_cache_hook is not None or rt.jit_post_compile_hook is not None:
+            return False
+        rt.jit_cache_hook, rt.jit_post_compile_hook = self.before, self.after
+        return True
+
+    def before(self, *, repr: str, **_: object) -> None:
+        """Triton is about to build `repr` (returns None: go on building it)."""
+        self._started = time.perf_counter()
+
+    def after(self, *, repr: str, **_: object) -> None:
+        """Triton built `repr`."""
+        took = time.perf_counter() - self._started if self._started is not None else 0.0
+        self._started = None
+        self.counts[kernel_name(repr)] += 1
+        self.seconds += took
+        logger.warning(
+            "Triton built %s while serving (%.0f ms): warm-up missed it", repr, took * 1e3
+        )
+
+    def summary(self) -> str:
+        if not self.counts:
+            return "no Triton kernel built while serving"
+        names = ", ".join(f"{name} x{n}" for name, n in self.counts.most_common())
+        total = sum(self.counts.values())
+        return f"{total} Triton kernels built while serving ({self.seconds:.1f} s): {names}"

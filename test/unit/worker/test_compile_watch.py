@@ -1,0 +1,50 @@
+"""The Triton compile watch: kernels first built after the warm-up are counted and
+named in the worker's exit line."""
+
+import logging
+
+import pytest
+
+from gyrfalcon.worker.compile_watch import CompileWatch, kernel_name
+
+SPEC = "decode_attn_kernel[num_warps=4, num_ctas=1, num_stages=2](q: *bf16, n: i32)"
+
+
+def _hook_kwargs(spec: str) -> dict:
+    # the keywords Triton passes its JIT hooks (triton.knobs.JITHook)
+    return dict(key="k", repr=spec, fn=None, compile={}, is_manual_warmup=False,
+                already_compiled=False)  # fmt: skip
+
+
+def test_kernel_name_from_triton_description():
+    assert kernel_name(SPEC) == "decode_attn_kernel"
+    assert kernel_name("plain(x: i32)") == "plain"
+
+
+def test_summary_names_each_kernel_built(caplog):
+    watch = CompileWatch()
+    assert watch.summary() == "no Triton kernel built while serving"
+    with caplog.at_level(logging.WARNING):
+        for spec in (SPEC, SPEC, "argmax_kernel[num_warps=8](x: *bf16)"):
+            assert watch.before(**_hook_kwargs(spec)) is None  # None: Triton goes on
+            watch.after(**_hook_kwargs(spec))
+    text = watch.summary()
+    assert text.startswith("3 Triton kernels built while serving")
+    assert "decode_attn_kernel x2" in text and "argmax_kernel x1" in text
+    assert sum("warm-up missed it" in r.message for r in caplog.records) == 3
+
+
+def test_install_sets_tritons_hooks_once():
+    knobs = pytest.importorskip("triton").knobs
+    rt = knobs.runtime
+    saved = rt.jit_cache_hook, rt.jit_post_compile_hook
+    rt.jit_cache_hook = rt.jit_post_compile_hook = None
+    try:
+        watch = CompileWatch()
+        assert watch.install()
+        assert not CompileWatch().install(), "a second watch must not replace the first"
+        rt.jit_cache_hook(**_hook_kwargs(SPEC))
+        rt.jit_post_compile_hook(**_hook_kwargs(SPEC))
+        assert watch.counts["decode_attn_kernel"] == 1
+    finally:
+        rt.jit_cache_hook, rt.jit_post_compile_hook = saved
