@@ -43,6 +43,27 @@ class BatchTensors:
     leading_single_rows: int  # rows [0, n) have one new token each (host value)
 
 
+# int64 elements per 16 bytes: Triton specializes a kernel on whether each pointer it
+# takes is 16-byte aligned, so index tensors that started wherever the step's sizes put
+# them would build kernels again while serving (worker/compile_watch.py)
+ALIGN = 2
+
+
+def aligned_len(n: int) -> int:
+    """n rounded up to a multiple of ALIGN: the room a field of n int64s takes in a
+    step's packed upload, so that the next one starts 16-byte aligned."""
+    return -(-n // ALIGN) * ALIGN
+
+
+def aligned_token_rows(token_rows: torch.Tensor) -> torch.Tensor:
+    """A copy of [3, T] token rows (ids, positions, slots) whose rows start 16-byte
+    aligned, as `build_batch_tensors` lays them out."""
+    t = token_rows.shape[1]
+    out = token_rows.new_empty(3, aligned_len(t))[:, :t]
+    out.copy_(token_rows)
+    return out
+
+
 def leading_single_token_rows(q_lens: list[int]) -> int:
     """How many rows at the start of the batch have exactly one new token."""
     if q_lens.count(1) == len(q_lens):  # NOTE: decode batches, without a Python loop
@@ -89,13 +110,21 @@ def build_batch_tensors(
     table = [r.pages + [dummy_page] * (max_pages - len(r.pages)) for r in rows]
 
     last = [s + n - 1 for s, n in zip(q_starts, q_lens)]
-    # NOTE: one host->device copy for the whole step; the fields are views of it.
+    # NOTE: one host->device copy for the whole step; the fields are views of it, each
+    # starting 16-byte aligned (`aligned_len`)
     extra = extra or []
     parts = [ids, positions, slots, seq_lens, q_lens, q_starts, last, *extra]
-    flat = [x for part in parts for x in part] + [p for row in table for p in row]
+    flat: list[int] = []
+    for part in parts:
+        flat.extend(part)
+        flat.extend([0] * (aligned_len(len(part)) - len(part)))
+    flat.extend(p for row in table for p in row)
     packed = upload(flat, torch.int64, device)
-    sizes = [len(part) for part in parts] + [len(rows) * max_pages]
-    t_ids, t_pos, t_slots, t_seq, t_q, t_starts, t_last, *t_extra, t_table = packed.split(sizes)
+    sizes = [aligned_len(len(part)) for part in parts]
+    views = [x[: len(part)] for x, part in zip(packed[: sum(sizes)].split(sizes), parts)]
+    t_ids, t_pos, t_slots, t_seq, t_q, t_starts, t_last, *t_extra = views
+    t_table = packed[sum(sizes) :]
+    width = aligned_len(len(ids))
 
     bt = BatchTensors(
         input_ids=t_ids,
@@ -110,7 +139,7 @@ def build_batch_tensors(
         q_lens_cpu=q_lens,
         q_starts_cpu=q_starts,
         extra=t_extra,
-        token_rows=packed[: 3 * len(ids)].view(3, len(ids)),
+        token_rows=packed[: 3 * width].view(3, width)[:, : len(ids)],
         leading_single_rows=leading_single_token_rows(q_lens),
     )
     assert bt.input_ids.shape == bt.positions.shape == bt.out_cache_loc.shape
@@ -142,7 +171,9 @@ def advanced_rows(
     assert len(seq_lens_bound) == m and step >= 1
     pos = torch.minimum(anchor + step, last_pos)  # [m]
     page = page_table.gather(1, (pos // page_size)[:, None]).squeeze(1)  # [m]
-    token_rows = torch.stack([input_ids, pos, page * page_size + pos % page_size])  # [3, m]
+    # [3, m], rows 16-byte aligned (`aligned_token_rows`)
+    token_rows = input_ids.new_empty(3, aligned_len(m))[:, :m]
+    torch.stack([input_ids, pos, page * page_size + pos % page_size], out=token_rows)
     rows = torch.arange(m, device=input_ids.device)
     return BatchTensors(
         input_ids=token_rows[0],

@@ -87,7 +87,10 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-@triton.jit
+# NOTE: the page table's row stride and the tokens per row vary from batch to batch
+# in eager steps; specialized, each new value class would build the kernel again
+# while serving (worker/compile_watch.py)
+@triton.jit(do_not_specialize=["stride_pt", "tokens_per_row"])
 def _decode_split_kernel(
     q_ptr,
     k_ptr,
@@ -124,6 +127,7 @@ def _decode_split_kernel(
     stride_vnb,
     stride_vnh,
     stride_cs,
+    tokens_per_row,  # query tokens per page-table row (verify rows: k + 1)
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -137,10 +141,9 @@ def _decode_split_kernel(
     ROPE: tl.constexpr,
     F16_MATH: tl.constexpr,  # fp8 caches: dots in float16 (see decode_attention)
     PDL: tl.constexpr,
-    TOKENS_PER_ROW: tl.constexpr,  # query tokens per page-table row (verify rows: k + 1)
 ):
     pdl_gate(PDL)
-    row = tl.program_id(0)  # NOTE: a query token; its page-table row is row // TOKENS_PER_ROW
+    row = tl.program_id(0)  # NOTE: a query token; its page-table row is row // tokens_per_row
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     offs_h = tl.arange(0, BLOCK_H)
@@ -150,9 +153,9 @@ def _decode_split_kernel(
     mask_d = offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_h  # [BLOCK_H] query heads of this KV head
 
-    table_row = row // TOKENS_PER_ROW
+    table_row = row // tokens_per_row
     # token i of a row of T sees the row's length minus the T - 1 - i tokens after it
-    seq_len = tl.load(seq_lens_ptr + table_row) - (TOKENS_PER_ROW - 1 - row % TOKENS_PER_ROW)
+    seq_len = tl.load(seq_lens_ptr + table_row) - (tokens_per_row - 1 - row % tokens_per_row)
     # NOTE: the split length is rounded up to whole key blocks, so short rows use
     # only the first few splits; the rest have start >= end and stay empty.
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -355,13 +358,13 @@ def decode_attention(
         v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
         *mo_strides, mid_lse.stride(0), mid_lse.stride(1),
         scratch.counts.stride(0), o.stride(0), o.stride(1),
-        r.k.stride(0), r.k.stride(1), r.v.stride(0), r.v.stride(1), r.cos_sin.stride(0),
+        r.k.stride(0), r.k.stride(1), r.v.stride(0), r.v.stride(1), r.cos_sin.stride(0), t,
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, NUM_SPLITS=splits,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         BLOCK_G=merge_heads_per_tile(group, splits, block_d),
         BLOCK_S=triton.next_power_of_2(splits),
         PRECISION=dot_precision(q.dtype),
         ROPE=rope is not None, F16_MATH=fp8 and q.element_size() == 2,
-        num_warps=num_warps, num_stages=num_stages, PDL=launch, TOKENS_PER_ROW=t,
+        num_warps=num_warps, num_stages=num_stages, PDL=launch,
         launch_pdl=launch,
     )  # fmt: skip

@@ -20,7 +20,9 @@ import triton.language as tl
 from gyrfalcon.kernels.attention_decode import LOG2E, dot_precision
 
 
-@triton.jit
+# NOTE: the page table's row stride varies from batch to batch (specialized, a new
+# value class would build the kernel again while serving: worker/compile_watch.py)
+@triton.jit(do_not_specialize=["stride_pt"])
 def _extend_kernel(
     q_ptr,
     k_ptr,

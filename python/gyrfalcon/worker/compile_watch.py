@@ -17,6 +17,8 @@ from collections import Counter
 
 logger = logging.getLogger(__name__)
 
+KEY_CHARS = 600  # of a specialization's cache key, logged
+
 
 def kernel_name(spec: str) -> str:
     """The kernel's name in Triton's description of a specialization
@@ -49,15 +51,17 @@ class CompileWatch:
         """Triton is about to build `repr` (returns None: go on building it)."""
         self._started = time.perf_counter()
 
-    def after(self, *, repr: str, **_: object) -> None:
-        """Triton built `repr`."""
+    def after(self, *, repr: str, key: object = "", **_: object) -> None:
+        """Triton built `repr`; `key` (its cache key) says which specialization: every
+        argument's type with "D" where a pointer or integer is divisible by 16."""
         took = time.perf_counter() - self._started if self._started is not None else 0.0
         self._started = None
-        self.counts[kernel_name(repr)] += 1
+        name = kernel_name(repr)
+        self.counts[name] += 1
         self.seconds += took
-        logger.warning(
-            "Triton built %s while serving (%.0f ms): warm-up missed it", repr, took * 1e3
-        )
+        spec = str(key)[:KEY_CHARS]
+        msg = "Triton built %s while serving (%.0f ms): warm-up missed it; specialization %s"
+        logger.warning(msg, name, took * 1e3, spec)
 
     def summary(self) -> str:
         if not self.counts:

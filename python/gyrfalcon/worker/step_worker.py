@@ -31,7 +31,13 @@ import torch
 from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.forward.host_copy import upload
-from gyrfalcon.forward.metadata import BatchTensors, RowInput, build_batch_tensors, shift_rows
+from gyrfalcon.forward.metadata import (
+    BatchTensors,
+    RowInput,
+    aligned_token_rows,
+    build_batch_tensors,
+    shift_rows,
+)
 from gyrfalcon.forward.parallel import SINGLE_RANK, ParallelContext
 from gyrfalcon.ipc.contract import DUMMY_PAGE, PLACEHOLDER, verifies_drafts
 from gyrfalcon.ipc.messages import (
@@ -62,7 +68,7 @@ from gyrfalcon.worker.spec_verify import (
 )
 from gyrfalcon.worker.step_layout import StepLayout, latest_start
 from gyrfalcon.worker.step_stats import StepStats
-from gyrfalcon.worker.warmup import WARMUP_CHUNK, warmup_batches, warmup_last_position
+from gyrfalcon.worker.warmup import warmup_batches, warmup_chunk
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +212,7 @@ class StepWorker:
         """Run one step of each kind on the dummy page (kernels compile now, not in the
         first requests), within `context_len` positions; leaves no request state behind."""
         k = self.num_draft
-        chunk = min(WARMUP_CHUNK, (context_len - 1 - warmup_last_position(0, k)) // 2)
+        chunk = warmup_chunk(context_len, k)
         if chunk >= 1:
             t0 = time.perf_counter()
             assert not self.pending, "warm-up with steps in flight"
@@ -373,7 +379,7 @@ class StepWorker:
         assert self.drafter is not None and aux is not None
         ps = self.args.page_size
         if shared is not None:
-            rows = bt.token_rows.clone()  # ids, positions, slots: the drafter's ids go in [0]
+            rows = aligned_token_rows(bt.token_rows)  # the drafter's ids go in [0]
             ext = dataclasses.replace(
                 bt, input_ids=rows[0], positions=rows[1], out_cache_loc=rows[2],
                 token_rows=rows, extra=shared,

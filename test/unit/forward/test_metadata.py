@@ -1,7 +1,13 @@
 import pytest
 import torch
 
-from gyrfalcon.forward.metadata import RowInput, build_batch_tensors, slot_of
+from gyrfalcon.forward.metadata import (
+    RowInput,
+    advanced_rows,
+    aligned_token_rows,
+    build_batch_tensors,
+    slot_of,
+)
 
 
 def test_slots_positions_and_padding():
@@ -32,6 +38,32 @@ def test_one_upload_carries_extra_lists_and_token_rows_view_it():
     assert bt.token_rows[0].tolist() == [5, 6, 4]
 
 
+def _aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0
+
+
+@pytest.mark.parametrize("lens", [[1], [3], [1, 2], [3, 1, 1], [2, 5, 1, 1, 3]])
+def test_every_index_tensor_starts_16_byte_aligned(lens):
+    """Triton builds a kernel per pointer-alignment class: fields that started wherever
+    the step's token and row counts put them would build kernels again while serving
+    (worker/compile_watch.py). Odd counts everywhere, values intact."""
+    rows = [RowInput(i, [7] * n, [i + 1, i + 2]) for i, n in enumerate(lens)]
+    bt = build_batch_tensors(rows, 4, torch.device("cpu"), extra=[[1, 2, 3], [4], []])
+    fields = [bt.input_ids, bt.positions, bt.out_cache_loc, bt.seq_lens, bt.q_lens]
+    fields += [bt.q_starts, bt.last_token_idx, bt.page_table, *bt.extra, *bt.token_rows]
+    assert all(_aligned(t) for t in fields)
+    assert bt.token_rows.tolist() == [bt.input_ids.tolist(), bt.positions.tolist(),
+                                      bt.out_cache_loc.tolist()]  # fmt: skip
+    assert [t.tolist() for t in bt.extra] == [[1, 2, 3], [4], []]
+    assert bt.page_table.tolist() == [[i + 1, i + 2] for i in range(len(lens))]
+    copy = aligned_token_rows(bt.token_rows)
+    assert all(_aligned(r) for r in copy) and torch.equal(copy, bt.token_rows)
+    m = len(lens)  # a draft step's batch of m rows, built on the device
+    step = advanced_rows(bt.seq_lens, bt.seq_lens - 1, 1, bt.seq_lens + 4, bt.page_table, 4,
+                         [8] * m)  # fmt: skip
+    assert all(_aligned(t) for t in (step.input_ids, step.positions, step.out_cache_loc))
+
+
 def test_slot_of_matches_table_walk():
     pages = [7, 2, 9]
     assert [slot_of(pages, p, 4) for p in range(12)] == (
@@ -48,8 +80,6 @@ def test_each_draft_step_gets_its_own_positions_slots_and_lengths():
     """advanced_rows (a draft step's batch, built on the device) == the metadata builder
     on the same rows at step j: position anchor + j, its own slot, length + 1; capped at
     the row's last position (spec-decode bug class 3)."""
-    from gyrfalcon.forward.metadata import advanced_rows
-
     ps = 4
     pages = [[5, 2, 7], [3, 9, 1]]
     table = torch.tensor(pages)

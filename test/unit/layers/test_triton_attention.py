@@ -418,6 +418,20 @@ def test_mixed_batch_runs_leading_decode_rows_on_the_decode_kernel(kv_dtype):
     assert meta.scratch is not None and meta.scratch.num_kv_splits == 4
 
 
+@pytest.mark.parametrize("num_decode", [1, 2, 3])
+def test_mixed_batch_extend_rows_start_aligned_whatever_the_decode_count(num_decode):
+    # Triton builds a kernel per pointer-alignment class: the extend rows' index tensors
+    # start 16-byte aligned after any number of decode rows (views at row num_decode
+    # would not), so mixed steps never build the extend kernel again while serving
+    spec = [(n, 1) for n in (4, 7, 9)[:num_decode]] + [(0, 9), (5, 3)]
+    out, expect, tb = run_both(spec, 8, 2, 64, ForwardMode.MIXED, num_kv_splits=2)
+    meta = tb.attn_meta
+    assert meta.num_decode == num_decode and meta.max_q_len == 9
+    torch.testing.assert_close(out, expect, **TOL)
+    for t in (meta.ext_page_table, meta.ext_seq_lens, meta.q_starts, meta.q_lens):
+        assert t.data_ptr() % 16 == 0 and t.shape[0] == 2
+
+
 @pytest.mark.parametrize(
     "kv_heads,head_dim,splits,kv_dtype",
     [(2, 64, 1, torch.float32), (2, 64, 4, torch.float32), (1, 96, 3, FP8), (4, 128, 2, FP8)],

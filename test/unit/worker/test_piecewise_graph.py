@@ -66,10 +66,11 @@ def test_prefill_and_mixed_steps_through_pieces_match_hf(tiny_model_dirs, arch):
     gen = torch.Generator().manual_seed(3)
     ps = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 17, 9, 30)]
     eng = LocalEngine(args(d, num_kv_pages=64, chunked_prefill_size=8), d)
+    warm_up_runs = eng.worker.executor.piecewise.num_runs  # its short prompt row's steps
     assert eng.generate(ps, GREEDY) == hf_greedy(d, ps, GREEDY.max_tokens)
     kinds = eng.worker.stats.kinds
     assert kinds["piecewise"].steps > 0 and kinds["graph"].steps > 0
-    assert eng.worker.executor.piecewise.num_runs == kinds["piecewise"].steps
+    assert eng.worker.executor.piecewise.num_runs - warm_up_runs == kinds["piecewise"].steps
     eng.check_integrity()
     assert eng.scheduler.num_free_pages == eng.scheduler.num_usable_pages
 

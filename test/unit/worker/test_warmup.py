@@ -9,7 +9,14 @@ from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.ipc.contract import DUMMY_PAGE
 from gyrfalcon.ipc.messages import ForwardMode
 from gyrfalcon.worker.bootstrap import build_worker
-from gyrfalcon.worker.warmup import WARMUP_RIDS, warmup_batches, warmup_last_position
+from gyrfalcon.worker.warmup import (
+    WARMUP_CHUNK,
+    WARMUP_RIDS,
+    prompt_chunks,
+    warmup_batches,
+    warmup_chunk,
+    warmup_last_position,
+)
 
 
 @pytest.mark.parametrize("k", [0, 3])
@@ -67,7 +74,27 @@ def test_plans_stay_within_their_last_position(k):
             for batch in warmup_batches(4, chunk, k)
             for row in batch.rows
         ]
-        assert max(ends) - 1 == warmup_last_position(chunk, k) == 2 * chunk + 1 + (k + 1) * (k > 0)
+        first, second, _ = prompt_chunks(chunk)
+        expect = first + second + (2 + k if k else 1)
+        assert max(ends) - 1 == warmup_last_position(chunk, k) == expect
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_chunk_is_the_largest_that_fits_the_context(k):
+    assert warmup_chunk(10_000, k) == WARMUP_CHUNK
+    for context in (3, 8, 20, 61, 64):
+        c = warmup_chunk(context, k)
+        assert c == 0 or warmup_last_position(c, k) < context
+        assert c == WARMUP_CHUNK or warmup_last_position(c + 1, k) >= context
+
+
+def test_prompt_rows_meet_short_middling_and_long_query_blocks():
+    """Triton's extend kernel builds once per query block size (16, 32, 64 by the
+    longest row): the warm-up's prompt rows meet each."""
+    from gyrfalcon.kernels.attention_extend import extend_block_sizes
+
+    blocks = {extend_block_sizes(n, 64)[0] for n in prompt_chunks(WARMUP_CHUNK)}
+    assert blocks == {16, 32, 64}
 
 
 def test_spec_warm_up_touches_only_the_dummy_page_of_target_and_drafter(tmp_path):

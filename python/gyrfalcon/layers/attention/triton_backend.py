@@ -55,8 +55,15 @@ class TritonMeta:
     page_table: torch.Tensor  # [bs, max_pages] int32 (int64 under graphs)
     # [bs] int32 (int64 under graphs), KV length of each row after this step (>= 1)
     seq_lens: torch.Tensor
-    q_starts: torch.Tensor  # [bs] int32 (int64 under graphs), offset of each row's first token
-    q_lens: torch.Tensor  # [bs] int32 (int64 under graphs), new tokens of each row (>= 1)
+    # of the extend rows [num_decode, bs) (VERIFY rows: all of them), int32 (int64 under
+    # graphs): their page-table rows, KV lengths after this step (>= 1), each one's first
+    # token's offset in [T], its new tokens (>= 1). Copies where num_decode > 0: they
+    # start 16-byte aligned whatever num_decode, as Triton, specializing on pointer
+    # alignment, needs to serve every mix of rows with one build of its kernel.
+    ext_page_table: torch.Tensor
+    ext_seq_lens: torch.Tensor
+    q_starts: torch.Tensor
+    q_lens: torch.Tensor
     max_q_len: int  # host value: the longest extend row (rows >= num_decode); sets its grid
     num_decode: int  # host value: batch.num_decode_rows (tokens [0, num_decode))
     scratch: DecodeScratch | None  # decode partials, rows [0, num_decode) used
@@ -166,11 +173,18 @@ class TritonBackend(AttentionBackend):
         t = verify_tokens(batch.mode, batch.q_lens_cpu)
         if t:
             return self._verify_meta(batch, t, self._decode_scratch(batch.num_tokens, device))
+        i32 = torch.int32
+        page_table, seq_lens = batch.page_table.to(i32), batch.seq_lens.to(i32)
+        ext_table, ext_lens = page_table, seq_lens
+        if 0 < nd < batch.batch_size:  # NOTE: own copies (aligned), not views at row nd
+            ext_table, ext_lens = batch.page_table[nd:].to(i32), batch.seq_lens[nd:].to(i32)
         return TritonMeta(
-            page_table=batch.page_table.to(torch.int32),
-            seq_lens=batch.seq_lens.to(torch.int32),
-            q_starts=batch.q_starts.to(torch.int32),
-            q_lens=batch.q_lens.to(torch.int32),
+            page_table=page_table,
+            seq_lens=seq_lens,
+            ext_page_table=ext_table,
+            ext_seq_lens=ext_lens,
+            q_starts=batch.q_starts[nd:].to(i32),
+            q_lens=batch.q_lens[nd:].to(i32),
             max_q_len=max(batch.q_lens_cpu[nd:], default=1),
             num_decode=nd,
             scratch=self._decode_scratch(nd, device) if nd else None,
@@ -214,7 +228,9 @@ class TritonBackend(AttentionBackend):
         return TritonMeta(
             page_table=batch.page_table,
             seq_lens=batch.seq_lens,
-            q_starts=batch.seq_lens[:0],  # unused by the decode kernel
+            ext_page_table=batch.page_table[:0],  # no extend rows
+            ext_seq_lens=batch.seq_lens[:0],
+            q_starts=batch.seq_lens[:0],
             q_lens=batch.seq_lens[:0],
             max_q_len=1,
             num_decode=bs,
@@ -228,6 +244,8 @@ class TritonBackend(AttentionBackend):
         return TritonMeta(
             page_table=batch.page_table,
             seq_lens=batch.seq_lens,
+            ext_page_table=batch.page_table,
+            ext_seq_lens=batch.seq_lens,
             q_starts=batch.q_starts,
             q_lens=batch.q_lens,
             max_q_len=t,
@@ -302,10 +320,10 @@ class TritonBackend(AttentionBackend):
                 q,
                 k_all,
                 v_all,
-                meta.page_table[nd:],
-                meta.q_starts[nd:],
-                meta.q_lens[nd:],
-                meta.seq_lens[nd:],
+                meta.ext_page_table,
+                meta.q_starts,
+                meta.q_lens,
+                meta.ext_seq_lens,
                 out,
                 meta.max_q_len,
                 batch.page_size,
