@@ -4,16 +4,20 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from gyrfalcon.config.server_args import ServerArgs
 
 
 def _serve(argv: list[str]) -> int:
+    from gyrfalcon.frontend.auth import resolve_api_key
+
     parser = argparse.ArgumentParser(prog="gyrfalcon serve", description="Start the server.")
     ServerArgs.add_cli_args(parser)
     try:
         args = ServerArgs.from_cli_args(parser.parse_args(argv))
+        args = dataclasses.replace(args, api_key=resolve_api_key(args.api_key))
     except ValueError as e:  # NOTE: a bad combination of flags, before anything loads
         parser.error(str(e))
     if args.node_rank > 0:  # NOTE: not the head: this node's ranks only

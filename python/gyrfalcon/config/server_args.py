@@ -38,6 +38,14 @@ class ServerArgs:
         default=None, metadata={"help": "model name reported by /v1/models (default: derived)"}
     )
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer dir (default: model)"})
+    api_key: str | None = field(
+        default=None,
+        repr=False,  # NOTE: never in a log line
+        metadata={
+            "help": "require `Authorization: Bearer KEY` on every route but /health and "
+            "/version (default: $GYRFALCON_API_KEY; neither set: no auth)"
+        },
+    )
     dtype: DType = field(
         default="auto",
         metadata={

@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 import gyrfalcon
+from gyrfalcon.frontend.auth import ApiKeyAuth
 from gyrfalcon.frontend.engine_client import EngineClient, EngineDeadError
 from gyrfalcon.frontend.protocol import ChatCompletionRequest, CompletionRequest, ParamError
 from gyrfalcon.frontend.protocol_responses import ModelCard, ModelList, now
@@ -137,10 +138,14 @@ def create_app(
     tokenizer: PreTrainedTokenizerBase,
     model_name: str,
     max_model_len: int | None = None,
+    api_key: str | None = None,
 ) -> FastAPI:
-    """Build the app. `engine` must be started before the first request."""
+    """Build the app. `engine` must be started before the first request. With an
+    `api_key`, every route but /health and /version requires it (frontend/auth.py)."""
     ctx = ServingContext(engine, tokenizer, model_name, max_model_len)
     app = FastAPI(title="gyrfalcon", version=gyrfalcon.__version__)
+    if api_key is not None:
+        app.add_middleware(ApiKeyAuth, api_key=api_key)
     app.state.serving = ctx
     _install_error_handlers(app)
     created = now()

@@ -175,6 +175,7 @@ class LiveServer:
     url: str
     scheduler: FakeScheduler
     engine: EngineClient
+    app: Any  # the FastAPI app
 
 
 @asynccontextmanager
@@ -183,6 +184,7 @@ async def live_server(
     script_for: Callable[[GenerateRequest], Script],
     send_ready: bool = True,
     model_name: str = MODEL_NAME,
+    api_key: str | None = None,
 ) -> AsyncIterator[LiveServer]:
     """Fake scheduler + EngineClient + uvicorn on an ephemeral port, in this loop."""
     paths, root = IpcPaths.create()
@@ -192,15 +194,14 @@ async def live_server(
     await engine.start()
     if send_ready:
         await asyncio.wait_for(engine.ready.wait(), TEST_TIMEOUT_S)
-    server = make_uvicorn_server(
-        create_app(engine, tokenizer, model_name, MAX_MODEL_LEN), "127.0.0.1", 0, "warning"
-    )
+    app = create_app(engine, tokenizer, model_name, MAX_MODEL_LEN, api_key)
+    server = make_uvicorn_server(app, "127.0.0.1", 0, "warning")
     serving = asyncio.create_task(server.serve())
     while not server.started:
         await asyncio.sleep(0.01)
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
-        yield LiveServer(f"http://127.0.0.1:{port}", scheduler, engine)
+        yield LiveServer(f"http://127.0.0.1:{port}", scheduler, engine, app)
     finally:
         server.should_exit = True
         await serving
