@@ -19,7 +19,8 @@
 #           and .whl do not fit one transfer), join the SmolLM2 GGUF once all are there;
 #   train-drafter: train the SmolLM2 EAGLE3 drafter (docs/train_eagle3.md; prompts from
 #           .data/train_prompts.jsonl, carried) into drafters/smollm2-eagle3, sent back
-#           as $OUT/drafter.tgz.part* (15 MiB parts); NUM_PROMPTS, SELF_INSTRUCTIONS,
+#           as $OUT/drafter.tgz.part* (15 MiB parts), then its offline acceptance on
+#           MT-Bench's first turns (benchmarks/eval_drafter.py); NUM_PROMPTS, SELF_INSTRUCTIONS,
 #           FOLLOW_UPS, MAX_STEPS, BATCH, LR, EVAL_EVERY, TRAIN_SECONDS (the time guard);
 #   spec:   bench_spec.py (MT-Bench first turns, .data/mt_bench_dev.jsonl) with the drafter
 #           in drafters/smollm2-eagle3 (or staged: .drafter/drafter.tgz.part* carried with a
@@ -53,6 +54,10 @@ if [ "${1:-}" = stage ]; then
   exit 0
 fi
 if [ ! -f /tmp/site/.installed ]; then
+  # NOTE: pack-wheels.sh predates this dependency: pip download prometheus-client
+  # --no-deps -d .whl (pure Python) adds it
+  compgen -G ".whl/prometheus_client-*.whl" >/dev/null \
+    || { echo ".whl lacks prometheus-client (see gpu_checks.sh)"; exit 1; }
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
   touch /tmp/site/.installed
@@ -158,6 +163,11 @@ case "${1:-tests}" in
       --max-train-seconds ${TRAIN_SECONDS:-240} \
       > "$OUT/train_drafter.log" 2>&1
     echo "train exit $?"; grep -aE "Elapsed|acceptance|accept|loss|phase|summary|kept|sequences" "$OUT/train_drafter.log" | tail -25
+    # NOTE: measured only (never trained on): the offline acceptance on MT-Bench's first
+    # turns, to set beside the held-out estimate and the served figure
+    python3 benchmarks/eval_drafter.py --device cuda --target-model "$GYRFALCON_SMOLLM2_GGUF" \
+      --draft-model drafters/smollm2-eagle3 --prompts .data/mt_bench_dev.jsonl \
+      --output-json "$OUT/eval_drafter_mt_bench.json" 2>&1 | tail -1
     tar czf - -C drafters smollm2-eagle3 | split -b 15M - "$OUT/drafter.tgz.part"; ls -la "$OUT" ;;
   spec)
     DRAFTER=drafters/smollm2-eagle3

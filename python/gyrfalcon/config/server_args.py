@@ -42,8 +42,8 @@ class ServerArgs:
         default=None,
         repr=False,  # NOTE: never in a log line
         metadata={
-            "help": "require `Authorization: Bearer KEY` on every route but /health and "
-            "/version (default: $GYRFALCON_API_KEY; neither set: no auth)"
+            "help": "require `Authorization: Bearer KEY` on every route but /health, "
+            "/version and /metrics (default: $GYRFALCON_API_KEY; neither set: no auth)"
         },
     )
     dtype: DType = field(

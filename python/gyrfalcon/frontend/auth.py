@@ -1,5 +1,5 @@
 """API keys: `--api-key KEY` (or the `GYRFALCON_API_KEY` variable) makes every route
-but the liveness ones (`OPEN_PATHS`) require `Authorization: Bearer KEY`, the header
+but liveness and metrics (`OPEN_PATHS`) require `Authorization: Bearer KEY`, the header
 the official `openai` client sends; anything else gets OpenAI's 401.
 
 A pure ASGI middleware: it answers before FastAPI parses a body, and passes streams
@@ -18,7 +18,7 @@ from typing import Any
 from gyrfalcon.frontend.serving_common import error_body
 
 API_KEY_ENV = "GYRFALCON_API_KEY"
-OPEN_PATHS = frozenset({"/health", "/version"})  # what load balancers probe
+OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})  # what probes and scrapers read
 Scope = dict[str, Any]
 
 

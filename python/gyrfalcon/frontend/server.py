@@ -23,6 +23,8 @@ from starlette.responses import Response, StreamingResponse
 import gyrfalcon
 from gyrfalcon.frontend.auth import ApiKeyAuth
 from gyrfalcon.frontend.engine_client import EngineClient, EngineDeadError
+from gyrfalcon.frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from gyrfalcon.frontend.metrics import ServingMetrics
 from gyrfalcon.frontend.protocol import ChatCompletionRequest, CompletionRequest, ParamError
 from gyrfalcon.frontend.protocol_responses import ModelCard, ModelList, now
 from gyrfalcon.frontend.protocol_tokenize import DetokenizeRequest
@@ -141,8 +143,9 @@ def create_app(
     api_key: str | None = None,
 ) -> FastAPI:
     """Build the app. `engine` must be started before the first request. With an
-    `api_key`, every route but /health and /version requires it (frontend/auth.py)."""
-    ctx = ServingContext(engine, tokenizer, model_name, max_model_len)
+    `api_key`, every route but /health, /version and /metrics requires it
+    (frontend/auth.py)."""
+    ctx = ServingContext(engine, tokenizer, model_name, max_model_len, ServingMetrics(model_name))
     app = FastAPI(title="gyrfalcon", version=gyrfalcon.__version__)
     if api_key is not None:
         app.add_middleware(ApiKeyAuth, api_key=api_key)
@@ -193,6 +196,17 @@ def create_app(
     @app.post("/v1/detokenize")
     async def detokenize(body: DetokenizeRequest) -> Response:
         return json_response(create_detokenize(ctx, body))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus text (frontend/metrics.py); the engine's part is left out when
+        the scheduler does not answer in time."""
+        assert ctx.metrics is not None
+        try:
+            stats = await engine.stats(timeout=STATS_TIMEOUT_S)
+        except (TimeoutError, EngineDeadError):
+            stats = None
+        return Response(ctx.metrics.render(stats), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/server_info")
     async def server_info() -> Response:

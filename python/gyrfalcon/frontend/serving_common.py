@@ -30,6 +30,8 @@ from gyrfalcon.ipc.messages import PositionLogprobs, SamplingParams
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from gyrfalcon.frontend.metrics import ServingMetrics
+
 logger = logging.getLogger(__name__)
 
 ERROR_TYPES = {
@@ -82,6 +84,7 @@ class ServingContext:
     model_name: str
     # None: the engine's context length, known once it reports EngineReady
     max_model_len_override: int | None = None
+    metrics: ServingMetrics | None = None  # what each request adds to /metrics
     token_texts: TokenTexts = field(init=False)
     vocab_size: int = field(init=False)
 
@@ -295,20 +298,31 @@ async def _run_child(
         skip_special_tokens,
         child.sampling.min_tokens,
     )
+    timer = ctx.metrics.start() if ctx.metrics is not None else None
+    reason = "abort"  # NOTE: unless it finishes: a client that left, a cancelled task
     try:
         outputs = ctx.engine.generate(child.rid, child.prompt_ids, child.sampling)
         async with aclosing(outputs):
             async for out in outputs:
                 delta = decoder.feed(out)
+                if timer is not None:
+                    timer.output(out)
                 queue.put_nowait(delta)
                 if delta.finished:
+                    reason = delta.finish_reason or "stop"
                     return  # leaving `aclosing` aborts a request stopped by a stop string
+        reason = "error"
         queue.put_nowait(decoder.fail("the engine stream ended without a finish reason"))
     except EngineDeadError as exc:
+        reason = "error"
         queue.put_nowait(decoder.fail(str(exc)))
     except Exception as exc:
+        reason = "error"
         logger.exception("choice %s failed", child.rid)
         queue.put_nowait(decoder.fail(f"internal error: {exc!r}"))
+    finally:
+        if timer is not None:
+            timer.finish(reason)
 
 
 async def _watch_disconnect(

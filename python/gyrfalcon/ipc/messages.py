@@ -121,6 +121,11 @@ class StatsReply(msgspec.Struct, tag=True):
     num_waiting: int
     integrity_ok: bool
     integrity_error: str | None = None
+    # since start-up: requests preempted; speculative rows that verified drafts, and
+    # the drafts they accepted
+    num_preemptions: int = 0
+    spec_verify_steps: int = 0
+    spec_accepted: int = 0
 
 
 class EngineError(msgspec.Struct, tag=True):

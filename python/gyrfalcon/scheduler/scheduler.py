@@ -316,4 +316,7 @@ class Scheduler:
             num_waiting=len(self.waiting),
             integrity_ok=ok,
             integrity_error=err,
+            num_preemptions=self.counters.preemptions,
+            spec_verify_steps=self.counters.verify_steps,
+            spec_accepted=self.counters.accepted,
         )
