@@ -165,6 +165,13 @@ class ServerArgs:
     )
     seed: int = field(default=0, metadata={"help": "global random seed"})
     log_level: str = field(default="info", metadata={"help": "debug|info|warning|error"})
+    log_requests: bool = field(
+        default=False,
+        metadata={
+            "help": "log each request (choice) as it arrives (prompt tokens, sampling) and as "
+            "it ends (finish reason, tokens, TTFT, E2E); never its text"
+        },
+    )
     log_stats_interval: float = field(
         default=10.0,
         metadata={

@@ -95,6 +95,12 @@ class RequestTimer:
             self.m.generation_tokens.labels(name).inc(len(out.token_ids))
         self.prompt_tokens = max(self.prompt_tokens, out.num_prompt_tokens)
 
+    def summary(self, reason: str) -> str:
+        """One line on the finished request (--log-requests)."""
+        ttft = "no token" if self.first is None else f"TTFT {self.first - self.arrival:.3f} s"
+        e2e = self.clock() - self.arrival
+        return f"{reason}, {self.tokens} tokens, {ttft}, E2E {e2e:.3f} s"
+
     def finish(self, reason: str) -> None:
         """The request ended (`reason`: its finish reason, e.g. "stop", "length",
         "abort", "error")."""

@@ -141,11 +141,13 @@ def create_app(
     model_name: str,
     max_model_len: int | None = None,
     api_key: str | None = None,
+    log_requests: bool = False,
 ) -> FastAPI:
     """Build the app. `engine` must be started before the first request. With an
     `api_key`, every route but /health, /version and /metrics requires it
     (frontend/auth.py)."""
-    ctx = ServingContext(engine, tokenizer, model_name, max_model_len, ServingMetrics(model_name))
+    metrics = ServingMetrics(model_name)
+    ctx = ServingContext(engine, tokenizer, model_name, max_model_len, metrics, log_requests)
     app = FastAPI(title="gyrfalcon", version=gyrfalcon.__version__)
     if api_key is not None:
         app.add_middleware(ApiKeyAuth, api_key=api_key)

@@ -85,6 +85,7 @@ class ServingContext:
     # None: the engine's context length, known once it reports EngineReady
     max_model_len_override: int | None = None
     metrics: ServingMetrics | None = None  # what each request adds to /metrics
+    log_requests: bool = False  # a log line per request as it arrives and as it ends
     token_texts: TokenTexts = field(init=False)
     vocab_size: int = field(init=False)
 
@@ -300,6 +301,9 @@ async def _run_child(
     )
     timer = ctx.metrics.start() if ctx.metrics is not None else None
     reason = "abort"  # NOTE: unless it finishes: a client that left, a cancelled task
+    if ctx.log_requests:
+        logger.info("request %s: %d prompt tokens, %s", child.rid, len(child.prompt_ids),
+                    child.sampling)  # fmt: skip
     try:
         outputs = ctx.engine.generate(child.rid, child.prompt_ids, child.sampling)
         async with aclosing(outputs):
@@ -323,6 +327,8 @@ async def _run_child(
     finally:
         if timer is not None:
             timer.finish(reason)
+            if ctx.log_requests:
+                logger.info("request %s: %s", child.rid, timer.summary(reason))
 
 
 async def _watch_disconnect(

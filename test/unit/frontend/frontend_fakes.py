@@ -185,6 +185,7 @@ async def live_server(
     send_ready: bool = True,
     model_name: str = MODEL_NAME,
     api_key: str | None = None,
+    log_requests: bool = False,
 ) -> AsyncIterator[LiveServer]:
     """Fake scheduler + EngineClient + uvicorn on an ephemeral port, in this loop."""
     paths, root = IpcPaths.create()
@@ -194,7 +195,7 @@ async def live_server(
     await engine.start()
     if send_ready:
         await asyncio.wait_for(engine.ready.wait(), TEST_TIMEOUT_S)
-    app = create_app(engine, tokenizer, model_name, MAX_MODEL_LEN, api_key)
+    app = create_app(engine, tokenizer, model_name, MAX_MODEL_LEN, api_key, log_requests)
     server = make_uvicorn_server(app, "127.0.0.1", 0, "warning")
     serving = asyncio.create_task(server.serve())
     while not server.started:

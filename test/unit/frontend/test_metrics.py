@@ -4,6 +4,8 @@ reports (running, waiting, KV use, preemptions, speculative acceptance)."""
 
 from __future__ import annotations
 
+import logging
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -102,3 +104,25 @@ def test_engine_figures_from_the_schedulers_stats():
     quiet = StatsReply(nonce=1, num_total_pages=200, num_free_pages=200, num_running=0,
                        num_waiting=0, integrity_ok=True)  # fmt: skip
     assert "spec_decode_mean_acceptance_length" not in m.render(quiet).decode()
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_log_requests_logs_arrival_and_end_never_text(tokenizer, caplog, on):
+    async def body():
+        async with live_server(tokenizer, replying(tokenizer), log_requests=on) as srv:
+            r = await post(srv.url, "/v1/completions", {"prompt": "secret words", "n": 2})
+            assert r.status_code == 200
+
+    with caplog.at_level(logging.INFO, logger="gyrfalcon.frontend.serving_common"):
+        run(body)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request ")]
+    if not on:
+        assert lines == []
+        return
+    arrivals = [line for line in lines if "prompt tokens" in line]
+    ends = [line for line in lines if "TTFT" in line]
+    assert len(arrivals) == len(ends) == 2  # one per choice
+    assert all("max_tokens=16" in line for line in arrivals)
+    n = len(tokenizer.encode(REPLY)) + 1  # EOS included
+    assert all(f": stop, {n} tokens, TTFT " in line and "E2E" in line for line in ends)
+    assert not any("secret" in line for line in lines)
