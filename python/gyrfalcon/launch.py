@@ -135,7 +135,10 @@ def serve(args: ServerArgs) -> int:
         )  # fmt: skip
     paths, ipc_root = IpcPaths.create(layout.world_size, ports, len(local))
     engine = EngineClient(paths)
-    app = create_app(engine, tokenizer, name, api_key=args.api_key, log_requests=args.log_requests)
+    app = create_app(
+        engine, tokenizer, name, api_key=args.api_key, log_requests=args.log_requests,
+        max_body_bytes=args.max_request_body_bytes,
+    )  # fmt: skip
     server = make_uvicorn_server(app, args.host, args.port, args.log_level)
     ctx = mp.get_context("spawn")
     # NOTE: no lock: the children read it inside a signal handler.

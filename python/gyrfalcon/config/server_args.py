@@ -165,6 +165,10 @@ class ServerArgs:
     )
     seed: int = field(default=0, metadata={"help": "global random seed"})
     log_level: str = field(default="info", metadata={"help": "debug|info|warning|error"})
+    max_request_body_bytes: int = field(
+        default=16 * 1024 * 1024,
+        metadata={"help": "larger request bodies get a 400 before they are parsed"},
+    )
     log_requests: bool = field(
         default=False,
         metadata={
@@ -267,6 +271,8 @@ class ServerArgs:
     def __post_init__(self) -> None:
         # NOTE: at parse time, before a model loads: a misspelt node fails at once
         check_nodes(self.nnodes, self.node_rank, self.tp_size * self.dp_size, self.dist_init_addr)
+        if self.max_request_body_bytes < 1:
+            raise ValueError("--max-request-body-bytes must be >= 1")
 
     # ---- helpers -------------------------------------------------------
 

@@ -15,7 +15,7 @@ import os
 from http import HTTPStatus
 from typing import Any
 
-from gyrfalcon.frontend.serving_common import error_body
+from gyrfalcon.frontend.serving_common import send_error
 
 API_KEY_ENV = "GYRFALCON_API_KEY"
 OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})  # what probes and scrapers read
@@ -65,16 +65,7 @@ class ApiKeyAuth:
         if self.allowed(scope):
             await self.app(scope, receive, send)
             return
-        body = error_body(HTTPStatus.UNAUTHORIZED, "invalid or missing API key").model_dump_json()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": int(HTTPStatus.UNAUTHORIZED),
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"www-authenticate", b"Bearer"),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body.encode()})
+        await send_error(
+            send, HTTPStatus.UNAUTHORIZED, "invalid or missing API key",
+            [(b"www-authenticate", b"Bearer")],
+        )  # fmt: skip

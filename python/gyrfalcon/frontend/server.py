@@ -22,6 +22,7 @@ from starlette.responses import Response, StreamingResponse
 
 import gyrfalcon
 from gyrfalcon.frontend.auth import ApiKeyAuth
+from gyrfalcon.frontend.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from gyrfalcon.frontend.engine_client import EngineClient, EngineDeadError
 from gyrfalcon.frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gyrfalcon.frontend.metrics import ServingMetrics
@@ -142,6 +143,7 @@ def create_app(
     max_model_len: int | None = None,
     api_key: str | None = None,
     log_requests: bool = False,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """Build the app. `engine` must be started before the first request. With an
     `api_key`, every route but /health, /version and /metrics requires it
@@ -149,6 +151,9 @@ def create_app(
     metrics = ServingMetrics(model_name)
     ctx = ServingContext(engine, tokenizer, model_name, max_model_len, metrics, log_requests)
     app = FastAPI(title="gyrfalcon", version=gyrfalcon.__version__)
+    # NOTE: the last added runs first: a client without the key never gets to send a
+    # body the limit reads
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     if api_key is not None:
         app.add_middleware(ApiKeyAuth, api_key=api_key)
     app.state.serving = ctx

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 from starlette.requests import Request
@@ -68,6 +68,17 @@ class ClientDisconnected(Exception):
 def error_body(status: HTTPStatus, message: str, param: str | None = None) -> ErrorResponse:
     kind = ERROR_TYPES.get(status, "InternalServerError")
     return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=int(status)))
+
+
+async def send_error(
+    send: Any, status: HTTPStatus, message: str, headers: Sequence[tuple[bytes, bytes]] = ()
+) -> None:
+    """An OpenAI-shaped error as a whole ASGI response (middleware answering before
+    the app: frontend/auth.py, frontend/body_limit.py)."""
+    body = error_body(status, message).model_dump_json().encode()
+    head = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    await send({"type": "http.response.start", "status": int(status), "headers": head + [*headers]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def sse(payload: BaseModel) -> str:

@@ -21,6 +21,7 @@ import httpx
 import zmq
 import zmq.asyncio
 
+from gyrfalcon.frontend.body_limit import DEFAULT_MAX_BODY_BYTES
 from gyrfalcon.frontend.engine_client import EngineClient
 from gyrfalcon.frontend.server import create_app, make_uvicorn_server
 from gyrfalcon.ipc.messages import (
@@ -186,6 +187,7 @@ async def live_server(
     model_name: str = MODEL_NAME,
     api_key: str | None = None,
     log_requests: bool = False,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> AsyncIterator[LiveServer]:
     """Fake scheduler + EngineClient + uvicorn on an ephemeral port, in this loop."""
     paths, root = IpcPaths.create()
@@ -195,7 +197,9 @@ async def live_server(
     await engine.start()
     if send_ready:
         await asyncio.wait_for(engine.ready.wait(), TEST_TIMEOUT_S)
-    app = create_app(engine, tokenizer, model_name, MAX_MODEL_LEN, api_key, log_requests)
+    app = create_app(
+        engine, tokenizer, model_name, MAX_MODEL_LEN, api_key, log_requests, max_body_bytes
+    )
     server = make_uvicorn_server(app, "127.0.0.1", 0, "warning")
     serving = asyncio.create_task(server.serve())
     while not server.started:
