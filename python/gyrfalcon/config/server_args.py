@@ -114,6 +114,13 @@ class ServerArgs:
         default="1GiB", metadata={"help": "cap on automatic KV sizing when running on CPU"}
     )
     max_num_seqs: int = field(default=256, metadata={"help": "max requests running at once"})
+    max_queue_len: int | None = field(
+        default=None,
+        metadata={
+            "help": "waiting requests beyond which new ones get 503 with Retry-After "
+            "(default: no limit)"
+        },
+    )
     max_model_len: int | None = field(
         default=None, metadata={"help": "context length (default: the model's)"}
     )

@@ -43,6 +43,7 @@ class ChoiceDelta:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
+    error_status: int = 0  # RequestOutput.error_status
     num_verify_steps: int = 0  # speculative decoding, so far (`RequestOutput`)
     num_accepted: int = 0
 
@@ -123,6 +124,7 @@ class SequenceDecoder:
             num_verify_steps=out.num_verify_steps,
             num_accepted=out.num_accepted,
             error=out.error if out.finish_reason == FINISH_ERROR else None,
+            error_status=out.error_status,
         )
 
     def _text(self, ids: list[int], ended: bool) -> tuple[str, bool]:

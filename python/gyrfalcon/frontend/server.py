@@ -50,13 +50,19 @@ CLIENT_CLOSED_REQUEST = 499
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def json_response(payload: BaseModel | dict[str, Any], status: int = HTTPStatus.OK) -> Response:
+def json_response(
+    payload: BaseModel | dict[str, Any],
+    status: int = HTTPStatus.OK,
+    headers: dict[str, str] | None = None,
+) -> Response:
     body = (
         payload.model_dump_json()
         if isinstance(payload, BaseModel)
         else msgspec.json.encode(payload)
     )
-    return Response(content=body, status_code=int(status), media_type="application/json")
+    return Response(
+        content=body, status_code=int(status), media_type="application/json", headers=headers
+    )
 
 
 def error_response(status: HTTPStatus, message: str, param: str | None = None) -> Response:
@@ -120,7 +126,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestError)
     async def _on_request_error(_: Request, exc: RequestError) -> Response:
-        return json_response(exc.body(), exc.status)
+        return json_response(exc.body(), exc.status, exc.headers)
 
     @app.exception_handler(ClientDisconnected)
     async def _on_disconnect(_: Request, __: ClientDisconnected) -> Response:

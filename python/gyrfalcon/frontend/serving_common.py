@@ -42,6 +42,7 @@ ERROR_TYPES = {
     HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",
 }
 SSE_DONE = "data: [DONE]\n\n"
+RETRY_AFTER_S = 1  # what a 503 for a full server asks clients to wait
 _UINT64 = 2**64
 _INT64_MIN = -(2**63)
 
@@ -50,12 +51,17 @@ class RequestError(Exception):
     """A request that cannot be served; becomes an OpenAI-shaped error body."""
 
     def __init__(
-        self, message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST, param: str | None = None
+        self,
+        message: str,
+        status: HTTPStatus = HTTPStatus.BAD_REQUEST,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
+        self.headers = headers or {}
 
     def body(self) -> ErrorResponse:
         return error_body(self.status, self.message, self.param)
@@ -249,6 +255,9 @@ def raise_for_error(ctx: ServingContext, delta: ChoiceDelta) -> None:
         return
     if ctx.engine.dead is not None:
         raise RequestError(f"engine is dead: {ctx.engine.dead}", HTTPStatus.SERVICE_UNAVAILABLE)
+    if delta.error_status == HTTPStatus.SERVICE_UNAVAILABLE:  # full: come back later
+        headers = {"Retry-After": str(RETRY_AFTER_S)}
+        raise RequestError(str(delta.error), HTTPStatus.SERVICE_UNAVAILABLE, headers=headers)
     # NOTE: with the engine alive, a per-request error is the engine refusing
     # this request (e.g. it can never fit in the KV cache): the client's side.
     raise RequestError(f"the engine rejected the request: {delta.error}")

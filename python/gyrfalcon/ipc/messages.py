@@ -107,6 +107,9 @@ class RequestOutput(msgspec.Struct, array_like=True):
     # speculative decoding, so far: steps that verified drafts, drafts they accepted
     num_verify_steps: int = 0
     num_accepted: int = 0
+    # with finish_reason "error": the HTTP status to answer (0: 400, the client's side;
+    # 503: the server is full, retry later)
+    error_status: int = 0
 
 
 class BatchOutput(msgspec.Struct, tag=True):

@@ -6,14 +6,16 @@ from gyrfalcon.ipc.messages import RequestOutput
 from gyrfalcon.scheduler.request import Request
 
 
-def final_output(req: Request, reason: str, error: str) -> RequestOutput:
-    """The one output of a request refused before it ran."""
+def final_output(req: Request, reason: str, error: str, status: int = 0) -> RequestOutput:
+    """The one output of a request refused before it ran (`status`: RequestOutput's
+    error_status)."""
     return RequestOutput(
         rid=req.rid,
         token_ids=[],
         finish_reason=reason,
         num_prompt_tokens=len(req.prompt_ids),
         error=error,
+        error_status=status,
     )
 
 

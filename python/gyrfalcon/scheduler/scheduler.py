@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from http import HTTPStatus
 
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.ipc.contract import pages_needed
@@ -50,6 +51,7 @@ class SchedulerConfig:
     dp_size: int = 1  # DP ranks: one RankBatch, page pool and running set each
     num_draft_tokens: int = 0  # draft slots per decode row (speculative decoding; 0 = off)
     float_rows: bool = False  # workers start floating rows on the device (policy.floats)
+    max_queue_len: int = 0  # waiting requests beyond which arrivals are refused (0: none)
 
     @classmethod
     def from_args(
@@ -80,6 +82,7 @@ class SchedulerConfig:
             dp_size=dp_size,
             num_draft_tokens=args.num_draft_tokens,
             float_rows=float_rows and not args.disable_overlap_schedule,
+            max_queue_len=args.max_queue_len or 0,
         )
 
 
@@ -138,6 +141,13 @@ class Scheduler:
         if n >= self.cfg.max_model_len:
             err = f"prompt has {n} tokens; the context length is {self.cfg.max_model_len}"
             self._outputs.append(final_output(req, "error", err))
+            return
+        waiting = sum(len(rs.waiting) for rs in self.ranks)
+        if self.cfg.max_queue_len and waiting >= self.cfg.max_queue_len:
+            err = f"the server is full ({waiting} requests waiting, --max-queue-len); retry later"
+            self._outputs.append(
+                final_output(req, "error", err, int(HTTPStatus.SERVICE_UNAVAILABLE))
+            )
             return
         req.dp_rank = pick_rank(self.ranks)
         self.requests[req.rid] = req

@@ -58,6 +58,7 @@ class Script:
     chunk: int = 1  # tokens per output
     delay_s: float = 0.0  # pause before each output
     error: str | None = None  # finish with "error" and this text instead
+    error_status: int = 0  # RequestOutput.error_status of that error
 
 
 @dataclass
@@ -158,6 +159,7 @@ class FakeScheduler:
             if last:
                 out.finish_reason = "error" if script.error else finish
                 out.error = script.error
+                out.error_status = script.error_status
                 self.active.pop(req.rid, None)
             await self._emit(out)
             if last:

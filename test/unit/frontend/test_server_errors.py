@@ -10,7 +10,9 @@ import pytest
 
 from .frontend_fakes import (
     MAX_MODEL_LEN,
+    MODEL_NAME,
     USER,
+    Script,
     live_server,
     post,
     rejecting_script,
@@ -181,3 +183,34 @@ def test_unknown_fields_are_ignored_with_one_log_line(tokenizer, caplog):
     assert lines == [
         "/v1/chat/completions: ignoring fields no API defines: frobnicate, messages[0].mood"
     ]
+
+
+def test_a_full_engine_answers_503_with_retry_after(tokenizer):
+    """The scheduler refuses arrivals beyond --max-queue-len (error_status 503): the
+    client gets 503 with Retry-After, OpenAI-shaped; the server goes on serving."""
+    import openai
+
+    from gyrfalcon.frontend.serving_common import RETRY_AFTER_S
+
+    full = "the server is full (2 requests waiting, --max-queue-len); retry later"
+    refusing = lambda req: Script([], finish="error", error=full, error_status=503)  # noqa: E731
+
+    async def body():
+        async with live_server(tokenizer, refusing) as srv:
+            for path, payload in (
+                ("/v1/chat/completions", {"messages": USER}),
+                ("/v1/completions", {"prompt": "hi"}),
+            ):
+                r = await post(srv.url, path, payload)
+                assert r.status_code == 503, r.text
+                assert r.headers["retry-after"] == str(RETRY_AFTER_S)
+                err = r.json()["error"]
+                assert err["code"] == 503 and "--max-queue-len" in err["message"]
+            client = openai.AsyncOpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0)
+            with pytest.raises(openai.InternalServerError) as exc:
+                await client.chat.completions.create(model=MODEL_NAME, messages=USER)
+            assert exc.value.status_code == 503
+            await client.close()
+            assert (await post(srv.url, "/v1/tokenize", {"prompt": "hi"})).status_code == 200
+
+    run(body)

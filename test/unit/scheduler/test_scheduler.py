@@ -92,3 +92,28 @@ def test_context_limit_finishes_with_length():
         _, out = fake_step(s, {"r": [7]})
         reasons += [o.finish_reason for o in out]
     assert reasons[:2] == [None, "length"]
+
+
+def test_arrivals_beyond_max_queue_len_are_refused_with_503_until_the_queue_drains():
+    import dataclasses
+
+    s = make()
+    s.cfg = dataclasses.replace(s.cfg, max_queue_len=2)
+    for rid in ("a", "b", "c"):
+        s.add_request(GenerateRequest(rid, [1, 2, 3], SamplingParams(max_tokens=2)))
+    (refused,) = s.take_outputs()
+    assert refused.rid == "c" and refused.finish_reason == "error"
+    assert refused.error_status == 503 and "--max-queue-len" in refused.error
+    assert set(s.requests) == {"a", "b"}
+    fake_step(s, {"a": [10], "b": [10]})  # both admitted: none waits now
+    s.add_request(GenerateRequest("c", [1, 2, 3], SamplingParams(max_tokens=2)))
+    assert s.take_outputs() == [] and "c" in s.requests
+    s.check_integrity()
+
+
+def test_max_queue_len_flag_reaches_the_scheduler():
+    from gyrfalcon.config.server_args import ServerArgs
+
+    for flag, limit in ((None, 0), (5, 5)):
+        args = ServerArgs(device="cpu", max_queue_len=flag).resolved()
+        assert SchedulerConfig.from_args(args, 32, 64, (EOS,)).max_queue_len == limit
