@@ -99,7 +99,7 @@ def serve(args: ServerArgs) -> int:
     signal.signal(signal.SIGTERM, _sigterm_while_starting)  # no child to stop yet
     from transformers import AutoTokenizer
 
-    from gyrfalcon.frontend.server import create_app, make_uvicorn_server
+    from gyrfalcon.frontend.server import create_app, drain_on_shutdown, make_uvicorn_server
     from gyrfalcon.loader.resolve import default_model_name, resolve_model
     from gyrfalcon.scheduler.process import run_scheduler
     from gyrfalcon.worker.process import run_worker
@@ -139,7 +139,7 @@ def serve(args: ServerArgs) -> int:
         engine, tokenizer, name, api_key=args.api_key, log_requests=args.log_requests,
         max_body_bytes=args.max_request_body_bytes,
     )  # fmt: skip
-    server = make_uvicorn_server(app, args.host, args.port, args.log_level)
+    server = make_uvicorn_server(app, args.host, args.port, args.log_level, args.shutdown_timeout)
     ctx = mp.get_context("spawn")
     # NOTE: no lock: the children read it inside a signal handler.
     stopping = ctx.RawValue(ctypes.c_bool, False)
@@ -155,15 +155,17 @@ def serve(args: ServerArgs) -> int:
 
     async def main() -> None:
         await engine.start()
-        watchdog = None
+        watchdog = drain = None
         try:
             if nodes is not None:
                 await nodes.start()
             watchdog = asyncio.create_task(_watchdog(procs, nodes, server, engine, state))
+            drain = asyncio.create_task(drain_on_shutdown(server, engine, args.shutdown_timeout))
             await server.serve()
         finally:
-            if watchdog is not None:
-                watchdog.cancel()
+            for task in (watchdog, drain):
+                if task is not None:
+                    task.cancel()
             engine.close()
             if nodes is not None:  # NOTE: the other nodes stop their ranks meanwhile
                 await nodes.close(state["error"])

@@ -176,6 +176,13 @@ class ServerArgs:
         default=16 * 1024 * 1024,
         metadata={"help": "larger request bodies get a 400 before they are parsed"},
     )
+    shutdown_timeout: float = field(
+        default=30.0,
+        metadata={
+            "help": "on SIGTERM or SIGINT, seconds the requests in flight may take to finish; "
+            "those still running then end with an error"
+        },
+    )
     log_requests: bool = field(
         default=False,
         metadata={
@@ -278,6 +285,8 @@ class ServerArgs:
     def __post_init__(self) -> None:
         # NOTE: at parse time, before a model loads: a misspelt node fails at once
         check_nodes(self.nnodes, self.node_rank, self.tp_size * self.dp_size, self.dist_init_addr)
+        if self.shutdown_timeout < 0:
+            raise ValueError("--shutdown-timeout must be >= 0")
         if self.max_request_body_bytes < 1:
             raise ValueError("--max-request-body-bytes must be >= 1")
 

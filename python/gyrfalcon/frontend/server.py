@@ -6,6 +6,7 @@ client (starts it before serving, closes it after) and the tokenizer.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from http import HTTPStatus
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+SHUTDOWN_GRACE_S = 5.0  # after --shutdown-timeout, for the ended requests' last bytes
 STATS_TIMEOUT_S = 5.0  # /server_info waits this long for the scheduler's StatsReply
 # Status of a response to a client that already left (nginx's convention).
 CLIENT_CLOSED_REQUEST = 499
@@ -238,12 +240,37 @@ def create_app(
     return app
 
 
-def make_uvicorn_server(app: FastAPI, host: str, port: int, log_level: str) -> uvicorn.Server:
-    """A uvicorn server for `app`; the launcher awaits `server.serve()` in its loop."""
+def make_uvicorn_server(
+    app: FastAPI, host: str, port: int, log_level: str, shutdown_timeout: float | None = None
+) -> uvicorn.Server:
+    """A uvicorn server for `app`; the launcher awaits `server.serve()` in its loop.
+    shutdown_timeout: see `drain_on_shutdown`; uvicorn itself cancels what is left
+    SHUTDOWN_GRACE_S later (None: it waits for every connection)."""
+    grace = None if shutdown_timeout is None else shutdown_timeout + SHUTDOWN_GRACE_S
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level.lower(), access_log=False
-    )
+        app, host=host, port=port, log_level=log_level.lower(), access_log=False,
+        timeout_graceful_shutdown=grace,
+    )  # fmt: skip
     return uvicorn.Server(config)
+
+
+async def drain_on_shutdown(
+    server: uvicorn.Server, engine: EngineClient, timeout_s: float, poll_s: float = 0.05
+) -> None:
+    """Once uvicorn is stopping (SIGTERM, SIGINT: it takes no new connections and waits
+    for the open ones), give the requests in flight `timeout_s` to finish, then end the
+    rest with an error: a non-streamed one gets a 503, a stream an error event and its
+    end, so every client hears why instead of a dropped connection."""
+    while not server.should_exit:
+        await asyncio.sleep(poll_s)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while engine.num_in_flight and loop.time() < deadline:
+        await asyncio.sleep(poll_s)
+    if engine.num_in_flight:
+        n = engine.num_in_flight
+        logger.warning("%d requests still running after --shutdown-timeout: ending them", n)
+        engine.mark_dead(f"the server is shutting down (--shutdown-timeout {timeout_s:g} s)")
 
 
 async def serve_http(app: FastAPI, host: str, port: int, log_level: str) -> None:

@@ -179,6 +179,7 @@ class LiveServer:
     scheduler: FakeScheduler
     engine: EngineClient
     app: Any  # the FastAPI app
+    server: Any  # its uvicorn server
 
 
 @asynccontextmanager
@@ -208,7 +209,7 @@ async def live_server(
         await asyncio.sleep(0.01)
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
-        yield LiveServer(f"http://127.0.0.1:{port}", scheduler, engine, app)
+        yield LiveServer(f"http://127.0.0.1:{port}", scheduler, engine, app, server)
     finally:
         server.should_exit = True
         await serving
