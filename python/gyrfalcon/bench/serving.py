@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import importlib.util
 import json
 import math
 import os
@@ -32,6 +33,7 @@ from gyrfalcon.bench.datasets import (
     sample_random_requests,
 )
 from gyrfalcon.bench.metrics import RequestResult, format_table, per_request_lists, summarize
+from gyrfalcon.bench.plot import plot_run
 from gyrfalcon.bench.provenance import git_commit
 from gyrfalcon.bench.serving_args import DEFAULTS, build_parser
 
@@ -189,6 +191,9 @@ async def benchmark(args: argparse.Namespace, samples: list[SampleRequest]) -> i
         with open(args.output_json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2, allow_nan=False)
         print(f"Wrote {args.output_json}")
+    if args.plot:
+        plot_run(results, args.plot, f"{model}, {args.endpoint}, {len(samples)} requests")
+        print(f"Wrote {args.plot}")
     return 0 if summary["completed"] > 0 else 1
 
 
@@ -200,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--max-concurrency must be >= 1")
     if args.request_rate <= 0 or math.isnan(args.request_rate):
         parser.error("--request-rate must be > 0 (inf for all at once)")
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot needs matplotlib: pip install matplotlib (or gyrfalcon[bench])")
     if args.endpoint == "chat" and args.random_prompt_format == "ids" and args.dataset == "random":
         parser.error("the chat endpoint needs text prompts: use --random-prompt-format text")
     try:

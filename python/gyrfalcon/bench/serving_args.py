@@ -171,6 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     o.add_argument("--output-json", default=None, help="write args, summary and per-request data")
     o.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE.png",
+        help="draw latency CDFs and throughput over time (needs matplotlib: pip install "
+        "gyrfalcon[bench])",
+    )
+    o.add_argument(
         "--device-kind",
         default="unknown",
         help="label of the machine the server runs on, recorded in the JSON (e.g. nvidia-h100-x1)",

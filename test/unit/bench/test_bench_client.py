@@ -134,11 +134,14 @@ def test_end_to_end_completions_random_ids(server: FakeServer, tmp_path: Path) -
             "--disable-tqdm",
             "--output-json",
             str(out),
+            "--plot",
+            str(tmp_path / "run.png"),
             "--seed",
             "3",
         ]
     )
     assert rc == 0
+    assert (tmp_path / "run.png").read_bytes()[:4] == b"\x89PNG"
     assert len(server.requests) == 5  # one warmup + four timed
     for body in server.requests:
         assert body["model"] == "fake-model" and body["stream"] is True
