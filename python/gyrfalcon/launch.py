@@ -137,7 +137,7 @@ def serve(args: ServerArgs) -> int:
     engine = EngineClient(paths)
     app = create_app(
         engine, tokenizer, name, api_key=args.api_key, log_requests=args.log_requests,
-        max_body_bytes=args.max_request_body_bytes,
+        max_body_bytes=args.max_request_body_bytes, request_timeout=args.request_timeout,
     )  # fmt: skip
     server = make_uvicorn_server(app, args.host, args.port, args.log_level, args.shutdown_timeout)
     ctx = mp.get_context("spawn")

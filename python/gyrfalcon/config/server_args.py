@@ -176,6 +176,13 @@ class ServerArgs:
         default=16 * 1024 * 1024,
         metadata={"help": "larger request bodies get a 400 before they are parsed"},
     )
+    request_timeout: float | None = field(
+        default=None,
+        metadata={
+            "help": "seconds a request may take from arrival; then it is aborted and the "
+            "client gets a 504 (in a stream, an error event); default: no limit"
+        },
+    )
     shutdown_timeout: float = field(
         default=30.0,
         metadata={
@@ -285,6 +292,8 @@ class ServerArgs:
     def __post_init__(self) -> None:
         # NOTE: at parse time, before a model loads: a misspelt node fails at once
         check_nodes(self.nnodes, self.node_rank, self.tp_size * self.dp_size, self.dist_init_addr)
+        if self.request_timeout is not None and self.request_timeout <= 0:
+            raise ValueError("--request-timeout must be > 0")
         if self.shutdown_timeout < 0:
             raise ValueError("--shutdown-timeout must be >= 0")
         if self.max_request_body_bytes < 1:

@@ -152,12 +152,15 @@ def create_app(
     api_key: str | None = None,
     log_requests: bool = False,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    request_timeout: float | None = None,
 ) -> FastAPI:
     """Build the app. `engine` must be started before the first request. With an
     `api_key`, every route but /health, /version and /metrics requires it
     (frontend/auth.py)."""
     metrics = ServingMetrics(model_name)
-    ctx = ServingContext(engine, tokenizer, model_name, max_model_len, metrics, log_requests)
+    ctx = ServingContext(
+        engine, tokenizer, model_name, max_model_len, metrics, log_requests, request_timeout
+    )
     app = FastAPI(title="gyrfalcon", version=gyrfalcon.__version__)
     # NOTE: the last added runs first: a client without the key never gets to send a
     # body the limit reads

@@ -40,6 +40,7 @@ ERROR_TYPES = {
     HTTPStatus.NOT_FOUND: "NotFoundError",
     HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
     HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",
+    HTTPStatus.GATEWAY_TIMEOUT: "TimeoutError",
 }
 SSE_DONE = "data: [DONE]\n\n"
 RETRY_AFTER_S = 1  # what a 503 for a full server asks clients to wait
@@ -103,6 +104,7 @@ class ServingContext:
     max_model_len_override: int | None = None
     metrics: ServingMetrics | None = None  # what each request adds to /metrics
     log_requests: bool = False  # a log line per request as it arrives and as it ends
+    request_timeout: float | None = None  # seconds a request may take (None: no limit)
     token_texts: TokenTexts = field(init=False)
     vocab_size: int = field(init=False)
 
@@ -273,7 +275,8 @@ async def stream_choices(
     """Run all children concurrently; yield their deltas as they come.
 
     Ends after every child yielded its final delta. If `request`'s client
-    disconnects, every child is aborted and ClientDisconnected is raised. Closing
+    disconnects, every child is aborted and ClientDisconnected is raised; past
+    `ctx.request_timeout` they are aborted and RequestError (504) is raised. Closing
     this generator early aborts every unfinished child as well.
     """
     queue: asyncio.Queue[ChoiceDelta | None] = asyncio.Queue()
@@ -287,9 +290,18 @@ async def stream_choices(
         else None
     )
     remaining = len(tasks)
+    loop = asyncio.get_running_loop()
+    deadline = None if ctx.request_timeout is None else loop.time() + ctx.request_timeout
     try:
         while remaining:
-            delta = await queue.get()
+            if deadline is None:
+                delta = await queue.get()
+            else:
+                try:
+                    delta = await asyncio.wait_for(queue.get(), max(0.0, deadline - loop.time()))
+                except asyncio.TimeoutError:  # NOTE: the finally below aborts the children
+                    msg = f"the request exceeded --request-timeout {ctx.request_timeout:g} s"
+                    raise RequestError(msg, HTTPStatus.GATEWAY_TIMEOUT) from None
             if delta is None:
                 raise ClientDisconnected()
             if delta.finished:

@@ -173,3 +173,16 @@ def test_ranks_split_evenly_over_the_nodes():
     assert r.dist_init_addr == "tcp://10.0.0.1:5000"  # SGLang's form, as torch takes it
     assert parse("--dist-init-addr", "tcp://h:1").resolved().dist_init_addr == "tcp://h:1"
     assert ServerArgs().resolved().dist_init_addr is None
+
+
+@pytest.mark.parametrize(
+    "kw,flag",
+    [
+        (dict(request_timeout=0), "--request-timeout"),
+        (dict(shutdown_timeout=-1), "--shutdown-timeout"),
+        (dict(max_request_body_bytes=0), "--max-request-body-bytes"),
+    ],
+)
+def test_serving_limits_are_checked_at_parse_time(kw, flag):
+    with pytest.raises(ValueError, match=flag):
+        ServerArgs(**kw)

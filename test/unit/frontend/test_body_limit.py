@@ -6,9 +6,6 @@ from __future__ import annotations
 import json
 
 import httpx
-import pytest
-
-from gyrfalcon.config.server_args import ServerArgs
 
 from .frontend_fakes import USER, live_server, replying, run
 
@@ -40,8 +37,3 @@ def test_bodies_over_the_limit_get_400_and_the_server_keeps_serving(tokenizer):
                 assert len(srv.scheduler.requests) == 2
 
     run(body)
-
-
-def test_limit_must_be_positive():
-    with pytest.raises(ValueError, match="max-request-body-bytes"):
-        ServerArgs(max_request_body_bytes=0)

@@ -214,3 +214,25 @@ def test_a_full_engine_answers_503_with_retry_after(tokenizer):
             assert (await post(srv.url, "/v1/tokenize", {"prompt": "hi"})).status_code == 200
 
     run(body)
+
+
+def test_request_timeout_aborts_the_request_with_504(tokenizer):
+    """--request-timeout: a request still running then is aborted in the engine; a
+    plain one gets 504, a stream an error event; quick requests are untouched."""
+
+    async def body():
+        async with live_server(tokenizer, slow_script, request_timeout=0.3) as srv:
+            t0 = asyncio.get_running_loop().time()
+            r = await post(srv.url, "/v1/chat/completions", {"messages": USER})
+            assert r.status_code == 504, r.text
+            assert "--request-timeout" in r.json()["error"]["message"]
+            assert asyncio.get_running_loop().time() - t0 < 2.0
+            await wait_until(lambda: len(srv.scheduler.aborted) == 1)
+            r = await post(srv.url, "/v1/chat/completions", {"messages": USER, "stream": True})
+            events = sse_events(r.text)
+            assert "--request-timeout" in events[-1]["error"]["message"]
+            await wait_until(lambda: len(srv.scheduler.aborted) == 2)
+            r = await post(srv.url, "/v1/completions", {"prompt": "hi", "max_tokens": 3})
+            assert r.status_code == 200  # 3 tokens x SLOW_S: within the limit
+
+    run(body)
