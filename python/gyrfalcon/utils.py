@@ -23,6 +23,8 @@ from types import FrameType
 logger = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
+PROCESS_NAME_PREFIX = "gyr-"  # then "scheduler", "worker0", ...: within the 15 bytes
 # NOTE: an OpenMP runtime reads these once, when it loads (at `import torch`), so
 # they are set in the environment the children are spawned with. PASSIVE: threads
 # waiting for work sleep instead of spinning on a core another process needs
@@ -34,14 +36,24 @@ CHILD_START_BLOCKED = frozenset({signal.SIGINT, signal.SIGTERM})
 CHILD_JOIN_TIMEOUT_S = 5.0  # how long a stopped child may take before it is killed
 
 
-def die_with_parent() -> None:
-    """Ask Linux to SIGTERM this process when its parent dies (no orphans)."""
+def _prctl(option: int, arg: object) -> None:
+    """prctl(2) where Linux has it; nothing elsewhere."""
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+            libc.prctl(option, arg)
         except OSError:
             pass
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when its parent dies (no orphans)."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def set_process_name(name: str) -> None:
+    """Name this process as ps, top and /proc/PID/comm show it (15 bytes at most)."""
+    _prctl(PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]))
 
 
 class ChildStop:
@@ -77,6 +89,7 @@ class ChildStop:
 def setup_child(name: str, log_level: str, stopping: ctypes.c_bool) -> ChildStop:
     """Common start of a child process: logging, signals, parent-death signal."""
     configure_logging(log_level, name)
+    set_process_name(PROCESS_NAME_PREFIX + name)
     stop = ChildStop(stopping)
     # NOTE: Ctrl-C reaches the whole process group; the launcher orders shutdown.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

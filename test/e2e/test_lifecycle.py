@@ -5,6 +5,7 @@ import signal
 import time
 
 import httpx
+import pytest
 from server_util import alive, children_of, start_server, stop_server
 
 from gyrfalcon.frontend.engine_client import EngineClient
@@ -68,22 +69,41 @@ def test_ctrl_c_stops_every_process(smollm2_dir, tmp_path):
     assert not [k for k in kids if alive(k)], "child processes outlived the server"
 
 
-def test_dead_worker_makes_the_server_exit_nonzero(smollm2_dir, tmp_path):
+def comm(pid: int) -> str:
+    with open(f"/proc/{pid}/comm") as f:
+        return f.read().strip()
+
+
+@pytest.mark.parametrize("victim", ["gyr-worker0", "gyr-scheduler"])
+def test_a_child_killed_under_load_ends_requests_and_the_server(smollm2_dir, tmp_path, victim):
+    """SIGKILL the worker or the scheduler while a stream runs: the client gets an
+    error (an error event, or the connection ends) instead of hanging, the server
+    exits non-zero within 30 s and leaves no child behind."""
     srv = start_server(smollm2_dir, str(tmp_path / "log"), "--num-kv-pages", "64")
     kids = children_of(srv.proc.pid)
-
-    # the worker is the child that holds the model: the larger resident set
-    def rss(pid):
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1])
-
-    worker = max((k for k in kids if alive(k)), key=rss)
-    os.kill(worker, signal.SIGKILL)
+    assert {"gyr-scheduler", "gyr-worker0"} <= {comm(k) for k in kids}  # named for ps/top
+    (target,) = [k for k in kids if comm(k) == victim]
+    model = httpx.get(f"{srv.base_url}/v1/models", timeout=30).json()["data"][0]["id"]
+    body = dict(model=model, prompt="Once", max_tokens=900, ignore_eos=True, stream=True)
+    lines: list[str] = []
+    t0 = time.time()
+    try:
+        with httpx.stream("POST", f"{srv.base_url}/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line)
+                    if len(lines) == 2:
+                        os.kill(target, signal.SIGKILL)
+    except httpx.HTTPError:
+        pass  # NOTE: the connection may end with the server instead
     try:
         code = srv.proc.wait(30)
     finally:
         stop_server(srv)
+    assert time.time() - t0 < 40
     assert code != 0
+    assert lines[-1] != "data: [DONE]" or any('"error"' in x for x in lines), lines[-3:]
     log = srv.log()
     assert "exited unexpectedly" in log, log[-3000:]
     time.sleep(0.5)
