@@ -10,6 +10,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gyrfalcon.frontend import serving_common
 from gyrfalcon.frontend.metrics import ServingMetrics
 from gyrfalcon.ipc.messages import RequestOutput, StatsReply
 
@@ -107,13 +108,16 @@ def test_engine_figures_from_the_schedulers_stats():
 
 
 @pytest.mark.parametrize("on", [False, True])
-def test_log_requests_logs_arrival_and_end_never_text(tokenizer, caplog, on):
+def test_log_requests_logs_arrival_and_end_never_text(tokenizer, caplog, monkeypatch, on):
     async def body():
         async with live_server(tokenizer, replying(tokenizer), log_requests=on) as srv:
             r = await post(srv.url, "/v1/completions", {"prompt": "secret words", "n": 2})
             assert r.status_code == 200
 
-    with caplog.at_level(logging.INFO, logger="gyrfalcon.frontend.serving_common"):
+    # NOTE: a logger of its own: an earlier test's logging set-up may have disabled or
+    # detached the module's (dictConfig disables the loggers that exist)
+    monkeypatch.setattr(serving_common, "logger", logging.getLogger("test.serving_common"))
+    with caplog.at_level(logging.INFO, logger="test.serving_common"):
         run(body)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request ")]
     if not on:

@@ -5,6 +5,7 @@ import logging
 
 import pytest
 
+from gyrfalcon.worker import compile_watch
 from gyrfalcon.worker.compile_watch import CompileWatch, kernel_name
 
 SPEC = "decode_attn_kernel[num_warps=4, num_ctas=1, num_stages=2](q: *bf16, n: i32)"
@@ -21,10 +22,13 @@ def test_kernel_name_from_triton_description():
     assert kernel_name("plain(x: i32)") == "plain"
 
 
-def test_summary_names_each_kernel_built(caplog):
+def test_summary_names_each_kernel_built(caplog, monkeypatch):
+    # NOTE: a logger of its own: an earlier test's logging set-up may have disabled or
+    # detached the module's (dictConfig disables the loggers that exist)
+    monkeypatch.setattr(compile_watch, "logger", logging.getLogger("test.compile_watch"))
     watch = CompileWatch()
     assert watch.summary() == "no Triton kernel built while serving"
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.WARNING, logger="test.compile_watch"):
         for spec in (SPEC, SPEC, "argmax_kernel[num_warps=8](x: *bf16)"):
             assert watch.before(**_hook_kwargs(spec)) is None  # None: Triton goes on
             watch.after(**_hook_kwargs(spec))
