@@ -107,6 +107,9 @@ def main() -> int:
     feats = compute_features(runner, seqs, drafter.cfg.aux_layer_ids(target_cfg.num_layers), device)
     args = dataclasses.replace(TrainArgs(), ttt_steps=a.k, batch_size=8)
     rates = evaluate(drafter, runner.model, feats, args, device)
+    # NOTE: a token outside the draft vocabulary is never drafted: this bounds every rate
+    answers = torch.tensor([t for s in seqs for t in s.ids[s.prompt_len :]], device=device)
+    coverage = float(drafter.t2d[answers].float().mean()) if answers.numel() else 0.0
     result = {
         "prompts": a.prompts,
         "skip": a.skip,
@@ -118,11 +121,13 @@ def main() -> int:
         "dtype": dtype,
         "acceptance_per_step": rates,
         "mean_acceptance_length": acceptance_length(rates),
+        "draft_vocab_coverage": coverage,
     }
     per_step = ", ".join(f"{r:.3f}" for r in rates)
     print(
         f"{os.path.basename(a.prompts)} [{a.skip}:+{len(seqs)}]: acceptance per draft step "
-        f"[{per_step}], mean acceptance length {result['mean_acceptance_length']:.2f} (k={a.k})"
+        f"[{per_step}], mean acceptance length {result['mean_acceptance_length']:.2f} (k={a.k}); "
+        f"{coverage:.3f} of answer tokens in the draft vocabulary"
     )
     if a.output_json:
         with open(a.output_json, "w") as f:
