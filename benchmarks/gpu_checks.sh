@@ -116,12 +116,10 @@ case "${1:-tests}" in
     done
     kill -TERM $SERVER; wait $SERVER; echo "server exit $?" ;;
   ranks)  # several GPUs: the 8B shape on triton (no flashinfer build per rank) at tp 1 and
-    # 2 (one-shot all-reduce, then NCCL only), batch-1 decode (1024 in / 256 out,
-    # concurrency 1); then (RANKS_DP=1) dp 2 against one GPU on the random 1024 / 512 set
-    # at concurrency 256 (NUM_DP prompts, default 512)
+    # 2, batch-1 decode (1024 in / 256 out, concurrency 1); then dp 2 against one GPU on the
+    # random 1024 / 512 set at concurrency 256 (NUM_DP prompts, default 512)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-    # NOTE: tp2nccl: every all-reduce through NCCL (--disable-custom-all-reduce)
-    for R in ${RANKS_TP:-"tp1:--tp-size 1" "tp2:--tp-size 2" "tp2nccl:--tp-size 2 --disable-custom-all-reduce"}; do
+    for R in "tp1:--tp-size 1" "tp2:--tp-size 2"; do
       SERVER_FLAGS="--attention-backend triton ${R#*:}" start_server "${R%%:*}"
       serve_bench "decode_${R%%:*}" --num-prompts 8 --random-input-len 1024 \
         --random-output-len 256 --random-range-ratio 1 --ignore-eos --max-concurrency 1 --seed 3

@@ -262,13 +262,6 @@ class ServerArgs:
         default=20.0,
         metadata={"help": "seconds a rank waits in a collective before it fails"},
     )
-    disable_custom_all_reduce: bool = field(
-        default=False,
-        metadata={
-            "help": "TP all-reduces all through NCCL (default on CUDA: small ones through "
-            "a one-shot symmetric-memory kernel)"
-        },
-    )
     # speculative decoding (SGLang's flag names)
     speculative_algorithm: str | None = field(
         default=None,

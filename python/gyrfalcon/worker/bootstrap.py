@@ -14,7 +14,6 @@ from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.forward.distributed import init_tensor_parallel
 from gyrfalcon.forward.parallel import SINGLE_RANK
 from gyrfalcon.ipc.contract import RankLayout
-from gyrfalcon.worker.executor import DTYPES
 from gyrfalcon.worker.kv_sizing import max_model_len, num_kv_pages
 from gyrfalcon.worker.step_worker import StepWorker, rank_device
 
@@ -39,10 +38,9 @@ def build_worker(
     if args.joins_process_groups():  # NOTE: else DP groups share no collective
         assert args.dist_init_addr is not None, "the launcher sets --dist-init-addr"
         timeout = timedelta(seconds=args.dist_timeout)
-        one_shot = None if args.disable_custom_all_reduce else DTYPES[args.dtype]
         parallel = init_tensor_parallel(
             rank, layout.world_size, layout.tp_size, args.dist_init_addr, device, timeout,
-            args.ep_size, one_shot,
+            args.ep_size,
         )  # fmt: skip
         if cfg.num_experts:
             how = "expert parallel" if args.ep_size > 1 else "MoE-TP"
