@@ -249,10 +249,17 @@ def test_run_concurrencies_keeps_order_and_limit(bs: ModuleType, server: FakeCha
     assert outputs[0].spec_verify_steps == 2 and outputs[0].completion_tokens == 2
 
 
-@pytest.mark.parametrize("corrupt", [False, True])
+@pytest.mark.parametrize(
+    "corrupt, device",
+    [(False, "auto"), (True, "auto"), (True, "cuda")],
+    ids=["ok", "bad", "bad-bf16"],
+)
 def test_main_writes_reports(
-    bs: ModuleType, server: FakeChatServer, tmp_path: Path, monkeypatch, corrupt: bool
+    bs: ModuleType, server: FakeChatServer, tmp_path: Path, monkeypatch, corrupt: bool, device: str
 ) -> None:
+    """Mismatches fail the run in float32 (auto on the CPU), and are reported but not
+    fatal in bf16 (auto on CUDA), where near-ties flip with the kernels."""
+
     @contextlib.contextmanager
     def fake_server(cmd: list[str], port: int, log: Path, timeout: float) -> Iterator[str]:
         server.spec = "--speculative-algorithm" in cmd
@@ -264,8 +271,8 @@ def test_main_writes_reports(
     data.write_text("".join(json.dumps({"turns": [f"q{i}", "later"]}) + "\n" for i in range(4)))
     argv = ["--dataset", str(data), "--concurrency", "1,3", "--output-dir", str(tmp_path),
             "--log-dir", str(tmp_path / "logs"), "--device-kind", "cpu-test", "--max-tokens", "8",
-            "--model", "/models/tiny", "--load-format", "dummy"]  # fmt: skip
-    assert bs.main(argv) == (1 if corrupt else 0)
+            "--model", "/models/tiny", "--load-format", "dummy", "--device", device]  # fmt: skip
+    assert bs.main(argv) == (1 if corrupt and device == "auto" else 0)
     report = json.loads((tmp_path / "spec_tiny_k3_cpu-test.json").read_text())
     assert report["num_prompts"] == 4 and report["max_tokens"] == 8
     assert report["server_args"] == ["--load-format", "dummy"]
