@@ -9,6 +9,12 @@ import torch
 
 TINY_ARCHS = ("llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3")
 TINY_MOE_ARCHS = ("qwen3-moe", "mixtral")
+# a random EAGLE3 drafter that fits SmolLM2-135M (`make_tiny_eagle3`)
+SMOLLM2_SHAPE = dict(
+    hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+    vocab_size=49152, draft_vocab_size=2048, target_hidden_size=576,
+    max_position_embeddings=8192, rope_theta=100000.0,
+)  # fmt: skip
 
 
 def make_tiny_hf_model(

@@ -4,14 +4,9 @@ idle step) answers greedy requests exactly like the plain one-rank server, stop
 strings, n = 2 and logprobs included, and reports the spec usage fields."""
 
 import pytest
-from conftest import make_tiny_eagle3
+from conftest import SMOLLM2_SHAPE, make_tiny_eagle3
 from server_util import start_server, stop_server, wait_drained
 
-SMOLLM2_SHAPE = dict(
-    hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
-    vocab_size=49152, draft_vocab_size=2048, target_hidden_size=576,
-    max_position_embeddings=8192, rope_theta=100000.0,
-)  # fmt: skip
 PROMPTS = ["Name three colors.", "What is 12 times 12?", "Write a haiku about rain."]
 
 

@@ -215,6 +215,10 @@ class ServerArgs:
         default=False,
         metadata={"help": "plan each step only after the previous one's result is back"},
     )
+    disable_prefix_caching: bool = field(
+        default=False,
+        metadata={"help": "compute every prompt in full (default: KV pages shared by content)"},
+    )
     # parallelism (SGLang's flag names)
     tp_size: int = field(
         default=1,

@@ -141,6 +141,13 @@ class EngineStats(Collector):
         yield gauge("kv_cache_usage_perc", "Fraction of KV pages in use (0-1)",
                     used / max(1, s.num_total_pages))  # fmt: skip
         yield counter("num_preemptions", "Requests preempted", s.num_preemptions)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                      s.prefix_cache_queries)  # fmt: skip
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                      s.prefix_cache_hits)  # fmt: skip
+        if s.prefix_cache_queries:
+            yield gauge("prefix_cache_hit_rate", "Cached share of prompt tokens since start-up",
+                        s.prefix_cache_hits / s.prefix_cache_queries)  # fmt: skip
         yield counter("spec_decode_num_verify_steps", "Rows that verified drafts",
                       s.spec_verify_steps)  # fmt: skip
         yield counter("spec_decode_num_accepted_tokens", "Drafts accepted", s.spec_accepted)

@@ -19,8 +19,13 @@ def now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class UsageInfo(BaseModel):
-    """OpenAI's usage; a server with speculative decoding adds `spec_accept_length`
+    """OpenAI's usage, with `prompt_tokens_details.cached_tokens` where the server
+    caches prefixes; a server with speculative decoding adds `spec_accept_length`
     (mean tokens emitted per verify step: accepted drafts + 1; 1.0 before any) and
     `spec_verify_steps` (steps that verified drafts), over every choice."""
 
@@ -33,14 +38,21 @@ class UsageInfo(BaseModel):
 
     @classmethod
     def of(
-        cls, prompt_tokens: int, completion_tokens: int, spec: tuple[int, int] | None = None
+        cls,
+        prompt_tokens: int,
+        completion_tokens: int,
+        spec: tuple[int, int] | None = None,
+        cached_tokens: int | None = None,
     ) -> UsageInfo:
-        """spec: (verify steps, accepted drafts) of a speculative server's response."""
+        """spec: (verify steps, accepted drafts) of a speculative server's response;
+        cached_tokens: of a server that caches prefixes."""
         usage = cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
         )
+        if cached_tokens is not None:
+            usage.prompt_tokens_details = PromptTokensDetails(cached_tokens=cached_tokens)
         if spec is not None:
             steps, accepted = spec
             usage.spec_accept_length = (steps + accepted) / steps if steps else 1.0

@@ -46,6 +46,7 @@ class ChoiceDelta:
     error_status: int = 0  # RequestOutput.error_status
     num_verify_steps: int = 0  # speculative decoding, so far (`RequestOutput`)
     num_accepted: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
 
     @property
     def finished(self) -> bool:
@@ -123,6 +124,7 @@ class SequenceDecoder:
             num_output_tokens=num_output,
             num_verify_steps=out.num_verify_steps,
             num_accepted=out.num_accepted,
+            num_cached_tokens=out.num_cached_tokens,
             error=out.error if out.finish_reason == FINISH_ERROR else None,
             error_status=out.error_status,
         )

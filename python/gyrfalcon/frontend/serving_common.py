@@ -198,30 +198,45 @@ class ChildSpec:
 @dataclass
 class UsageTally:
     """A response's usage, from its choices' deltas (each delta carries its choice's
-    counts so far); the spec fields when the engine decodes speculatively."""
+    counts so far); the spec fields when the engine decodes speculatively, the cached
+    prompt tokens when it caches prefixes (the most of the `per_prompt` choices of
+    one prompt, summed over the prompts, as prompt_tokens counts each prompt once)."""
 
     num_prompt: int
     spec: bool
     tokens: list[int]
     verify_steps: list[int]
     accepted: list[int]
+    cached: list[int] | None = None
+    per_prompt: int = 1
 
     @classmethod
-    def of(cls, ctx: ServingContext, num_prompt: int, num_choices: int) -> UsageTally:
+    def of(
+        cls, ctx: ServingContext, num_prompt: int, num_choices: int, per_prompt: int | None = None
+    ) -> UsageTally:
+        """per_prompt: consecutive choices that share one prompt (default: all)."""
         info = ctx.engine.info
         spec = info is not None and info.num_draft_tokens > 0
         zeros = [0] * num_choices
-        return cls(num_prompt, spec, list(zeros), list(zeros), list(zeros))
+        cached = list(zeros) if info is not None and info.prefix_caching else None
+        group = per_prompt or max(1, num_choices)
+        return cls(num_prompt, spec, list(zeros), list(zeros), list(zeros), cached, group)
 
     def add(self, delta: ChoiceDelta) -> None:
         i = delta.index
         self.tokens[i] = max(self.tokens[i], delta.num_output_tokens)
         self.verify_steps[i] = max(self.verify_steps[i], delta.num_verify_steps)
         self.accepted[i] = max(self.accepted[i], delta.num_accepted)
+        if self.cached is not None:
+            self.cached[i] = max(self.cached[i], delta.num_cached_tokens)
 
     def usage(self) -> UsageInfo:
         spec = (sum(self.verify_steps), sum(self.accepted)) if self.spec else None
-        return UsageInfo.of(self.num_prompt, sum(self.tokens), spec)
+        cached = None
+        if self.cached is not None:
+            g = self.per_prompt
+            cached = sum(max(self.cached[i : i + g]) for i in range(0, len(self.cached), g))
+        return UsageInfo.of(self.num_prompt, sum(self.tokens), spec, cached)
 
 
 @dataclass

@@ -105,7 +105,7 @@ async def _collect(
     raw: Request,
 ) -> CompletionResponse:
     results = [ChoiceResult(c.index) for c in children]
-    tally = UsageTally.of(ctx, usage_prompt, len(children))
+    tally = UsageTally.of(ctx, usage_prompt, len(children), req.n)
     deltas = stream_choices(ctx, children, req.stop_strings, req.skip_special_tokens, raw)
     async with aclosing(deltas):
         async for delta in deltas:
@@ -162,7 +162,7 @@ async def _stream(
 
     builders = [CompletionLogprobsBuilder(ctx, req.logprobs or 0) for _ in children]
     started = [False] * len(children)
-    tally = UsageTally.of(ctx, usage_prompt, len(children))
+    tally = UsageTally.of(ctx, usage_prompt, len(children), req.n)
     deltas = stream_choices(ctx, children, req.stop_strings, req.skip_special_tokens, raw)
     try:
         async with aclosing(deltas):

@@ -76,6 +76,7 @@ class EngineReady(msgspec.Struct, tag=True):
     num_kv_pages: int
     page_size: int
     num_draft_tokens: int = 0  # k with speculative decoding, else 0
+    prefix_caching: bool = False  # usage reports prompt_tokens_details.cached_tokens
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):
@@ -110,6 +111,7 @@ class RequestOutput(msgspec.Struct, array_like=True):
     # with finish_reason "error": the HTTP status to answer (0: 400, the client's side;
     # 503: the server is full, retry later)
     error_status: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
 
 
 class BatchOutput(msgspec.Struct, tag=True):
@@ -129,6 +131,9 @@ class StatsReply(msgspec.Struct, tag=True):
     num_preemptions: int = 0
     spec_verify_steps: int = 0
     spec_accepted: int = 0
+    # prefix caching, since start-up: prompt tokens of admissions, and of them cached
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class EngineError(msgspec.Struct, tag=True):

@@ -44,4 +44,5 @@ def delta_output(req: Request) -> RequestOutput:
         num_output_tokens=len(req.output_ids),
         num_verify_steps=req.num_verify_steps,
         num_accepted=req.num_accepted,
+        num_cached_tokens=req.num_cached_tokens,
     )

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from gyrfalcon.ipc.contract import pages_needed, verifies_drafts
 from gyrfalcon.scheduler.page_allocator import PageAllocator
+from gyrfalcon.scheduler.prefix_cache import PrefixCache
 from gyrfalcon.scheduler.request import Request, Status, draft_slots, kv_end
 
 
@@ -86,6 +87,7 @@ def preempt(
     alloc.free(req.pages)
     req.pages = []
     req.num_computed = 0
+    req.cache_node, req.num_cache_pages = 0, 0  # NOTE: the prefix cache's root
     req.status = Status.WAITING
     req.needs_reset = True
     running.remove(req)
@@ -182,8 +184,11 @@ def schedule(
     alloc: PageAllocator,
     limits: Limits,
     reserve_ratio: float = 0.0,
+    cache: PrefixCache | None = None,
 ) -> Decision:
-    """Plan one step. Mutates page ownership, queues and statuses; not num_computed.
+    """Plan one step. Mutates page ownership, queues and statuses; not num_computed,
+    but for a request admitted on a cached prefix (`cache`: its positions count as
+    computed from the start).
 
     reserve_ratio: the share of each request's remaining output kept free at
     admission (0 admits whenever the prompt fits).
@@ -243,19 +248,30 @@ def schedule(
         req = waiting[0]
         if req.num_pending:
             break  # preempted with a token in flight: re-admit once it is back
+        hit = cache.acquire(req) if cache is not None else 0
+        held = len(req.pages)
         # NOTE: admit only when the whole remaining prompt fits in free pages, so a
         # long prompt cannot grab pages chunk by chunk and starve the running set.
-        if pages_needed(0, row_end(req, req.num_tokens, 0, limits), ps) > alloc.num_free:
-            break
+        fits = pages_needed(held, row_end(req, req.remaining, 0, limits), ps) <= alloc.num_free
         own = reserved_tokens(req, reserve_ratio)
-        if running and pages_needed(0, req.num_tokens + reserve + own, ps) > alloc.num_free:
-            break  # NOTE: with nothing running the prompt alone decides (progress)
+        # NOTE: with nothing running the prompt alone decides (progress)
+        if fits and running:
+            fits = pages_needed(held, req.num_tokens + reserve + own, ps) <= alloc.num_free
+        if not fits:
+            if cache is not None:
+                cache.release(req)
+            break
+        if cache is not None:
+            cache.count(req.num_tokens, hit)
+            if not req.sent_to_worker:
+                req.num_cached_tokens = hit
         reserve += own
         waiting.popleft()
         req.status = Status.RUNNING
         running.append(req)
         n = min(req.remaining, budget, prefill_budget)
         out.rows.append(_take(req, n, alloc, limits))
+        out.rows[-1].new_pages[:0] = req.pages[:held]  # NOTE: the cached prefix's pages
         picked.add(req.rid)
         budget -= n
         prefill_budget -= n

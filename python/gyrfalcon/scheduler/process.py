@@ -109,7 +109,9 @@ class SchedulerLoop:
             a, num_pages, context, eos, dp_size=self.layout.dp_size, float_rows=floats
         )
         self.sched = Scheduler(cfg)
-        self.to_frontend.send(EngineReady(context, num_pages, a.page_size, a.num_draft_tokens))
+        self.to_frontend.send(
+            EngineReady(context, num_pages, a.page_size, a.num_draft_tokens, cfg.prefix_caching)
+        )
         logger.info(
             "engine ready: %d worker rank(s), %d KV pages of %d tokens per DP rank, context %d",
             self.layout.world_size,

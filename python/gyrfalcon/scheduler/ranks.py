@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from gyrfalcon.scheduler.page_allocator import PageAllocator
 from gyrfalcon.scheduler.policy import Decision, ReserveRatio
+from gyrfalcon.scheduler.prefix_cache import PrefixCache
 from gyrfalcon.scheduler.request import Request
 
 
@@ -27,6 +28,7 @@ class RankState:
     waiting: deque[Request] = field(default_factory=deque)
     finished_for_worker: list[str] = field(default_factory=list)  # sent with the next plan
     inflight: deque[tuple[int, Decision]] = field(default_factory=deque)  # (step_id, decision)
+    cache: PrefixCache | None = None  # prefix caching on this rank's pages
 
     def has_work(self) -> bool:
         """Requests to run, results to wait for, or finished requests its workers hold."""

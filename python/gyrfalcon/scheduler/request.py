@@ -77,6 +77,11 @@ class Request:
     prompt_logprobs_sent: bool = False
     num_verify_steps: int = 0  # sampling rows that verified drafts (speculative decoding)
     num_accepted: int = 0  # drafts those rows accepted
+    # prefix caching (prefix_cache.py): tokens found cached at first admission, the
+    # cache node of its last page in the cache's tree and how many of its pages that is
+    num_cached_tokens: int = 0
+    cache_node: int = 0
+    num_cache_pages: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -31,6 +31,7 @@ from gyrfalcon.scheduler.outputs import delta_output, final_output
 from gyrfalcon.scheduler.page_allocator import PageAllocator
 from gyrfalcon.scheduler.plan import agreed_graph_rows, rank_batch
 from gyrfalcon.scheduler.policy import Limits, ReserveRatio, Scheduled, schedule
+from gyrfalcon.scheduler.prefix_cache import PrefixCache
 from gyrfalcon.scheduler.ranks import RankState, pick_rank
 from gyrfalcon.scheduler.request import Request, Status, cut_at_finish
 from gyrfalcon.scheduler.step_log import StepCounters
@@ -52,6 +53,7 @@ class SchedulerConfig:
     num_draft_tokens: int = 0  # draft slots per decode row (speculative decoding; 0 = off)
     float_rows: bool = False  # workers start floating rows on the device (policy.floats)
     max_queue_len: int = 0  # waiting requests beyond which arrivals are refused (0: none)
+    prefix_caching: bool = False  # KV pages shared by content (prefix_cache.py)
 
     @classmethod
     def from_args(
@@ -83,6 +85,7 @@ class SchedulerConfig:
             num_draft_tokens=args.num_draft_tokens,
             float_rows=float_rows and not args.disable_overlap_schedule,
             max_queue_len=args.max_queue_len or 0,
+            prefix_caching=not args.disable_prefix_caching,
         )
 
 
@@ -99,10 +102,14 @@ class Scheduler:
             draft_lookahead=max(0, cfg.num_draft_tokens - 1),
             float_rows=cfg.float_rows,
         )
-        self.ranks = [
-            RankState(r, PageAllocator(cfg.num_pages), ReserveRatio.scaled(cfg.conservativeness))
-            for r in range(cfg.dp_size)
-        ]
+        self.ranks = []
+        for r in range(cfg.dp_size):
+            alloc = PageAllocator(cfg.num_pages)
+            cache = None
+            if cfg.prefix_caching:
+                cache = PrefixCache(alloc, cfg.page_size, drafter_kv=cfg.num_draft_tokens > 0)
+            reserve = ReserveRatio.scaled(cfg.conservativeness)
+            self.ranks.append(RankState(r, alloc, reserve, cache=cache))
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._steps = itertools.count()
@@ -180,7 +187,9 @@ class Scheduler:
         assert self.may_plan(), "too many plans in flight"
         decisions = []
         for rs in self.ranks:
-            decision = schedule(rs.running, rs.waiting, rs.alloc, self.limits, rs.reserve.value)
+            decision = schedule(
+                rs.running, rs.waiting, rs.alloc, self.limits, rs.reserve.value, rs.cache
+            )
             rs.reserve.update(decision)
             decisions.append(decision)
         to_drop = any(rs.finished_for_worker for rs in self.ranks)
@@ -238,6 +247,8 @@ class Scheduler:
                     req.prompt_logprobs.extend(row.prompt_logprobs)
             if s.samples:
                 self._take_emitted(req, s, row)
+            if rs.cache is not None and req.status is Status.RUNNING:
+                rs.cache.insert(req)
         if self.cfg.check_invariants:
             self.check_integrity()
         return self.take_outputs()
@@ -279,6 +290,8 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         rs = self.ranks[req.dp_rank]
+        if rs.cache is not None and req.status is Status.RUNNING:
+            rs.cache.insert(req)  # NOTE: what it computed, for the next turn of a chat
         if req.status is Status.RUNNING:
             rs.running.remove(req)
         elif req.status is Status.WAITING:
@@ -311,6 +324,8 @@ class Scheduler:
                 assert pages_needed(len(req.pages), req.num_computed, self.cfg.page_size) == 0
             for req in rs.waiting:
                 assert req.status is Status.WAITING and req.dp_rank == rs.dp_rank
+            if rs.cache is not None:
+                rs.cache.check_integrity()
 
     def stats(self, nonce: int) -> StatsReply:
         ok, err = True, None
@@ -329,4 +344,6 @@ class Scheduler:
             num_preemptions=self.counters.preemptions,
             spec_verify_steps=self.counters.verify_steps,
             spec_accepted=self.counters.accepted,
+            prefix_cache_queries=sum(rs.cache.queried_tokens for rs in self.ranks if rs.cache),
+            prefix_cache_hits=sum(rs.cache.hit_tokens for rs in self.ranks if rs.cache),
         )
