@@ -27,6 +27,7 @@
 #           stage part), then bench_spec_step.py for the 8B and SmolLM2 shapes (dummy
 #           weights) with host profiles of the first batch size. BENCH_SPEC=0 / STEP=0 skip
 #           either half; SPEC_FLAGS go to both servers; their logs come back in spec_logs/.
+#   multiturn: the multi-turn chat benchmark with and without prefix caching (8B shape);
 #   PYTEST_K selects tests (pytest -k), e.g. "not flashinfer_matches_torch_ref" skips the
 #   slowest (~4 min) when flashinfer is unchanged.
 #   SERVER_FLAGS adds server flags (e.g. "--kv-cache-dtype fp8_e4m3"); TAG suffixes the
@@ -142,6 +143,15 @@ case "${1:-tests}" in
           --random-output-len 512 --ignore-eos --max-concurrency "$C" --seed 4
       done
       kill -TERM $SERVER; wait $SERVER; echo "server exit $?"; grep -a "target forwards" "$OUT/server_moe_${R%%:*}.log"
+    done ;;
+  multiturn)  # prefix caching: benchmarks/bench_multiturn.py (shared 1024-token system
+    # prompt, 4 turns, 64 conversations at once) on the 8B shape, with the cache and without
+    for R in "cache:" "nocache:--disable-prefix-caching"; do
+      SERVER_FLAGS="--attention-backend triton ${R#*:}" start_server "multiturn_${R%%:*}"
+      python3 benchmarks/bench_multiturn.py --port 8100 --device-kind "$KIND" --tag "${R%%:*}" \
+        --num-conversations ${MT_CONV:-64} --concurrency ${MT_CONC:-64} \
+        --output-json "$OUT/multiturn_${R%%:*}.json" 2>&1 | tail -25
+      kill -TERM $SERVER; wait $SERVER; echo "server exit $?"
     done ;;
   fi-cache)
     mkdir -p /tmp/fi-pack && cp -r "$FI_AOT"/. /tmp/fi-pack/ && rm -f /tmp/fi-pack/.restored
