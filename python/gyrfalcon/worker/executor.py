@@ -179,6 +179,12 @@ class ModelExecutor:
         )  # fmt: skip
         self.piecewise.capture()
 
+    def warm_up_kernels(self, max_rows: int) -> None:
+        """The eager path's kernel variants the warm-up steps do not meet, for batches of
+        up to max_rows rows (`AttentionBackend.warm_up_kernels`)."""
+        assert self.kv_cache is not None, "init_kv_cache() first"
+        self.backends.extend.warm_up_kernels(self.kv_cache, self.dtype, max_rows, self.page_size)
+
     def _model_outputs(self, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
         """(final hidden states,) or (them, the aux states): what a pass of piecewise
         graphs returns."""

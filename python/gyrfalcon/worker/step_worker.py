@@ -222,6 +222,7 @@ class StepWorker:
             assert not len(self.requests), "warm-up requests left behind"
             logger.info("warm-up steps ran in %.1f s", time.perf_counter() - t0)
         if self.device.type == "cuda":
+            self.executor.warm_up_kernels(self.args.max_num_seqs)
             self.compiles.install()
 
     def _run_dummy_row(self) -> None:

@@ -473,3 +473,32 @@ def test_decode_with_rope_in_the_kernel(kv_heads, head_dim, splits, kv_dtype):
     for got, want in ((cache.k, ref_cache.k), (cache.v, ref_cache.v)):
         torch.testing.assert_close(got[LAYER][slots].float(), want[LAYER][slots].float(), **TOL)
     assert not tb.attn_meta.scratch.counts.any()
+
+
+def test_warm_up_launches_the_decode_kernel_at_every_split_count_of_eager_rows(monkeypatch):
+    """A MIXED step's decode rows run the decode kernel without RoPE at a split count
+    that depends on their number; each count is its own kernel build, so the warm-up
+    launches every count 1..max_rows rows can pick (the interpreter's 8 SMs: 32
+    programs), with q a view of a qkv row as `attend` gets it."""
+    from gyrfalcon.layers.attention import triton_backend
+
+    launches = []
+    real = triton_backend.decode_attention
+
+    def record(q, *args, **kw):
+        launches.append((q.shape[0], args[5].num_kv_splits, q.stride(0), kw.get("rope")))
+        return real(q, *args, **kw)
+
+    monkeypatch.setattr(triton_backend, "decode_attention", record)
+    heads, kv_heads, d = 4, 2, 16
+    tri = TritonBackend(heads, kv_heads, d, d**-0.5, decode_block_n=16)
+    cache = KVCache(2, 8, PS, kv_heads, d, torch.float32, CPU)
+    tri.warm_up_kernels(cache, torch.float32, 20, PS)
+    want = {decode_kv_splits(n, kv_heads, 8) for n in range(1, 21)}
+    assert {splits for _, splits, _, _ in launches} == want == {1, 2, 4, 8, 16}
+    assert len(launches) == len(want)
+    for rows, splits, stride, rope in launches:
+        assert decode_kv_splits(rows, kv_heads, 8) == splits and rope is None
+        # NOTE: Triton specializes an int on == 1 and % 16: a qkv row's width or, for
+        # a single row, the contiguous H * D (torch's stride of a size-1 dim)
+        assert stride in ((heads + 2 * kv_heads) * d, heads * d) and stride % 16 == 0

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from gyrfalcon.forward.batch import ForwardBatch
+from gyrfalcon.forward.kv_cache import KVCache
 from gyrfalcon.ipc.messages import ForwardMode
 
 # The modes graphs are captured for: DECODE (one query token per row), VERIFY (k + 1),
@@ -115,6 +116,13 @@ class AttentionBackend(ABC):
         """Allocate static metadata for graphs of `mode` (batches up to max_bs rows of
         `tokens_per_row` query tokens each, page tables up to max_pages wide)."""
         raise NotImplementedError(f"{self.name} does not support CUDA graphs")
+
+    def warm_up_kernels(
+        self, kv_cache: KVCache, dtype: torch.dtype, max_rows: int, page_size: int
+    ) -> None:
+        """Build, before serving, the kernel variants the eager steps of batches up to
+        max_rows rows may need beyond those the warm-up steps met (nothing by default)."""
+        return None  # NOTE: backends with nothing to build keep this
 
     def prepare_replay(self, batch: ForwardBatch) -> Any:
         """Metadata in the static buffers for the graph runner's static `batch` of a

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from gyrfalcon.forward.batch import ForwardBatch
+from gyrfalcon.forward.kv_cache import KVCache
+from gyrfalcon.ipc.contract import DUMMY_PAGE
 from gyrfalcon.ipc.messages import ForwardMode
 from gyrfalcon.kernels.attention_decode import (
     DecodeRope,
@@ -204,16 +206,38 @@ class TritonBackend(AttentionBackend):
         (VERIFY and DRAFT_EXTEND run on the decode kernel too: `verify_tokens`); kept
         across calls where large enough, so every mode's graphs share it."""
         check_capture(mode, tokens_per_row)
-        rows: dict[int, int] = {}  # split count -> largest row count using it
-        for n in range(1, max_bs * tokens_per_row + 1):
-            rows[self.kv_splits(n, device)] = n
         have = self._graph_scratch or {}
-        for s, n in rows.items():
+        for s, n in self._rows_by_splits(max_bs * tokens_per_row, device).items():
             if s not in have or have[s].mid_o.shape[0] < n:
                 if s in have:  # NOTE: graphs captured before may point into it: kept alive
                     self._retired_scratch.append(have[s])
                 have[s] = alloc_decode_scratch(n, self.num_heads, self.head_dim, s, device)
         self._graph_scratch = have
+
+    def _rows_by_splits(self, max_rows: int, device: torch.device) -> dict[int, int]:
+        """Split count -> the largest row count in 1..max_rows that uses it."""
+        return {self.kv_splits(n, device): n for n in range(1, max_rows + 1)}
+
+    def warm_up_kernels(
+        self, kv_cache: KVCache, dtype: torch.dtype, max_rows: int, page_size: int
+    ) -> None:
+        """The decode kernel for every split count the decode rows of an eager step
+        (MIXED: q rotated, its K/V in the cache) may pick with up to max_rows rows, on the
+        dummy page. The warm-up steps meet one of them; the rest would build while
+        serving, ~1 s each (worker/compile_watch.py)."""
+        device = kv_cache.k.device
+        width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        for n in self._rows_by_splits(max_rows, device).values():
+            # NOTE: q as `attend` gets it: a view of a wider qkv row; out contiguous
+            qkv = torch.zeros(n, width, dtype=dtype, device=device)
+            q = qkv[:, : self.num_heads * self.head_dim].view(n, self.num_heads, self.head_dim)
+            table = torch.full((n, 1), DUMMY_PAGE, dtype=torch.int32, device=device)
+            lens = torch.ones(n, dtype=torch.int32, device=device)
+            decode_attention(
+                q, kv_cache.k[0], kv_cache.v[0], table, lens, torch.empty_like(q),
+                self._decode_scratch(n, device), page_size, self.scale,
+                block_n=self.decode_block_n, pdl=self.pdl,
+            )  # fmt: skip
 
     def prepare_replay(self, batch: ForwardBatch) -> TritonMeta:
         """Metadata that views the batch's own page table, lengths and query offsets:
