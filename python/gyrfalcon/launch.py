@@ -138,6 +138,7 @@ def serve(args: ServerArgs) -> int:
     app = create_app(
         engine, tokenizer, name, api_key=args.api_key, log_requests=args.log_requests,
         max_body_bytes=args.max_request_body_bytes, request_timeout=args.request_timeout,
+        tool_call_parser=args.tool_call_parser,
     )  # fmt: skip
     server = make_uvicorn_server(app, args.host, args.port, args.log_level, args.shutdown_timeout)
     ctx = mp.get_context("spawn")

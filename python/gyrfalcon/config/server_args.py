@@ -197,6 +197,15 @@ class ServerArgs:
             "it ends (finish reason, tokens, TTFT, E2E); never its text"
         },
     )
+    tool_call_parser: str | None = field(
+        default=None,
+        metadata={
+            "help": "parse tool calls out of chat outputs with this model family's syntax "
+            "(hermes: Hermes/Qwen `<tool_call>` blocks; llama3_json: Llama 3.x JSON); "
+            "without it, requests with tools get a 400",
+            "choices": ["hermes", "llama3_json"],  # NOTE: frontend/tool_parsers.py's
+        },
+    )
     log_stats_interval: float = field(
         default=10.0,
         metadata={

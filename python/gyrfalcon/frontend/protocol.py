@@ -14,11 +14,22 @@ defines are ignored and named in one log line per request (protocol_fields.py).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-from gyrfalcon.frontend.protocol_fields import REFUSED, ParamError, check_refused, check_text
+from gyrfalcon.frontend.protocol_fields import (
+    ParamError,
+    RequestModel,
+    check_refused,
+    check_text,
+)
+from gyrfalcon.frontend.protocol_tools import (
+    ToolCallParam,
+    ToolChoice,
+    ToolParam,
+    check_tool_choice,
+)
 from gyrfalcon.ipc.messages import SamplingParams
 
 MAX_N = 128  # choices per request (OpenAI's limit)
@@ -36,49 +47,22 @@ TOP_K_DISABLED = -1
 __all__ = ["ParamError"]  # re-exported: the schemas' validation errors
 
 
-class _Request(BaseModel):
-    # NOTE: extra="allow" keeps unknown fields in `model_extra`, so that
-    # `unknown_fields()` can name them in a log line; they never reach the engine.
-    model_config = ConfigDict(extra="allow", strict=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        fields = cls.model_fields
-        return {
-            k: v
-            for k, v in data.items()
-            if not (v is None and k in fields and fields[k].default is not None)
-        }
-
-    def unknown_fields(self, prefix: str = "") -> list[str]:
-        """Paths of the fields this schema (and its nested ones) does not define."""
-        out = [f"{prefix}{k}" for k in self.model_extra or {} if k not in REFUSED]
-        for name in type(self).model_fields:
-            value = getattr(self, name)
-            items = value if isinstance(value, list) else [value]
-            for i, item in enumerate(items):
-                if isinstance(item, _Request):
-                    where = f"{name}[{i}]" if isinstance(value, list) else name
-                    out += item.unknown_fields(f"{prefix}{where}.")
-        return out
-
-
-class _Body(_Request):
+class _Body(RequestModel):
     """A whole request body: refused fields and invalid text are checked first."""
+
+    # refused fields (protocol_fields.REFUSED) that this endpoint honours
+    honoured: ClassVar[frozenset[str]] = frozenset()
 
     @model_validator(mode="before")
     @classmethod
     def _check_body(cls, data: Any) -> Any:
         if isinstance(data, dict):
             check_text(data)
-            check_refused(data)
+            check_refused(data, cls.honoured)
         return data
 
 
-class StreamOptions(_Request):
+class StreamOptions(RequestModel):
     include_usage: bool = False
     # vLLM's extension: every chunk carries the usage so far (with include_usage)
     continuous_usage_stats: bool = False
@@ -105,7 +89,8 @@ class SamplingRequest(_Body):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None  # no tools are built yet: nothing to parallelize
+    # chat with tools: False keeps the first parsed call only (None: true)
+    parallel_tool_calls: bool | None = None
     # vLLM-style extensions
     top_k: int = Field(TOP_K_DISABLED, ge=TOP_K_DISABLED)  # -1 or 0 = disabled
     min_p: float = Field(0.0, ge=0.0, le=1.0)
@@ -185,23 +170,22 @@ class SamplingRequest(_Body):
 # ---------------------------------------------------------------- chat
 
 
-class TextPart(_Request):
+class TextPart(RequestModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Request):
+class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_call_id: str | None = None
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    tool_calls: list[ToolCallParam] | None = None  # an assistant message: its calls
 
     @model_validator(mode="before")
     @classmethod
     def _only_text_parts(cls, data: Any) -> Any:
         content = data.get("content") if isinstance(data, dict) else None
-        if isinstance(data, dict) and data.get("tool_calls"):
-            raise ParamError("messages", "tool calls in messages are not supported yet")
         if isinstance(content, list):
             for part in content:
                 kind = part.get("type") if isinstance(part, dict) else None
@@ -216,6 +200,10 @@ class ChatMessage(_Request):
     def _content_required(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
             raise ParamError("messages", f"a {self.role} message must have content")
+        if self.tool_calls and self.role != "assistant":
+            raise ParamError(
+                "messages", f"only assistant messages have tool_calls, not {self.role}"
+            )
         return self
 
     @property
@@ -227,27 +215,57 @@ class ChatMessage(_Request):
             return self.content
         return "\n".join(part.text for part in self.content)
 
-    def to_template(self) -> dict[str, str]:
-        """The message as the chat template expects it."""
-        out = {"role": self.role, "content": self.text}
+    def to_template(self) -> dict[str, Any]:
+        """The message as the chat template expects it (tool calls with their
+        arguments as dicts: protocol_tools.ToolCallParam.to_template)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text}
         if self.name is not None:
             out["name"] = self.name
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [call.to_template() for call in self.tool_calls]
         return out
 
 
 class ChatCompletionRequest(SamplingRequest):
+    honoured: ClassVar[frozenset[str]] = frozenset({"tools", "tool_choice"})
+
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[ToolParam] | None = None
+    # None: "auto" with tools, "none" without (OpenAI's defaults)
+    tool_choice: ToolChoice | None = None
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs requires logprobs to be true")
         return self
+
+    @model_validator(mode="after")
+    def _check_tools(self) -> ChatCompletionRequest:
+        check_tool_choice(self.tools or [], self.tool_choice)
+        return self
+
+    @property
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template takes them (OpenAI's dicts), or None."""
+        return [t.to_template() for t in self.tools] if self.tools else None
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """Whether the output is searched for tool calls: tools given, and a
+        tool_choice other than "none"."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def named_tool(self) -> str | None:
+        """The function a named tool_choice asks for."""
+        choice = self.tool_choice
+        return choice.function.name if choice is not None and not isinstance(choice, str) else None
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -5,15 +5,21 @@ Every field a client may send falls in one of four groups:
 
 - a declared field of the request schema: honoured (or, for the few OpenAI
   fields that do not change the output, such as `user`, accepted as is);
-- REFUSED: defined by OpenAI, SGLang or vLLM, not built here yet; a value that
-  would change the output is a 400 naming the field;
+- REFUSED: defined by OpenAI, SGLang or vLLM, not built here yet (or not for
+  this endpoint); a value that would change the output is a 400 naming the field;
 - anything else: ignored, and named in one log line per request.
+
+`RequestModel` is the base of every request schema: strict types, `null` for a
+field with a default means the default, and unknown fields are kept only to be
+named in that log line.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict, model_validator
 
 
 class ParamError(ValueError):
@@ -51,13 +57,15 @@ def _not_text_only(value: Any) -> bool:
 
 # field -> (is the value one that would change the output?, what to tell the client)
 _STRUCTURED = "structured output is not supported yet"
-_TOOLS = "tool calling is not supported yet"
+_TOOLS = "tool calling is only available in /v1/chat/completions"
+_FUNCTIONS = "the deprecated `functions` / `function_call` are not supported; send `tools`"
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "response_format": (_not_text_format, f"{_STRUCTURED} (only {{'type': 'text'}})"),
+    # NOTE: honoured by chat completions (`ChatCompletionRequest.honoured`)
     "tools": (_non_empty, _TOOLS),
     "tool_choice": (_not_none_choice, _TOOLS),
-    "functions": (_non_empty, _TOOLS),
-    "function_call": (_not_none_choice, _TOOLS),
+    "functions": (_non_empty, _FUNCTIONS),
+    "function_call": (_not_none_choice, _FUNCTIONS),
     # SGLang's and vLLM's grammar parameters
     "regex": (_set, _STRUCTURED),
     "ebnf": (_set, _STRUCTURED),
@@ -75,11 +83,44 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-def check_refused(data: dict[str, Any]) -> None:
-    """400 (ParamError) for the first refused field whose value would change the output."""
+def check_refused(data: dict[str, Any], honoured: Collection[str] = ()) -> None:
+    """400 (ParamError) for the first refused field whose value would change the
+    output; the fields in `honoured` are the endpoint's own (chat's `tools`)."""
     for name, (active, why) in REFUSED.items():
-        if name in data and active(data[name]):
+        if name in data and name not in honoured and active(data[name]):
             raise ParamError(name, f"`{name}` is not supported by this server: {why}")
+
+
+class RequestModel(BaseModel):
+    """The base of the request schemas (and of their nested objects)."""
+
+    # NOTE: extra="allow" keeps unknown fields in `model_extra`, so that
+    # `unknown_fields()` can name them in a log line; they never reach the engine.
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            k: v
+            for k, v in data.items()
+            if not (v is None and k in fields and fields[k].default is not None)
+        }
+
+    def unknown_fields(self, prefix: str = "") -> list[str]:
+        """Paths of the fields this schema (and its nested ones) does not define."""
+        out = [f"{prefix}{k}" for k in self.model_extra or {} if k not in REFUSED]
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            items = value if isinstance(value, list) else [value]
+            for i, item in enumerate(items):
+                if isinstance(item, RequestModel):
+                    where = f"{name}[{i}]" if isinstance(value, list) else name
+                    out += item.unknown_fields(f"{prefix}{where}.")
+        return out
 
 
 def check_text(value: Any, path: str = "") -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 
 def new_id(prefix: str) -> str:
@@ -90,9 +90,35 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
-class ChatResponseMessage(BaseModel):
+class _Compact(BaseModel):
+    """Leaves the fields in `omitted_if_none` out of the JSON while they are None
+    (a response without tool calls keeps OpenAI's shape without the key)."""
+
+    omitted_if_none: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _compact(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        return {k: v for k, v in data.items() if v is not None or k not in self.omitted_if_none}
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ChatToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatResponseMessage(_Compact):
+    omitted_if_none = frozenset({"tool_calls"})
+
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ChatToolCall] | None = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -112,9 +138,30 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension
 
 
-class ChatDelta(BaseModel):
+class DeltaFunctionCall(_Compact):
+    omitted_if_none = frozenset({"name", "arguments"})
+
+    name: str | None = None  # in a call's first delta
+    arguments: str | None = None  # in the deltas after it
+
+
+class DeltaToolCall(_Compact):
+    """One call's part in a stream chunk: its first delta has the id, type and name."""
+
+    omitted_if_none = frozenset({"id", "type", "function"})
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class ChatDelta(_Compact):
+    omitted_if_none = frozenset({"tool_calls"})
+
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):

@@ -9,11 +9,12 @@ to a rendered chat, whose template writes its own.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, Field, model_validator
 
 from gyrfalcon.frontend.protocol import ChatMessage, ParamError, _Body
+from gyrfalcon.frontend.protocol_tools import ToolParam
 
 
 class TokenizeCompletionRequest(_Body):
@@ -24,8 +25,11 @@ class TokenizeCompletionRequest(_Body):
 
 
 class TokenizeChatRequest(_Body):
+    honoured: ClassVar[frozenset[str]] = frozenset({"tools"})
+
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolParam] | None = None  # rendered into the prompt, as chat's are
     add_generation_prompt: bool = True
     # leave the last message open, so that the model continues it (HF's flag)
     continue_final_message: bool = False

@@ -39,6 +39,7 @@ from gyrfalcon.frontend.serving_common import (
 )
 from gyrfalcon.frontend.serving_completions import create_completion
 from gyrfalcon.frontend.serving_tokenize import create_detokenize, create_tokenize
+from gyrfalcon.frontend.tool_parsers import get_tool_parser
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -153,14 +154,19 @@ def create_app(
     log_requests: bool = False,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     request_timeout: float | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """Build the app. `engine` must be started before the first request. With an
     `api_key`, every route but /health, /version and /metrics requires it
-    (frontend/auth.py)."""
+    (frontend/auth.py). `tool_call_parser` names a `tool_parsers.TOOL_PARSERS` entry
+    (ValueError for another name)."""
+    if tool_call_parser is not None:
+        get_tool_parser(tool_call_parser)  # NOTE: a misspelt name fails at start-up
     metrics = ServingMetrics(model_name)
     ctx = ServingContext(
-        engine, tokenizer, model_name, max_model_len, metrics, log_requests, request_timeout
-    )
+        engine, tokenizer, model_name, max_model_len, metrics, log_requests, request_timeout,
+        tool_call_parser,
+    )  # fmt: skip
     app = FastAPI(title="gyrfalcon", version=gyrfalcon.__version__)
     # NOTE: the last added runs first: a client without the key never gets to send a
     # body the limit reads

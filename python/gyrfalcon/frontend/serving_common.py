@@ -105,6 +105,7 @@ class ServingContext:
     metrics: ServingMetrics | None = None  # what each request adds to /metrics
     log_requests: bool = False  # a log line per request as it arrives and as it ends
     request_timeout: float | None = None  # seconds a request may take (None: no limit)
+    tool_call_parser: str | None = None  # --tool-call-parser (None: tools are refused)
     token_texts: TokenTexts = field(init=False)
     vocab_size: int = field(init=False)
 

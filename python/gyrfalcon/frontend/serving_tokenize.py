@@ -41,7 +41,8 @@ def create_tokenize(ctx: ServingContext, body: dict[str, Any]) -> TokenizeRespon
     ctx.check_engine()
     tokenizer = ctx.tokenizer
     if isinstance(req, TokenizeChatRequest):
-        ids = render_chat_prompt(tokenizer, req.messages, req.chat_template_kwargs)
+        tools = [t.to_template() for t in req.tools] if req.tools else None
+        ids = render_chat_prompt(tokenizer, req.messages, req.chat_template_kwargs, tools)
         if req.add_special_tokens:
             prefix, suffix = special_token_affixes(tokenizer)
             ids = prefix + ids + suffix

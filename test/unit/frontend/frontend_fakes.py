@@ -192,6 +192,7 @@ async def live_server(
     log_requests: bool = False,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     request_timeout: float | None = None,
+    tool_call_parser: str | None = None,
 ) -> AsyncIterator[LiveServer]:
     """Fake scheduler + EngineClient + uvicorn on an ephemeral port, in this loop."""
     paths, root = IpcPaths.create()
@@ -203,7 +204,7 @@ async def live_server(
         await asyncio.wait_for(engine.ready.wait(), TEST_TIMEOUT_S)
     app = create_app(
         engine, tokenizer, model_name, MAX_MODEL_LEN, api_key, log_requests, max_body_bytes,
-        request_timeout,
+        request_timeout, tool_call_parser,
     )  # fmt: skip
     server = make_uvicorn_server(app, "127.0.0.1", 0, "warning")
     serving = asyncio.create_task(server.serve())

@@ -204,10 +204,8 @@ def test_unknown_fields_are_ignored_and_named():
     [
         ("response_format", {"type": "json_object"}),
         ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("tool_choice", "auto"),
-        ("tool_choice", {"type": "function", "function": {"name": "f"}}),
         ("functions", [{"name": "f"}]),
+        ("function_call", "auto"),
         ("regex", "[a-z]+"),
         ("ebnf", "root ::= 'a'"),
         ("json_schema", {"type": "object"}),
@@ -244,10 +242,29 @@ def test_refused_fields_with_values_that_change_nothing_are_accepted(field: str,
     assert chat(**{field: value}).n == 1
 
 
-def test_tool_calls_in_messages_are_refused():
-    calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("tool_choice", "auto"),
+        ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+    ],
+)
+def test_tools_are_refused_by_text_completions(field: str, value: Any):
     with pytest.raises(ValidationError) as info:
-        chat(messages=[*USER, {"role": "assistant", "content": None, "tool_calls": calls}])
+        completion(**{field: value})
+    assert param_of(info.value) == field
+    assert "/v1/chat/completions" in str(info.value)
+
+
+def test_tool_calls_only_in_assistant_messages():
+    calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    req = chat(messages=[*USER, {"role": "assistant", "content": None, "tool_calls": calls}])
+    assert req.messages[1].to_template()["tool_calls"] == [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": {}}}
+    ]
+    with pytest.raises(ValidationError) as info:
+        chat(messages=[{"role": "user", "content": "hi", "tool_calls": calls}])
     assert param_of(info.value) == "messages"
 
 

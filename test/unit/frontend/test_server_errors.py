@@ -84,8 +84,26 @@ from .frontend_fakes import (
             400,
             "response_format",
         ),
-        ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools"),
+        # tools: malformed, or with no --tool-call-parser (test_server_tools.py for more)
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "tools": [{"type": "function"}]},
+            400,
+            "tools[0].function",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]},
+            400,
+            "tools",
+        ),
         ("/v1/chat/completions", {"messages": USER, "tool_choice": "required"}, 400, "tool_choice"),
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "functions": [{"name": "f"}]},
+            400,
+            "functions",
+        ),
         ("/v1/completions", {"prompt": "hi", "regex": "a+"}, 400, "regex"),
         ("/v1/completions", {"prompt": "hi", "structured_outputs": {}}, 400, "structured_outputs"),
         ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, 400, "use_beam_search"),
