@@ -68,8 +68,8 @@ from gyrfalcon.bench.client import (
     DONE_SENTINEL,
     ENDPOINT_PATHS,
     ERROR_BODY_CHARS,
-    SSEDecoder,
     build_payload,
+    post_stream,
 )
 from gyrfalcon.bench.datasets import SampleRequest
 from gyrfalcon.bench.metrics import RequestResult, percentile
@@ -360,24 +360,10 @@ async def send_turn(
     """POST `payload`, consume and time its stream into `result`. Never raises for
     request-level problems: they come back as `result.request.success = False`."""
     request = result.request
-    decoder = SSEDecoder()
     start = request.start_time = time.perf_counter()
     stream = TurnStream(result, start)
     try:
-        async with session.post(url, json=payload) as response:
-            if response.status != 200:
-                body = (await response.text())[:ERROR_BODY_CHARS]
-                raise RuntimeError(f"HTTP {response.status}: {body}")
-            done = False
-            async for chunk in response.content.iter_any():
-                now = time.perf_counter()
-                for data in decoder.feed(chunk):
-                    done = done or stream.feed(data, now)
-                if done:
-                    break
-            if not done:
-                for data in decoder.flush():
-                    stream.feed(data, time.perf_counter())
+        await post_stream(session, url, payload, stream.feed)
         request.e2el = time.perf_counter() - start
         stream.finish()
         request.success = True

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 import aiohttp
@@ -111,6 +112,32 @@ def _chunk_text(choice: dict[str, Any]) -> str:
     return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
 
 
+async def post_stream(
+    session: aiohttp.ClientSession,
+    url: str,
+    payload: dict[str, Any],
+    handle: Callable[[str, float], bool],
+) -> None:
+    """POST ``payload`` and feed each SSE event payload to ``handle(data, arrival
+    time)`` until it returns True (the end of the stream) or the stream ends. Raises
+    RuntimeError on an HTTP error status."""
+    decoder = SSEDecoder()
+    async with session.post(url, json=payload) as response:
+        if response.status != 200:
+            body = (await response.text())[:ERROR_BODY_CHARS]
+            raise RuntimeError(f"HTTP {response.status}: {body}")
+        done = False
+        async for chunk in response.content.iter_any():
+            now = time.perf_counter()
+            for data in decoder.feed(chunk):
+                done = done or handle(data, now)
+            if done:
+                break
+        if not done:
+            for data in decoder.flush():
+                handle(data, time.perf_counter())
+
+
 async def send_request(
     session: aiohttp.ClientSession,
     url: str,
@@ -123,7 +150,6 @@ async def send_request(
     connection failures come back as ``success=False`` with ``error`` set.
     """
     result = RequestResult()
-    decoder = SSEDecoder()
     usage: dict[str, Any] = {}
     text_chunks = 0
     last = start = result.start_time = time.perf_counter()
@@ -152,20 +178,7 @@ async def send_request(
         return False
 
     try:
-        async with session.post(url, json=payload) as response:
-            if response.status != 200:
-                body = (await response.text())[:ERROR_BODY_CHARS]
-                raise RuntimeError(f"HTTP {response.status}: {body}")
-            done = False
-            async for chunk in response.content.iter_any():
-                now = time.perf_counter()
-                for data in decoder.feed(chunk):
-                    done = done or handle(data, now)
-                if done:
-                    break
-            if not done:
-                for data in decoder.flush():
-                    handle(data, time.perf_counter())
+        await post_stream(session, url, payload, handle)
         result.e2el = time.perf_counter() - start
         if text_chunks == 0:
             raise RuntimeError("stream ended without generated text")

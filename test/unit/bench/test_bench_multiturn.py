@@ -6,18 +6,15 @@ turns, answers included); and its pure parts."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 
 import pytest
+from bench_scripts import bench_script
 from conftest import make_tiny_hf_model
 from server_util import start_server, stop_server, wait_drained
 
-ROOT = Path(__file__).resolve().parents[3]
 PAGE = 16
 # every answer crosses a page boundary (prompts of 56, 76, 96 tokens): the page it
 # completes is cached only by decoding, and matches the next turn only with exact ids
@@ -26,16 +23,8 @@ CONVERSATIONS, TURNS, SYSTEM, USER, OUTPUT = 4, 3, 48, 8, 12
 
 @pytest.fixture(scope="module")
 def bm() -> Iterator[ModuleType]:
-    name = "gyrfalcon_bench_multiturn_script"
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "bench_multiturn.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod  # dataclasses look their module up there
-    try:
-        spec.loader.exec_module(mod)
+    with bench_script("bench_multiturn.py") as mod:
         yield mod
-    finally:
-        sys.modules.pop(name, None)
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib.util
 import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -16,27 +14,18 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from bench_scripts import bench_script
 from fake_http import ThreadedApp
 
 from gyrfalcon.bench import spec_report
 from gyrfalcon.bench.datasets import SampleRequest
 from gyrfalcon.config.server_args import ServerArgs, resolve_speculative
 
-ROOT = Path(__file__).resolve().parents[3]
-
 
 @pytest.fixture(scope="module")
 def bs() -> Iterator[ModuleType]:
-    name = "gyrfalcon_bench_spec_script"
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "bench_spec.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod  # dataclasses look their module up there
-    try:
-        spec.loader.exec_module(mod)
+    with bench_script("bench_spec.py") as mod:
         yield mod
-    finally:
-        sys.modules.pop(name, None)
 
 
 def out(bs: ModuleType, text: str = "a b", tokens: int = 2, **kw: Any) -> Any:
