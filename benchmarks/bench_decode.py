@@ -42,8 +42,9 @@ from gyrfalcon.bench.bandwidth import measure_read_bandwidth
 from gyrfalcon.bench.decode_driver import Driver, sync
 from gyrfalcon.bench.provenance import git_commit
 from gyrfalcon.bench.roofline import kv_read_bytes, roofline_step_ms, tokens_per_s, weight_bytes
+from gyrfalcon.config.cli_args import parse_size
 from gyrfalcon.config.model_config import ModelConfig
-from gyrfalcon.config.server_args import ServerArgs, parse_size
+from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.loader.resolve import default_model_name, resolve_model
 from gyrfalcon.profiling import host_profile
 from gyrfalcon.worker.bootstrap import build_worker

@@ -7,7 +7,7 @@ import re
 
 from server_util import start_server, stop_server
 
-from gyrfalcon.config.server_args import available_cores
+from gyrfalcon.config.cli_args import available_cores
 
 THREADS_LINE = re.compile(r"\[(\w+)\] INFO gyrfalcon\.utils: torch threads: (\d+)(.*)")
 

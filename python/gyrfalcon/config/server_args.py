@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from gyrfalcon.config.attention import default_attention_backend
+from gyrfalcon.config.cli_args import add_dataclass_args, available_cores
 from gyrfalcon.config.nodes import check_nodes, init_url
+from gyrfalcon.config.speculative import resolve_speculative
 
 if TYPE_CHECKING:
     import torch
@@ -442,111 +443,3 @@ class ServerArgs:
     def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(ns).items() if k in names})
-
-
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One flag per field of the dataclass `cls`: --field-name, its type from the
-    annotation, its default, and the field's metadata ("help", "positional", the
-    rest passed to argparse); bool fields are store_true switches."""
-    for f in dataclasses.fields(cls):
-        meta = dict(f.metadata)
-        help_text = meta.pop("help", "")
-        if meta.pop("positional", False):
-            parser.add_argument(f.name, nargs="?", default=f.default, help=help_text)
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
-            parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
-            continue
-        parser.add_argument(
-            flag,
-            type=_parse_type(f.type),
-            default=f.default,
-            help=f"{help_text} (default: {f.default})",
-            **meta,
-        )
-
-
-def _parse_type(annotation: Any) -> Any:
-    text = str(annotation)
-    if text.startswith("int"):
-        return int
-    if text.startswith("float"):
-        return float
-    return str
-
-
-SPEC_ALGORITHMS = ("EAGLE3",)
-DEFAULT_SPEC_STEPS = 3
-
-
-def resolve_speculative(
-    algorithm: str | None,
-    draft_path: str | None,
-    num_steps: int | None,
-    topk: int,
-    num_draft_tokens: int | None,
-) -> tuple[int | None, int | None]:
-    """(k, k + 1) for the speculative flags, or (None, None) without speculation;
-    ValueError with the flag's name for a bad combination."""
-    if algorithm is None:
-        given = {
-            "--speculative-draft-model-path": draft_path,
-            "--speculative-num-steps": num_steps,
-            "--speculative-num-draft-tokens": num_draft_tokens,
-        }
-        for flag, value in given.items():
-            if value is not None:
-                raise ValueError(f"{flag} needs --speculative-algorithm EAGLE3")
-        return None, None
-    if algorithm.upper() not in SPEC_ALGORITHMS:
-        raise ValueError(f"--speculative-algorithm {algorithm!r}: only EAGLE3 is supported")
-    if draft_path is None:
-        raise ValueError("--speculative-algorithm EAGLE3 needs --speculative-draft-model-path")
-    if topk != 1:
-        raise ValueError(
-            f"--speculative-eagle-topk {topk}: only 1 (chain drafting) is supported; "
-            "tree drafting is not built yet"
-        )
-    k = num_steps if num_steps is not None else DEFAULT_SPEC_STEPS
-    if num_steps is None and num_draft_tokens is not None:
-        k = num_draft_tokens - 1
-    if k < 1:
-        raise ValueError(f"--speculative-num-steps must be at least 1, got {k}")
-    if num_draft_tokens is not None and num_draft_tokens != k + 1:
-        raise ValueError(
-            f"--speculative-num-draft-tokens {num_draft_tokens} must be "
-            f"--speculative-num-steps + 1 = {k + 1} with chain drafting (topk 1)"
-        )
-    return k, k + 1
-
-
-def available_cores() -> int:
-    """The cores this process may run on (its CPU affinity; else the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # NOTE: no sched_getaffinity on macOS
-        return os.cpu_count() or 1
-
-
-def parse_size(text: str) -> int:
-    """Parse '2GiB', '512MiB', '1.5GB', '4096' into bytes."""
-    units = {
-        "kib": 1 << 10,
-        "mib": 1 << 20,
-        "gib": 1 << 30,
-        "tib": 1 << 40,
-        "kb": 10**3,
-        "mb": 10**6,
-        "gb": 10**9,
-        "tb": 10**12,
-        "k": 1 << 10,
-        "m": 1 << 20,
-        "g": 1 << 30,
-        "b": 1,
-    }
-    s = text.strip().lower().replace(" ", "")
-    for suffix in sorted(units, key=len, reverse=True):
-        if s.endswith(suffix):
-            return int(float(s[: -len(suffix)]) * units[suffix])
-    return int(float(s))

@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from gyrfalcon.config.server_args import add_dataclass_args
+from gyrfalcon.config.cli_args import add_dataclass_args
 
 # NOTE: evaluation sets: a drafter trained on them reports acceptance it has memorized
 EVAL_SET_MARKERS = ("mt_bench", "mt-bench")

@@ -6,8 +6,9 @@ import logging
 
 import torch
 
+from gyrfalcon.config.cli_args import parse_size
 from gyrfalcon.config.model_config import ModelConfig
-from gyrfalcon.config.server_args import ServerArgs, parse_size
+from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.forward.kv_cache import KVCache
 from gyrfalcon.forward.parallel import local_heads
 

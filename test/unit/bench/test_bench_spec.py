@@ -19,7 +19,8 @@ from fake_http import ThreadedApp
 
 from gyrfalcon.bench import spec_report
 from gyrfalcon.bench.datasets import SampleRequest
-from gyrfalcon.config.server_args import ServerArgs, resolve_speculative
+from gyrfalcon.config.server_args import ServerArgs
+from gyrfalcon.config.speculative import resolve_speculative
 
 
 @pytest.fixture(scope="module")

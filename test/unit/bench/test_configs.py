@@ -17,7 +17,8 @@ import pytest
 
 from gyrfalcon.config.draft_config import DraftConfig, check_draft_config
 from gyrfalcon.config.model_config import ModelConfig
-from gyrfalcon.config.server_args import ServerArgs, resolve_speculative
+from gyrfalcon.config.server_args import ServerArgs
+from gyrfalcon.config.speculative import resolve_speculative
 
 ROOT = Path(__file__).resolve().parents[3]
 CONFIGS = sorted((ROOT / "configs").glob("*.sh"))

@@ -5,8 +5,9 @@ import os
 
 import pytest
 
-from gyrfalcon.config import server_args
-from gyrfalcon.config.server_args import ServerArgs, available_cores
+from gyrfalcon.config import cli_args
+from gyrfalcon.config.cli_args import available_cores
+from gyrfalcon.config.server_args import ServerArgs
 
 
 def parse(*argv):
@@ -16,16 +17,16 @@ def parse(*argv):
 
 
 def test_default_on_cpu_is_the_cores_this_process_may_run_on(monkeypatch):
-    monkeypatch.setattr(server_args.os, "sched_getaffinity", lambda pid: {0, 3, 5}, raising=False)
+    monkeypatch.setattr(cli_args.os, "sched_getaffinity", lambda pid: {0, 3, 5}, raising=False)
     assert ServerArgs().cpu_threads is None  # unresolved: decided for the machine
     assert ServerArgs(device="cpu").resolved().cpu_threads == 3
 
 
 def test_default_without_affinity_is_the_cpu_count(monkeypatch):
-    monkeypatch.delattr(server_args.os, "sched_getaffinity", raising=False)
-    monkeypatch.setattr(server_args.os, "cpu_count", lambda: 7)
+    monkeypatch.delattr(cli_args.os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(cli_args.os, "cpu_count", lambda: 7)
     assert available_cores() == 7
-    monkeypatch.setattr(server_args.os, "cpu_count", lambda: None)
+    monkeypatch.setattr(cli_args.os, "cpu_count", lambda: None)
     assert available_cores() == 1
 
 

@@ -3,7 +3,8 @@ import argparse
 import pytest
 
 from gyrfalcon.config.attention import default_attention_backend
-from gyrfalcon.config.server_args import ServerArgs, parse_size
+from gyrfalcon.config.cli_args import parse_size
+from gyrfalcon.config.server_args import ServerArgs
 
 
 def parse(*argv):
