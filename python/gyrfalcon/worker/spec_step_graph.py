@@ -36,15 +36,17 @@ import logging
 import torch
 
 from gyrfalcon.forward.batch import ForwardBatch
-from gyrfalcon.forward.metadata import BatchTensors
-from gyrfalcon.ipc.messages import ForwardMode
+from gyrfalcon.forward.metadata import BatchTensors, RowInput, build_batch_tensors
+from gyrfalcon.ipc.contract import PLACEHOLDER
+from gyrfalcon.ipc.messages import ForwardMode, ScheduledRow
 from gyrfalcon.worker.cuda_graph import GraphRunner, GraphSpec, padded_batch_size
 from gyrfalcon.worker.drafter import Drafter
 from gyrfalcon.worker.executor import ModelExecutor
-from gyrfalcon.worker.request_table import RequestTable
+from gyrfalcon.worker.request_table import RequestTable, WorkerRequest
 from gyrfalcon.worker.sampler import is_greedy
 from gyrfalcon.worker.sampling_state import RequestSamplingState
 from gyrfalcon.worker.spec_accept import greedy_verify
+from gyrfalcon.worker.step_layout import latest_start
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +93,25 @@ class FusedSpecStep:
                 self.warned = True
             return False
         return bs <= graphs.sizes[-1] and max_pages <= graphs.buf.max_pages
+
+    def launch(
+        self, rows: list[ScheduledRow], reqs: list[WorkerRequest], max_model_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step for these verify rows as one replay: the batch at the rows' latest
+        starts and their `ROW_FIELDS` in one upload -> `run`'s (accepted, emitted)."""
+        graphs = self.executor.graphs
+        assert graphs is not None, "the fused step runs through the executor's graphs"
+        ps, k = self.page_size, self.k
+        inputs = [
+            RowInput(latest_start(r), [r.input_ids[0]] + [0] * k, q.pages)
+            for r, q in zip(rows, reqs)
+        ]
+        fields = [q.slot for q in reqs]
+        fields += [int(r.drafts_in_flight > 0) for r in rows]
+        fields += [int(r.input_ids[0] == PLACEHOLDER) for r in rows]
+        fields += [min(len(q.pages) * ps, max_model_len) - 1 for q in reqs]
+        bt = build_batch_tensors(inputs, ps, self.rows.device, extra=[fields])
+        return self.run(graphs, bt, bt.extra[0].view(len(ROW_FIELDS), len(rows)))
 
     def run(
         self, graphs: GraphRunner, bt: BatchTensors, rows: torch.Tensor

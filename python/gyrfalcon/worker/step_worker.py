@@ -39,7 +39,7 @@ from gyrfalcon.forward.metadata import (
     shift_rows,
 )
 from gyrfalcon.forward.parallel import SINGLE_RANK, ParallelContext
-from gyrfalcon.ipc.contract import DUMMY_PAGE, PLACEHOLDER, verifies_drafts
+from gyrfalcon.ipc.contract import DUMMY_PAGE, verifies_drafts
 from gyrfalcon.ipc.messages import (
     ForwardMode,
     RankBatch,
@@ -339,21 +339,11 @@ class StepWorker:
     def _launch_fused(
         self, step: PendingStep, rows: list[ScheduledRow], reqs: list[WorkerRequest]
     ) -> PendingStep:
-        """The step as one replay (spec_step_graph.py): the batch at the rows' latest
-        starts and their `ROW_FIELDS` in one upload; the ids come back as a verify
+        """The step as one replay (spec_step_graph.py); the ids come back as a verify
         step's (accepted, emitted)."""
-        assert self.fused is not None and self.executor.graphs is not None
-        ps, k = self.args.page_size, self.num_draft
-        inputs = [
-            RowInput(latest_start(r), [r.input_ids[0]] + [0] * k, q.pages)
-            for r, q in zip(rows, reqs)
-        ]
-        fields = [q.slot for q in reqs]
-        fields += [int(r.drafts_in_flight > 0) for r in rows]
-        fields += [int(r.input_ids[0] == PLACEHOLDER) for r in rows]
-        fields += [min(len(q.pages) * ps, self.max_model_len) - 1 for q in reqs]
-        bt = build_batch_tensors(inputs, ps, self.device, extra=[fields])
-        accepted, emitted = self.fused.run(self.executor.graphs, bt, bt.extra[0].view(4, len(rows)))
+        assert self.fused is not None
+        k = self.num_draft
+        accepted, emitted = self.fused.launch(rows, reqs, self.max_model_len)
         step.sample_rows = list(range(len(rows)))
         step.states = [q.sampling for q in reqs]
         step.width, step.kind = k + 1, "fused"
