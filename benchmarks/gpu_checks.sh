@@ -146,7 +146,8 @@ case "${1:-tests}" in
     done ;;
   multiturn)  # prefix caching: benchmarks/bench_multiturn.py (shared 1024-token system
     # prompt, 4 turns, 64 conversations at once) on the 8B shape, with the cache and without
-    for R in "cache:" "nocache:--disable-prefix-caching"; do
+    # NOTE: MT_RUNS=cache: runs the cached server alone
+    for R in ${MT_RUNS:-"cache:" "nocache:--disable-prefix-caching"}; do
       SERVER_FLAGS="--attention-backend triton ${R#*:}" start_server "multiturn_${R%%:*}"
       python3 benchmarks/bench_multiturn.py --port 8100 --device-kind "$KIND" --tag "${R%%:*}" \
         --num-conversations ${MT_CONV:-64} --concurrency ${MT_CONC:-64} \
