@@ -122,3 +122,34 @@ def test_eagle3_on_cached_prefixes_is_lossless(smollm2_dir, cold, tmp_path):
         drained(srv)
     finally:
         assert stop_server(srv) == 0, srv.log()[-3000:]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--kv-cache-dtype", "fp8_e4m3"],
+        ["--chunked-prefill-size", "32", "--static-graph-replay", "--cuda-graph-max-bs", "4"],
+    ],
+    ids=["fp8-kv", "chunked-static-graphs"],
+)
+def test_cached_turns_answer_like_computed_ones_with(smollm2_dir, tmp_path, flags):
+    """With an fp8 KV cache (the cached pages hold quantized KV), and with prompts
+    chunked in 32-token pieces after a hit and decode through static-buffer graph
+    replay: a second turn on cached pages answers as the same server computing it all."""
+    common = ["--num-kv-pages", "128", "--page-size", "16", *flags]
+    warm = start_server(smollm2_dir, str(tmp_path / "warm.log"), *common)
+    cold = start_server(smollm2_dir, str(tmp_path / "cold.log"), *common,
+                        "--disable-prefix-caching")  # fmt: skip
+    try:
+        messages = [{"role": "system", "content": SYSTEM}]
+        for question in QUESTIONS[:2]:
+            messages.append({"role": "user", "content": question})
+            reply = chat(warm, messages, max_tokens=12)
+            same_answer(reply, chat(cold, messages, max_tokens=12))
+            messages.append({"role": "assistant", "content": reply[0]})
+        assert reply[2]["prompt_tokens_details"]["cached_tokens"] > 0
+        drained(warm)
+        drained(cold)
+    finally:
+        assert stop_server(warm) == 0, warm.log()[-3000:]
+        assert stop_server(cold) == 0, cold.log()[-3000:]
