@@ -26,6 +26,18 @@ class ForwardMode(enum.IntEnum):
     IDLE = 7  # padded dummy rows of a DP rank with no work
 
 
+class StructuredOutput(msgspec.Struct, frozen=True):
+    """A grammar the output must follow (grammar/spec.py builds it):
+    kind "json_object" (any JSON object; spec unused), "json_schema" (spec: the
+    schema's JSON text; strict: xgrammar's strict mode, no properties beyond the
+    schema's), "regex" (spec: the pattern) or "ebnf" (spec: a GBNF grammar whose
+    start rule is `root`)."""
+
+    kind: str
+    spec: str = ""
+    strict: bool = False
+
+
 class SamplingParams(msgspec.Struct, frozen=True):
     temperature: float = 1.0
     top_p: float = 1.0
@@ -43,11 +55,17 @@ class SamplingParams(msgspec.Struct, frozen=True):
     min_tokens: int = 0  # eos and stop_token_ids cannot end the output before this many
     logit_bias: dict[int, float] = {}  # added to the raw logits before sampling
     allowed_token_ids: list[int] | None = None  # None = all; else only these are sampled
+    structured: StructuredOutput | None = None  # None = free text; else a grammar's tokens only
 
     @property
     def adjusts_logits(self) -> bool:
         """Whether logits are changed before sampling (beyond penalties)."""
-        return bool(self.logit_bias) or self.allowed_token_ids is not None or self.min_tokens > 0
+        return (
+            bool(self.logit_bias)
+            or self.allowed_token_ids is not None
+            or self.min_tokens > 0
+            or self.structured is not None
+        )
 
     @property
     def greedy(self) -> bool:

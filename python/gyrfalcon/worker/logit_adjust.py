@@ -1,5 +1,5 @@
 """Per-request changes to the logits before sampling: `logit_bias`,
-`allowed_token_ids` and `min_tokens`.
+`allowed_token_ids`, `min_tokens` and a structured-output grammar.
 
 Semantics (on raw float32 logits, before penalties and temperature; reported
 logprobs stay those of the raw logits, as for penalties):
@@ -8,11 +8,13 @@ logprobs stay those of the raw logits, as for penalties):
   * min_tokens m: while fewer than m tokens have been generated, the stop tokens
     (eos unless ignore_eos, and stop_token_ids) get -inf (vLLM), so the output
     cannot end on a token before its m-th token.
+  * a grammar (grammar_state.py): every token its bitmask does not allow gets -inf.
 
 A request's static part (bias and allowed set) is one [vocab] row built on the
 device once; a step stacks the rows of the batch rows that need any change and
 adds them with one `index_add`, after masking the stop tokens of the rows still
-under their `min_tokens` with one `index_fill`.
+under their `min_tokens` with one `index_fill` and the tokens their grammars refuse
+with one bitmask, uploaded once.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 from gyrfalcon.forward.host_copy import upload
 from gyrfalcon.ipc.messages import SamplingParams
+from gyrfalcon.worker.grammar_state import allowed_tokens
 
 
 def static_row(params: SamplingParams, vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -63,8 +66,10 @@ def build_logit_adjust(
     suppress: list[list[int]],
     vocab_size: int,
     device: torch.device,
+    bitmask: torch.Tensor | None = None,
 ) -> LogitAdjust:
-    """rows[j]'s change = static[j] (None: zeros) with -inf at the ids suppress[j]."""
+    """rows[j]'s change = static[j] (None: zeros) with -inf at the ids suppress[j] and,
+    with a bitmask [len(rows), words] int32 on the host, where its row j's bit is 0."""
     assert len(rows) == len(static) == len(suppress), "one entry per adjusted row"
     zeros = None
     parts = []
@@ -78,6 +83,12 @@ def build_logit_adjust(
     flat = [j * vocab_size + t for j, ids in enumerate(suppress) for t in ids if t < vocab_size]
     if flat:
         add.view(-1).index_fill_(0, upload(flat, torch.int64, device), float("-inf"))
+    if bitmask is not None:
+        assert bitmask.shape[0] == len(rows), "one bitmask row per adjusted row"
+        if device.type == "cuda":
+            bitmask = bitmask.pin_memory()  # NOTE: the copy below does not wait
+        allowed = allowed_tokens(bitmask.to(device, non_blocking=True), vocab_size)
+        add.masked_fill_(~allowed, float("-inf"))
     return LogitAdjust(rows=upload(rows, torch.int64, device), add=add)
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from gyrfalcon.ipc.messages import NewRequest, ScheduledRow
+from gyrfalcon.worker.grammar_state import WorkerGrammars
 from gyrfalcon.worker.sampling_state import RequestSamplingState
 
 MIN_SLOTS = 64  # last_tokens grows by doubling from this many slots
@@ -39,11 +40,17 @@ class WorkerRequest:
 
 class RequestTable:
     def __init__(
-        self, device: torch.device, eos_token_ids: tuple[int, ...] = (), num_draft: int = 0
+        self,
+        device: torch.device,
+        eos_token_ids: tuple[int, ...] = (),
+        num_draft: int = 0,
+        grammars: WorkerGrammars | None = None,
     ):
-        """num_draft: draft tokens per request (k; 0 without speculative decoding)."""
+        """num_draft: draft tokens per request (k; 0 without speculative decoding);
+        grammars: compiles structured-output requests' grammars (None: they fail)."""
         self.device = device
         self.eos_token_ids = eos_token_ids
+        self.grammars = grammars
         self._requests: dict[str, WorkerRequest] = {}
         self._free_slots: list[int] = []
         self.last_tokens = torch.zeros(0, dtype=torch.int64, device=device)  # [slots]
@@ -68,8 +75,13 @@ class RequestTable:
     def add(self, new: NewRequest) -> WorkerRequest:
         """Validate the request's sampling parameters (ValueError) and give it a slot."""
         assert new.rid not in self._requests, f"request {new.rid} sent twice"
+        grammar = None
+        if new.sampling.structured is not None:
+            if self.grammars is None:
+                raise ValueError("structured output is not available on this worker")
+            grammar = self.grammars.state(new.sampling.structured)
         state = RequestSamplingState.create(
-            new.sampling, list(new.prompt_ids), self.device, self.eos_token_ids
+            new.sampling, list(new.prompt_ids), self.device, self.eos_token_ids, grammar
         )
         if not self._free_slots:  # grow (stream-ordered, no sync)
             self._grow(max(MIN_SLOTS, 2 * self.last_tokens.shape[0]))

@@ -3,7 +3,7 @@
 Per step the worker calls `prepare(states, vocab, device, num_generated)` once,
 then `sample(logits, batch)`. Pipeline per row (all in float32):
 
-    logit_bias / allowed_token_ids / min_tokens (raw logits, logit_adjust.py)
+    logit_bias / allowed_token_ids / min_tokens / grammar (raw logits, logit_adjust.py)
       -> penalties -> temperature -> top_k -> top_p -> min_p -> draw
 
 Greedy rows (temperature < 1e-5 or top_k == 1) take the argmax of the adjusted
@@ -30,6 +30,7 @@ import torch
 
 from gyrfalcon.forward.host_copy import upload
 from gyrfalcon.kernels.dispatch import DEFAULT_KERNELS, KernelPolicy
+from gyrfalcon.worker.grammar_state import allocate_bitmask
 from gyrfalcon.worker.logit_adjust import LogitAdjust, apply_logit_adjust, build_logit_adjust
 from gyrfalcon.worker.logprobs import (
     SampleOutput,
@@ -104,11 +105,17 @@ def prepare(
     vocab_size: int,
     device: torch.device | str,
     num_generated: list[int] | None = None,
+    after: list[list[int]] | None = None,
+    masks: bool = True,
 ) -> SamplingBatch:
     """Build the step's `SamplingBatch` for `states` (row i = states[i]).
 
     num_generated[i]: the tokens row i's request has generated before this sample
     (for `min_tokens`); None = every request's `output_ids` so far.
+    after[i]: the tokens between row i's output so far and its sample (a verify
+    position's drafts), which its grammar's mask follows (None: none).
+    masks: build grammar masks (False: a batch only drawn from, never masked).
+    NOTE: a row with a grammar reads its `output_ids`: the steps before must be in.
     """
     device = torch.device(device)
     greedy = [is_greedy(s.params) for s in states]
@@ -147,16 +154,27 @@ def prepare(
     ]
     if num_generated is None:
         num_generated = [len(s.output_ids) for s in states]
-    adj_rows, static, suppress = [], [], []
+    adj_rows, static, suppress, constrained = [], [], [], []
     for i, s in enumerate(states):
         if not s.adjusts_logits:
             continue
         held = s.stop_ids if num_generated[i] < s.params.min_tokens else []
         row = s.static_row(vocab_size, device)
-        if row is not None or held:
+        grammar = masks and s.grammar is not None
+        if row is not None or held or grammar:
+            if grammar:
+                constrained.append((len(adj_rows), i))
             adj_rows.append(i)
             static.append(row)
             suppress.append(held)
+    bitmask = None
+    if constrained:  # NOTE: rows without a grammar allow every token
+        bitmask = allocate_bitmask(len(adj_rows), vocab_size)
+        for j, i in constrained:
+            grammar = states[i].grammar
+            assert grammar is not None
+            grammar.sync(states[i].output_ids)
+            grammar.fill(bitmask, j, after[i] if after is not None else [])
     asked = [s.params.logprobs for s in states if s.params.logprobs is not None]
     return SamplingBatch(
         temperatures=floats[0],
@@ -166,7 +184,9 @@ def prepare(
         min_p=floats[2],
         penalties=penalties,
         adjust=(
-            build_logit_adjust(adj_rows, static, suppress, vocab_size, device) if adj_rows else None
+            build_logit_adjust(adj_rows, static, suppress, vocab_size, device, bitmask)
+            if adj_rows
+            else None
         ),
         generators=[s.generator for s in states],
         seeded_rows=[i for i, s in enumerate(states) if sampled[i] and s.generator is not None],

@@ -1,5 +1,6 @@
 """Sampling state of one live request on the worker: its validated parameters,
-its outputs so far (for penalties), its seeded generator and its static logit row."""
+its outputs so far (for penalties and grammars), its seeded generator, its static
+logit row and its grammar's matcher."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gyrfalcon.ipc.messages import SamplingParams
+from gyrfalcon.worker.grammar_state import GrammarState
 from gyrfalcon.worker.logit_adjust import static_row, stop_ids
 from gyrfalcon.worker.penalties import DeviceTokenBuffer
 
@@ -54,7 +56,8 @@ class RequestSamplingState:
     output_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None  # on the logits' device; set iff params.seed
     stop_ids: list[int] = field(default_factory=list)  # held back while under min_tokens
-    adjusts_logits: bool = False  # logit_bias / allowed_token_ids / min_tokens (per step)
+    adjusts_logits: bool = False  # bias / allowed ids / min_tokens / grammar (per step)
+    grammar: GrammarState | None = None  # structured output (grammar_state.py)
     prompt_dev: DeviceTokenBuffer = field(default_factory=DeviceTokenBuffer, repr=False)
     output_dev: DeviceTokenBuffer = field(default_factory=DeviceTokenBuffer, repr=False)
     _static_row: torch.Tensor | None = field(default=None, repr=False)
@@ -66,9 +69,13 @@ class RequestSamplingState:
         prompt_ids: list[int],
         device: torch.device | str,
         eos_token_ids: tuple[int, ...] = (),
+        grammar: GrammarState | None = None,
     ) -> RequestSamplingState:
-        """Validate `params` (ValueError) and seed a generator on `device` if asked."""
+        """Validate `params` (ValueError) and seed a generator on `device` if asked;
+        `grammar`: the matcher of `params.structured` (required with it)."""
         _validate(params)
+        if (params.structured is None) != (grammar is None):
+            raise ValueError("a structured-output request needs its grammar, and only it")
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=torch.device(device))
@@ -80,6 +87,7 @@ class RequestSamplingState:
             generator=generator,
             stop_ids=stop_ids(params, eos_token_ids) if params.min_tokens else [],
             adjusts_logits=params.adjusts_logits,
+            grammar=grammar,
         )
 
     def static_row(self, vocab_size: int, device: torch.device) -> torch.Tensor | None:
@@ -90,6 +98,12 @@ class RequestSamplingState:
         if self._static_row is None:
             self._static_row = static_row(p, vocab_size, device)
         return self._static_row
+
+    @property
+    def reads_outputs(self) -> bool:
+        """Whether sampling reads the outputs so far on the host (penalties, a grammar):
+        the steps before must be resolved first."""
+        return self.has_penalty or self.grammar is not None
 
     @property
     def has_penalty(self) -> bool:

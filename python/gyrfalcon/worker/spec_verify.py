@@ -6,7 +6,9 @@ Row i of the step's S sampling rows has d_i drafts (0 for rows without, e.g. a
 prefill's last chunk or a penalized request) and 1 + d_i logit rows, consecutive
 from `logit_starts[i]`. The rows are laid out padded, [S, K1] with K1 = max d_i + 1
 (`padded_index`); position m of row i is its (n_i + m + 1)-th output token, so
-`min_tokens` is applied per position (`prepare` of the expanded rows). Greedy
+`min_tokens` is applied per position (`prepare` of the expanded rows), and so is a
+grammar, its mask at position m following the row's first m drafts (a draft it
+refuses is rejected: grammar_state.py). Greedy
 batches compare argmaxes (`greedy_verify`); others draw by exact rejection
 sampling against the drafter's greedy proposal, q = one-hot(d) (`rejection_sample`):
 d is accepted with probability p(d), a rejection draws from p without d.
@@ -89,8 +91,12 @@ def verify_sample(
     padded = logits if full else logits[idx.padded]  # [S * K1, vocab]
     expanded = [st for st in states for _ in range(k1)]
     generated = [n + m for n in num_generated for m in range(k1)]
-    batch = prepare(expanded, vocab_size, device, generated)
     drafts = draft_ids[:, : k1 - 1]
+    after = None  # NOTE: a grammar's mask at position m follows the row's first m drafts
+    if any(st.grammar is not None for st in states):
+        host = drafts.tolist()  # NOTE: a host sync, in steps with a grammar row only
+        after = [host[i][: min(m, d)] for i, d in enumerate(idx.num_drafts) for m in range(k1)]
+    batch = prepare(expanded, vocab_size, device, generated, after)
     plain = batch.penalties is None and batch.adjust is None
     if batch.all_greedy:
         if plain and argmax is not None:
@@ -102,7 +108,7 @@ def verify_sample(
         p = sampling_probs(padded, batch, kernels).view(s, k1, vocab_size)
         q = torch.zeros(s, k1 - 1, vocab_size, device=device)
         q.scatter_(2, drafts[..., None], 1.0)  # the drafter proposes greedily
-        rows = prepare(states, vocab_size, device, num_generated)
+        rows = prepare(states, vocab_size, device, num_generated, masks=False)  # draws only
         acc = rejection_sample(p, q, drafts, rows, kernels, idx.num_drafts_t)
     chosen_ids = acc.token_ids.view(-1)[idx.emitted]  # [N]
     asked = [st.params.logprobs for st in states if st.params.logprobs is not None]

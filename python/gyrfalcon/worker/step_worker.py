@@ -51,6 +51,7 @@ from gyrfalcon.ipc.messages import (
 from gyrfalcon.worker.compile_watch import CompileWatch
 from gyrfalcon.worker.drafter import Drafter, DraftRound
 from gyrfalcon.worker.executor import ModelExecutor
+from gyrfalcon.worker.grammar_state import WorkerGrammars
 from gyrfalcon.worker.logprobs import HostCopy, SampleOutput
 from gyrfalcon.worker.pending_step import PendingStep
 from gyrfalcon.worker.request_table import MIN_SLOTS, RequestTable, WorkerRequest
@@ -107,7 +108,9 @@ class StepWorker:
             self.drafter = Drafter(args, model_cfg, embed, ex.dtype, self.device, ex.ctx)
             ex.aux_layers = self.drafter.aux_layers  # NOTE: before any graph is captured
         self.num_draft = self.drafter.k if self.drafter else 0
-        self.requests = RequestTable(self.device, model_cfg.eos_token_ids, self.num_draft)
+        eos = model_cfg.eos_token_ids
+        grammars = WorkerGrammars(args.tokenizer or model_dir, model_cfg.vocab_size, eos)
+        self.requests = RequestTable(self.device, eos, self.num_draft, grammars)
         self.pending: deque[PendingStep] = deque()
         self.max_model_len = 0
         self.fused: FusedSpecStep | None = None  # the whole greedy spec step in one graph
@@ -289,8 +292,9 @@ class StepWorker:
         emitted = accept_len = None
         if step.sample_rows:
             step.states = [reqs[i].sampling for i in step.sample_rows]
-            if any(s.has_penalty for s in step.states):
-                # NOTE: penalties read output_ids on the host: earlier steps must be in.
+            if any(s.reads_outputs for s in step.states):
+                # NOTE: penalties and grammars read output_ids on the host: earlier steps
+                # must be in (the forward above is already queued behind them).
                 for earlier in self.pending:
                     earlier.resolve()
             # tokens generated before each sample: its row's end position minus the prompt
