@@ -28,6 +28,7 @@
 #           weights) with host profiles of the first batch size. BENCH_SPEC=0 / STEP=0 skip
 #           either half; SPEC_FLAGS go to both servers; their logs come back in spec_logs/.
 #   multiturn: the multi-turn chat benchmark with and without prefix caching (8B shape);
+#   structured: structured output's decode cost (SmolLM2 staged, batch 64) and its GPU tests;
 #   PYTEST_K selects tests (pytest -k), e.g. "not flashinfer_matches_torch_ref" skips the
 #   slowest (~4 min) when flashinfer is unchanged.
 #   SERVER_FLAGS adds server flags (e.g. "--kv-cache-dtype fp8_e4m3"); TAG suffixes the
@@ -59,6 +60,12 @@ if [ ! -f /tmp/site/.installed ]; then
   # --no-deps -d .whl (pure Python) adds it
   compgen -G ".whl/prometheus_client-*.whl" >/dev/null \
     || { echo ".whl lacks prometheus-client (see gpu_checks.sh)"; exit 1; }
+  # NOTE: and xgrammar (structured output; its apache-tvm-ffi comes with flashinfer's):
+  # pip download xgrammar jsonschema attrs referencing jsonschema-specifications rpds-py
+  # --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64
+  # --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl
+  compgen -G ".whl/xgrammar-*.whl" >/dev/null \
+    || { echo ".whl lacks xgrammar (see gpu_checks.sh)"; exit 1; }
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
   touch /tmp/site/.installed
@@ -144,6 +151,19 @@ case "${1:-tests}" in
       done
       kill -TERM $SERVER; wait $SERVER; echo "server exit $?"; grep -a "target forwards" "$OUT/server_moe_${R%%:*}.log"
     done ;;
+  structured)  # structured output's cost: bench_structured.py (SmolLM2 staged, batch 64,
+    # every row under a json_schema against the same rows free), then the GPU tests of it
+    python3 benchmarks/bench_structured.py --model "$GYRFALCON_SMOLLM2_GGUF" --device cuda \
+      --batch-size ${SO_BS:-64} --steps ${SO_STEPS:-200} --rounds ${SO_ROUNDS:-3} \
+      --device-kind "$KIND" --output-json "$OUT/structured_smollm2_bs${SO_BS:-64}.json" ${SO_FLAGS:-} 2>&1 | tail -8
+    # NOTE: the 8B shape on dummy weights writes random tokens (SmolLM2's tokenizer): the
+    # masks' costly case, beside a step ~5x SmolLM2's
+    [ "${SO_8B:-1}" = 1 ] && python3 benchmarks/bench_structured.py --model benchmarks/models/llama-3.1-8b \
+      --load-format dummy --tokenizer "$GYRFALCON_SMOLLM2_GGUF" --device cuda \
+      --batch-size ${SO_BS:-64} --steps ${SO_STEPS:-200} --rounds ${SO_ROUNDS:-3} \
+      --device-kind "$KIND" --output-json "$OUT/structured_llama8b_dummy_bs${SO_BS:-64}.json" ${SO_FLAGS:-} 2>&1 | tail -8
+    [ "${SO_TESTS:-1}" = 1 ] && python3 -m pytest -m gpu test/gpu/test_structured_gpu.py -q -p no:cacheprovider -rA \
+      > "$OUT/gpu_tests_structured.log" 2>&1; echo "pytest exit $?"; tail -8 "$OUT/gpu_tests_structured.log" ;;
   multiturn)  # prefix caching: benchmarks/bench_multiturn.py (shared 1024-token system
     # prompt, 4 turns, 64 conversations at once) on the 8B shape, with the cache and without
     # NOTE: MT_RUNS=cache: runs the cached server alone

@@ -18,6 +18,7 @@ of them (a request that ignores EOS) nothing but the stop tokens again.
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
 from typing import Any
 
@@ -48,11 +49,58 @@ def allow_only(bitmask: torch.Tensor, row: int, token_ids: tuple[int, ...]) -> N
         bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value  # int32
 
 
-def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[rows, vocab] bool from `bitmask` [rows, words] int32 (on its device, no sync)."""
-    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    unpacked = (bitmask[:, :, None] >> bits) & 1  # [rows, words, 32]
-    return unpacked.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """-inf in place where row r of `bitmask` refuses a token, for each batch row r of
+    `rows` (xgrammar's kernel: Triton on CUDA, its own on the CPU); logits [bs, vocab]
+    float32, bitmask [>= bs, words] int32 on the logits' device."""
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=rows)
+
+
+def warm_up_masks(vocab_size: int, device: torch.device) -> None:
+    """Build the mask kernel's variants now (Triton specializes the row count on 1 and
+    on multiples of 16), not at the first structured request."""
+    for n in (1, 3, 16):
+        logits = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
+        bitmask = torch.full((n, xgr.get_bitmask_shape(1, vocab_size)[1]), -1, dtype=torch.int32)
+        apply_bitmask(logits, bitmask.to(device), torch.arange(n, device=device))
+
+
+class HostMasks:
+    """The host bitmasks of successive steps: two buffers, used in turn, each refilled
+    only once its last upload is done (an event), pinned on CUDA so that the upload
+    does not wait. NOTE: a fresh [rows, words] tensor filled every step is a large
+    host op that wakes torch's thread pool; its spinning threads then slowed
+    xgrammar's own fills ~8x on nvidia-h100-x1 (benchmarks/NOTES.md)."""
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._events: list[Any] = [None, None]
+        self._turn = 0
+
+    def take(self, rows: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+        """A [rows, words] int32 host buffer to fill (its contents undefined)."""
+        self._turn ^= 1
+        event = self._events[self._turn]
+        if event is not None:
+            event.synchronize()
+            self._events[self._turn] = None
+        words = xgr.get_bitmask_shape(1, vocab_size)[1]
+        buf = self._buffers[self._turn]
+        if buf is None or buf.shape[0] < rows or buf.shape[1] != words:
+            pinned = device.type == "cuda"
+            buf = torch.empty(max(rows, 64), words, dtype=torch.int32, pin_memory=pinned)
+            self._buffers[self._turn] = buf
+        return buf[:rows]
+
+    def upload(self, mask: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """`mask` (from the last `take`) on `device`, without waiting on CUDA."""
+        if device.type != "cuda":
+            return mask.clone()
+        out = mask.to(device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._events[self._turn] = event
+        return out
 
 
 class GrammarState:
@@ -70,28 +118,86 @@ class GrammarState:
             if self.broken or self.matcher.is_terminated():
                 continue  # NOTE: after the stop token: only stop tokens follow
             if not self.matcher.accept_token(t):
-                # NOTE: cannot happen through the masks; stop constraining, say so
-                logger.error("structured output: the grammar refused emitted token %d", t)
-                self.broken = True
+                self._refused(t)
         self.consumed = len(output_ids)
+
+    def _refused(self, token: int) -> None:
+        # NOTE: cannot happen through the masks; stop constraining, say so
+        logger.error("structured output: the grammar refused emitted token %d", token)
+        self.broken = True
 
     def fill(self, bitmask: torch.Tensor, row: int, prefix: list[int]) -> None:
         """Row `row` of `bitmask`: the tokens allowed after the consumed output and then
         `prefix` (up to its first token the grammar refuses)."""
-        if self.broken:
-            bitmask[row].fill_(-1)
-            return
+        fill_masks(bitmask, [(row, self, prefix)])
+
+    def _walk(self, prefix: list[int]) -> int:
+        """Accept `prefix` up to its first refused token; how many were accepted."""
         accepted = 0
         for t in prefix:
-            if self.matcher.is_terminated() or not self.matcher.accept_token(t):
+            if self.broken or self.matcher.is_terminated() or not self.matcher.accept_token(t):
                 break
             accepted += 1
-        if self.matcher.is_terminated():
-            allow_only(bitmask, row, self.stop_ids)
+        return accepted
+
+
+_BATCH: xgr.BatchGrammarMatcher | None = None
+
+
+def _batch_matcher() -> xgr.BatchGrammarMatcher:
+    """xgrammar's multithreaded filler, one per process (half the cores, at most 8)."""
+    global _BATCH
+    if _BATCH is None:
+        _BATCH = xgr.BatchGrammarMatcher(max_threads=max(1, min(8, (os.cpu_count() or 2) // 2)))
+    return _BATCH
+
+
+def sync_all(pairs: list[tuple[GrammarState, list[int]]]) -> None:
+    """`state.sync(output_ids)` for each distinct state; one call into xgrammar for the
+    states with one new token (a decode step's)."""
+    one: list[GrammarState] = []
+    tokens: list[int] = []
+    for state, output_ids in pairs:
+        live = not state.broken and not state.matcher.is_terminated()
+        if live and len(output_ids) == state.consumed + 1:
+            one.append(state)
+            tokens.append(output_ids[-1])
         else:
-            self.matcher.fill_next_token_bitmask(bitmask, row)
+            state.sync(output_ids)
+    if one:
+        accepted = xgr.BatchGrammarMatcher.batch_accept_token([s.matcher for s in one], tokens)
+        for state, ok, token in zip(one, accepted, tokens):
+            state.consumed += 1
+            if not ok:
+                state._refused(token)
+
+
+def fill_masks(bitmask: torch.Tensor, entries: list[tuple[int, GrammarState, list[int]]]) -> None:
+    """For each (row, state, prefix): bitmask's row `row` = what `state` allows after
+    its consumed output and then `prefix` (up to its first refused token); the states
+    are left as they were. Distinct states fill in parallel (xgrammar's threads); a
+    state met twice (a verify row's positions) fills one position at a time."""
+    if len({id(s) for _, s, _ in entries}) < len(entries):
+        for entry in entries:
+            fill_masks(bitmask, [entry])
+        return
+    walked, live, rows = [], [], []
+    for row, state, prefix in entries:
+        walked.append((state, state._walk(prefix)))
+        if state.broken:
+            bitmask[row].fill_(-1)
+        elif state.matcher.is_terminated():
+            allow_only(bitmask, row, state.stop_ids)
+        else:
+            live.append(state.matcher)
+            rows.append(row)
+    if len(live) == 1:
+        live[0].fill_next_token_bitmask(bitmask, rows[0])
+    elif live:
+        _batch_matcher().batch_fill_next_token_bitmask(live, bitmask, rows)
+    for state, accepted in walked:
         if accepted:
-            self.matcher.rollback(accepted)
+            state.matcher.rollback(accepted)
 
 
 class WorkerGrammars:

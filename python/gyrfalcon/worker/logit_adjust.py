@@ -9,12 +9,14 @@ logprobs stay those of the raw logits, as for penalties):
     (eos unless ignore_eos, and stop_token_ids) get -inf (vLLM), so the output
     cannot end on a token before its m-th token.
   * a grammar (grammar_state.py): every token its bitmask does not allow gets -inf.
+    A grammar decides where the output ends: `min_tokens` does not apply to its rows.
 
 A request's static part (bias and allowed set) is one [vocab] row built on the
 device once; a step stacks the rows of the batch rows that need any change and
 adds them with one `index_add`, after masking the stop tokens of the rows still
-under their `min_tokens` with one `index_fill` and the tokens their grammars refuse
-with one bitmask, uploaded once.
+under their `min_tokens` with one `index_fill`. The tokens the grammar rows'
+masks refuse get -inf in place from the step's bitmask (uploaded by `prepare`),
+by xgrammar's kernel.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 
 from gyrfalcon.forward.host_copy import upload
 from gyrfalcon.ipc.messages import SamplingParams
-from gyrfalcon.worker.grammar_state import allowed_tokens
+from gyrfalcon.worker.grammar_state import apply_bitmask
 
 
 def static_row(params: SamplingParams, vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -56,8 +58,11 @@ def stop_ids(params: SamplingParams, eos_token_ids: Sequence[int]) -> list[int]:
 class LogitAdjust:
     """The logit changes of one step, for the batch rows that have any."""
 
-    rows: torch.Tensor  # [na] int64, batch row of each adjusted row
-    add: torch.Tensor  # [na, vocab] float32, added to those rows' logits
+    rows: torch.Tensor | None  # [na] int64, batch row of each added row (None: none)
+    add: torch.Tensor | None  # [na, vocab] float32, added to those rows' logits
+    # the grammar rows: [bs, words] int32 bitmask whose rows mask_rows [nm] apply
+    bitmask: torch.Tensor | None = None
+    mask_rows: torch.Tensor | None = None
 
 
 def build_logit_adjust(
@@ -67,10 +72,18 @@ def build_logit_adjust(
     vocab_size: int,
     device: torch.device,
     bitmask: torch.Tensor | None = None,
+    mask_rows: list[int] | None = None,
 ) -> LogitAdjust:
-    """rows[j]'s change = static[j] (None: zeros) with -inf at the ids suppress[j] and,
-    with a bitmask [len(rows), words] int32 on the host, where its row j's bit is 0."""
+    """rows[j]'s change = static[j] (None: zeros) with -inf at the ids suppress[j]; and
+    each batch row r in mask_rows keeps only the tokens whose bit is set in row r of
+    `bitmask` ([bs, words] int32 on `device`)."""
     assert len(rows) == len(static) == len(suppress), "one entry per adjusted row"
+    adjust = LogitAdjust(rows=None, add=None)
+    if mask_rows:
+        assert bitmask is not None and bitmask.shape[0] > max(mask_rows), "a mask per row"
+        adjust.bitmask, adjust.mask_rows = bitmask, upload(mask_rows, torch.int64, device)
+    if not rows:
+        return adjust
     zeros = None
     parts = []
     for s in static:
@@ -83,18 +96,18 @@ def build_logit_adjust(
     flat = [j * vocab_size + t for j, ids in enumerate(suppress) for t in ids if t < vocab_size]
     if flat:
         add.view(-1).index_fill_(0, upload(flat, torch.int64, device), float("-inf"))
-    if bitmask is not None:
-        assert bitmask.shape[0] == len(rows), "one bitmask row per adjusted row"
-        if device.type == "cuda":
-            bitmask = bitmask.pin_memory()  # NOTE: the copy below does not wait
-        allowed = allowed_tokens(bitmask.to(device, non_blocking=True), vocab_size)
-        add.masked_fill_(~allowed, float("-inf"))
-    return LogitAdjust(rows=upload(rows, torch.int64, device), add=add)
+    adjust.rows, adjust.add = upload(rows, torch.int64, device), add
+    return adjust
 
 
 def apply_logit_adjust(logits: torch.Tensor, adjust: LogitAdjust | None) -> torch.Tensor:
-    """float32 logits [bs, vocab] with `adjust` added; `logits` itself is never modified."""
-    logits = logits.float()
+    """float32 logits [bs, vocab] with `adjust` applied; `logits` itself is never modified."""
     if adjust is None:
-        return logits
-    return logits.index_add(0, adjust.rows, adjust.add)  # out of place: a new tensor
+        return logits.float()
+    if adjust.add is not None:
+        out = logits.float().index_add(0, adjust.rows, adjust.add)  # out of place: new
+    else:
+        out = logits.to(torch.float32, copy=True)
+    if adjust.bitmask is not None:
+        apply_bitmask(out, adjust.bitmask, adjust.mask_rows)  # in place, on the copy
+    return out

@@ -30,7 +30,7 @@ import torch
 
 from gyrfalcon.forward.host_copy import upload
 from gyrfalcon.kernels.dispatch import DEFAULT_KERNELS, KernelPolicy
-from gyrfalcon.worker.grammar_state import allocate_bitmask
+from gyrfalcon.worker.grammar_state import HostMasks, fill_masks, sync_all
 from gyrfalcon.worker.logit_adjust import LogitAdjust, apply_logit_adjust, build_logit_adjust
 from gyrfalcon.worker.logprobs import (
     SampleOutput,
@@ -64,6 +64,8 @@ __all__ = [
     "sampling_probs",
     "to_position_logprobs",
 ]
+
+HOST_MASKS = HostMasks()  # this process's grammar bitmasks on the host (one worker each)
 
 # NOTE: top_p cut tolerance: a cumulative probability within this of top_p counts as having
 # reached it, so that e.g. probs [0.5, ...] with top_p=0.5 keeps one token despite rounding.
@@ -158,23 +160,28 @@ def prepare(
     for i, s in enumerate(states):
         if not s.adjusts_logits:
             continue
-        held = s.stop_ids if num_generated[i] < s.params.min_tokens else []
+        # NOTE: a grammar decides where its output ends: min_tokens cannot hold back the
+        # stop tokens of a complete grammar, which allows nothing else
+        held = s.stop_ids if num_generated[i] < s.params.min_tokens and not s.grammar else []
         row = s.static_row(vocab_size, device)
-        grammar = masks and s.grammar is not None
-        if row is not None or held or grammar:
-            if grammar:
-                constrained.append((len(adj_rows), i))
+        if masks and s.grammar is not None:
+            constrained.append(i)
+        if row is not None or held:
             adj_rows.append(i)
             static.append(row)
             suppress.append(held)
     bitmask = None
-    if constrained:  # NOTE: rows without a grammar allow every token
-        bitmask = allocate_bitmask(len(adj_rows), vocab_size)
-        for j, i in constrained:
+    if constrained:  # NOTE: row i of the bitmask is batch row i's (others left as they are)
+        bitmask = HOST_MASKS.take(len(states), vocab_size, device)
+        entries, outputs = [], {}
+        for i in constrained:
             grammar = states[i].grammar
             assert grammar is not None
-            grammar.sync(states[i].output_ids)
-            grammar.fill(bitmask, j, after[i] if after is not None else [])
+            outputs[id(grammar)] = (grammar, states[i].output_ids)
+            entries.append((i, grammar, after[i] if after is not None else []))
+        sync_all(list(outputs.values()))
+        fill_masks(bitmask, entries)
+        bitmask = HOST_MASKS.upload(bitmask, device)
     asked = [s.params.logprobs for s in states if s.params.logprobs is not None]
     return SamplingBatch(
         temperatures=floats[0],
@@ -184,8 +191,8 @@ def prepare(
         min_p=floats[2],
         penalties=penalties,
         adjust=(
-            build_logit_adjust(adj_rows, static, suppress, vocab_size, device, bitmask)
-            if adj_rows
+            build_logit_adjust(adj_rows, static, suppress, vocab_size, device, bitmask, constrained)
+            if adj_rows or constrained
             else None
         ),
         generators=[s.generator for s in states],

@@ -51,7 +51,7 @@ from gyrfalcon.ipc.messages import (
 from gyrfalcon.worker.compile_watch import CompileWatch
 from gyrfalcon.worker.drafter import Drafter, DraftRound
 from gyrfalcon.worker.executor import ModelExecutor
-from gyrfalcon.worker.grammar_state import WorkerGrammars
+from gyrfalcon.worker.grammar_state import WorkerGrammars, warm_up_masks
 from gyrfalcon.worker.logprobs import HostCopy, SampleOutput
 from gyrfalcon.worker.pending_step import PendingStep
 from gyrfalcon.worker.request_table import MIN_SLOTS, RequestTable, WorkerRequest
@@ -226,6 +226,7 @@ class StepWorker:
             logger.info("warm-up steps ran in %.1f s", time.perf_counter() - t0)
         if self.device.type == "cuda":
             self.executor.warm_up_kernels(self.args.max_num_seqs)
+            warm_up_masks(self.cfg.vocab_size, self.device)
             self.compiles.install()
 
     def _run_dummy_row(self) -> None:

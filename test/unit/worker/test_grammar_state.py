@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import xgrammar as xgr
 
 from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.ipc.messages import SamplingParams, StructuredOutput
@@ -15,7 +14,9 @@ from gyrfalcon.worker.grammar_state import (
     WorkerGrammars,
     allocate_bitmask,
     allow_only,
-    allowed_tokens,
+    apply_bitmask,
+    fill_masks,
+    sync_all,
 )
 from gyrfalcon.worker.sampler import RequestSamplingState, prepare, sample
 from gyrfalcon.worker.spec_verify import VerifyIndex, emitted_index, padded_index, verify_sample
@@ -38,15 +39,21 @@ def tokenizer(smollm2_dir):
 
 
 def allowed_ids(bitmask: torch.Tensor, row: int, vocab: int) -> set[int]:
-    return set(allowed_tokens(bitmask[row : row + 1], vocab)[0].nonzero().flatten().tolist())
+    logits = torch.zeros(1, vocab)
+    apply_bitmask(logits, bitmask[row : row + 1], torch.tensor([0]))
+    return set((logits[0] == 0).nonzero().flatten().tolist())
 
 
-def test_unpacked_bitmask_matches_xgrammars_own_masking():
+def test_masks_apply_to_their_rows_only_and_leave_the_others():
     vocab = 100  # NOTE: not a multiple of 32
     bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 4), dtype=torch.int32)
-    logits = torch.zeros(3, vocab)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab)
-    assert torch.equal(allowed_tokens(bitmask, vocab), logits == 0)
+    logits = torch.randn(3, vocab)
+    out = logits.clone()
+    apply_bitmask(out, bitmask, torch.tensor([0, 2]))
+    assert torch.equal(out[1], logits[1])
+    for r in (0, 2):
+        bits = [(int(bitmask[r, t // 32]) >> (t % 32)) & 1 for t in range(vocab)]
+        assert [x == float("-inf") for x in out[r].tolist()] == [b == 0 for b in bits]
 
 
 def test_allow_only_sets_exactly_the_given_tokens_the_sign_bit_included():
@@ -149,3 +156,59 @@ def test_a_draft_the_grammar_refuses_is_rejected_though_the_target_prefers_it(
     emitted = acc.token_ids.tolist()
     assert tokenizer.decode([emitted[0][0]]) in ("yes", "y", "ye", "n", "no")
     assert emitted[1][0] == maybe
+
+
+def test_masks_filled_together_equal_masks_filled_one_by_one(grammars, tokenizer):
+    """Distinct states fill in parallel (xgrammar's threads), a state met twice one
+    position at a time; either way each row is its state's own mask."""
+    schema = StructuredOutput(kind="json_schema", spec='{"type": "object"}')
+    texts = ['{"a', '{"a": 1', '{"a": [tru', "{", '{"b": "x\\']
+    states = [grammars.state(schema) for _ in texts]
+    for state, text in zip(states, texts):
+        state.sync(tokenizer.encode(text))
+    vocab = grammars.vocab_size
+    alone = allocate_bitmask(len(states), vocab)
+    for row, state in enumerate(states):
+        state.fill(alone, row, [])
+    together = allocate_bitmask(len(states), vocab)
+    fill_masks(together, [(row, state, []) for row, state in enumerate(states)])
+    assert torch.equal(alone, together)
+    assert len({tuple(r.tolist()) for r in alone}) == len(texts)  # five different states
+    again = allocate_bitmask(2, vocab)  # the same state twice, with and without a prefix
+    fill_masks(again, [(0, states[3], []), (1, states[3], tokenizer.encode('"k": 2'))])
+    assert torch.equal(again[0], alone[3]) and not torch.equal(again[1], alone[3])
+
+
+def test_states_synced_together_follow_their_outputs(grammars, tokenizer):
+    """One new token each goes through one batched call; more, or none, one by one; a
+    token the grammar refuses marks its state broken (and it then allows everything)."""
+    schema = StructuredOutput(kind="json_schema", spec='{"type": "object"}')
+    outputs = [tokenizer.encode(t) for t in ['{"a": 1', '{"bb": [', "{"]]
+    states = [grammars.state(schema) for _ in outputs]
+    ref = [grammars.state(schema) for _ in outputs]
+    for state, r, out in zip(states, ref, outputs):
+        state.sync(out[:-1])
+        r.sync(out)
+    states[2].consumed = 0  # NOTE: nothing consumed yet: its whole output, one by one
+    sync_all([(s, o) for s, o in zip(states, outputs)])
+    vocab = grammars.vocab_size
+    got, want = allocate_bitmask(3, vocab), allocate_bitmask(3, vocab)
+    fill_masks(got, [(i, s, []) for i, s in enumerate(states)])
+    fill_masks(want, [(i, s, []) for i, s in enumerate(ref)])
+    assert torch.equal(got, want)
+    refused = tokenizer.encode("}")  # '{"a": 1' then '}' is fine; '{"bb": [' then '}' is not
+    sync_all([(states[1], outputs[1] + refused)])
+    assert states[1].broken
+    states[1].fill(got, 1, [])
+    assert bool((got[1] == -1).all())
+
+
+def test_a_complete_grammar_ends_the_output_whatever_min_tokens_says(grammars, tokenizer):
+    """min_tokens would hold back the stop tokens, the only ones a complete grammar
+    allows: the grammar wins, and the row ends on a stop token."""
+    params = SamplingParams(temperature=0.0, structured=YES_NO, min_tokens=50)
+    state = RequestSamplingState.create(params, [0], CPU, grammars.stop_ids, grammars.state(YES_NO))
+    state.output_ids.extend(tokenizer.encode("yes"))
+    logits = torch.randn(1, grammars.vocab_size, generator=torch.Generator().manual_seed(1))
+    out = sample(logits, prepare([state], grammars.vocab_size, CPU), logits.argmax(-1))
+    assert out.token_ids.tolist()[0] in grammars.stop_ids
