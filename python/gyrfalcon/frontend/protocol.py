@@ -24,13 +24,15 @@ from gyrfalcon.frontend.protocol_fields import (
     check_refused,
     check_text,
 )
+from gyrfalcon.frontend.protocol_structured import StructuredFields, check_structured
 from gyrfalcon.frontend.protocol_tools import (
     ToolCallParam,
     ToolChoice,
     ToolParam,
     check_tool_choice,
 )
-from gyrfalcon.ipc.messages import SamplingParams
+from gyrfalcon.frontend.tool_grammar import check_forced_tools, forced_tool_output, forces_call
+from gyrfalcon.ipc.messages import SamplingParams, StructuredOutput
 
 MAX_N = 128  # choices per request (OpenAI's limit)
 MAX_TOP_LOGPROBS = 20
@@ -68,8 +70,9 @@ class StreamOptions(RequestModel):
     continuous_usage_stats: bool = False
 
 
-class SamplingRequest(_Body):
-    """Fields shared by chat and text completions."""
+class SamplingRequest(_Body, StructuredFields):
+    """Fields shared by chat and text completions (the structured-output ones:
+    protocol_structured.py)."""
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE)
@@ -89,7 +92,7 @@ class SamplingRequest(_Body):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    # chat with tools: False keeps the first parsed call only (None: true)
+    # chat with tools: False keeps the first call only (None: true)
     parallel_tool_calls: bool | None = None
     # vLLM-style extensions
     top_k: int = Field(TOP_K_DISABLED, ge=TOP_K_DISABLED)  # -1 or 0 = disabled
@@ -121,6 +124,11 @@ class SamplingRequest(_Body):
         if self.prompt_logprobs is not None and self.stream:
             raise ParamError("prompt_logprobs", "prompt_logprobs is not available when streaming")
         _ = self.bias_by_id  # validates the keys and values
+        return self
+
+    @model_validator(mode="after")
+    def _check_structured(self) -> SamplingRequest:
+        check_structured(self.structured_sources())
         return self
 
     @property
@@ -246,9 +254,22 @@ class ChatCompletionRequest(SamplingRequest):
         return self
 
     @model_validator(mode="after")
-    def _check_tools(self) -> ChatCompletionRequest:
+    def _check_structured(self) -> ChatCompletionRequest:
+        # NOTE: replaces SamplingRequest's validator of this name (and runs where it
+        # would): the tools are checked before a forced call's grammar is built of them
         check_tool_choice(self.tools or [], self.tool_choice)
+        check_forced_tools(self.tools or [], self.tool_choice)
+        check_structured(self.structured_sources())
         return self
+
+    def structured_sources(self) -> list[tuple[str, StructuredOutput]]:
+        """The structured-output fields, and a tool_choice that forces a call
+        (frontend/tool_grammar.py)."""
+        sources = super().structured_sources()
+        forced = forced_tool_output(
+            self.tools or [], self.tool_choice, self.parallel_tool_calls is not False
+        )
+        return sources + [("tool_choice", forced)] if forced is not None else sources
 
     @property
     def template_tools(self) -> list[dict[str, Any]] | None:
@@ -260,6 +281,11 @@ class ChatCompletionRequest(SamplingRequest):
         """Whether the output is searched for tool calls: tools given, and a
         tool_choice other than "none"."""
         return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forces_tool_call(self) -> bool:
+        """tool_choice "required" or a named function: the call is forced by a grammar."""
+        return bool(self.tools) and forces_call(self.tool_choice)
 
     @property
     def named_tool(self) -> str | None:
@@ -351,4 +377,5 @@ def to_sampling_params(
         min_tokens=req.min_tokens,
         logit_bias=req.bias_by_id,
         allowed_token_ids=req.allowed_token_ids,
+        structured=req.structured,
     )

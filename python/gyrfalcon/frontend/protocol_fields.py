@@ -47,34 +47,19 @@ def _not_none_choice(value: Any) -> bool:
     return value is not None and value != "none"
 
 
-def _not_text_format(value: Any) -> bool:
-    return value is not None and not (isinstance(value, dict) and value.get("type") == "text")
-
-
 def _not_text_only(value: Any) -> bool:
     return value is not None and value != ["text"]
 
 
 # field -> (is the value one that would change the output?, what to tell the client)
-_STRUCTURED = "structured output is not supported yet"
 _TOOLS = "tool calling is only available in /v1/chat/completions"
 _FUNCTIONS = "the deprecated `functions` / `function_call` are not supported; send `tools`"
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "response_format": (_not_text_format, f"{_STRUCTURED} (only {{'type': 'text'}})"),
     # NOTE: honoured by chat completions (`ChatCompletionRequest.honoured`)
     "tools": (_non_empty, _TOOLS),
     "tool_choice": (_not_none_choice, _TOOLS),
     "functions": (_non_empty, _FUNCTIONS),
     "function_call": (_not_none_choice, _FUNCTIONS),
-    # SGLang's and vLLM's grammar parameters
-    "regex": (_set, _STRUCTURED),
-    "ebnf": (_set, _STRUCTURED),
-    "json_schema": (_set, _STRUCTURED),
-    "structured_outputs": (_set, _STRUCTURED),
-    "guided_json": (_set, _STRUCTURED),
-    "guided_regex": (_set, _STRUCTURED),
-    "guided_choice": (_set, _STRUCTURED),
-    "guided_grammar": (_set, _STRUCTURED),
     "use_beam_search": (_true, "beam search is not supported"),
     "audio": (_set, "audio output is not supported"),
     "modalities": (_not_text_only, "only the 'text' modality is supported"),

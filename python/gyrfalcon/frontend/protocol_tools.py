@@ -4,8 +4,9 @@ tool calls of earlier assistant turns, as the chat template takes them.
 Validation is OpenAI's (a 400 naming the field): a tool is
 `{"type": "function", "function": {"name", "description"?, "parameters"?}}`,
 `tool_choice` is "none" | "auto" | "required" | `{"type": "function",
-"function": {"name"}}` naming one of `tools`. Whether the server can parse
-calls at all (`--tool-call-parser`) is the serving layer's check.
+"function": {"name"}}` naming one of `tools`. "required" and a named function
+are forced by a grammar (tool_grammar.py); whether the server can parse the
+calls of "auto" (`--tool-call-parser`) is the serving layer's check.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ class FunctionDefinition(RequestModel):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments
-    strict: bool | None = None  # OpenAI's: accepted, not enforced (no constrained decoding)
+    # xgrammar's strict mode (no properties beyond the schema's) when tool_choice
+    # forces this function (frontend/tool_grammar.py); otherwise not enforced
+    strict: bool | None = None
 
 
 class ToolParam(RequestModel):

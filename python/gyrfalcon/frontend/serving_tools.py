@@ -1,21 +1,22 @@
-"""Tool calls in chat completions: which parser reads a request's output, and
-what `tool_choice` and `parallel_tool_calls` make of the calls it finds.
+"""Tool calls in chat completions: how a request's output is read for calls,
+and what `tool_choice` and `parallel_tool_calls` make of the calls found.
 
-- "auto" and "required": the parser's calls. NOTE: without constrained
-  decoding, "required" cannot make the model call: its calls may be none.
-- a named function: the first call of that function; failing one, an output
-  that is a JSON object is taken as that call (or as its arguments), as vLLM
-  did before guided decoding. A stream of a named choice is parsed at its end.
-- `parallel_tool_calls: false`: the first call only.
+- "auto": the calls the server's parser (`--tool-call-parser`) finds, if any.
+- "required" and a named function: the call is forced by a grammar
+  (frontend/tool_grammar.py), and the output is the JSON that grammar makes: no
+  parser reads it, and none need be configured. A forced choice's stream is read
+  at its end, its calls sent whole.
+- `parallel_tool_calls: false`: the first call only (the grammar of "required"
+  allows one).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 from gyrfalcon.frontend.protocol import ChatCompletionRequest
 from gyrfalcon.frontend.serving_common import RequestError
+from gyrfalcon.frontend.tool_grammar import parse_forced_calls
 from gyrfalcon.frontend.tool_parsers import (
     TOOL_PARSERS,
     Delta,
@@ -23,7 +24,6 @@ from gyrfalcon.frontend.tool_parsers import (
     ToolCallStream,
     ToolParser,
     call_deltas,
-    call_from_object,
     get_tool_parser,
 )
 
@@ -32,62 +32,55 @@ FINISH_TOOL_CALLS = "tool_calls"
 
 @dataclass(frozen=True)
 class ToolCalling:
-    """How one request's choices are searched for tool calls."""
+    """How one request's choices are read for tool calls: by `parser`, or (None)
+    as a forced call's JSON."""
 
-    parser: ToolParser
-    named: str | None = None  # a named tool_choice's function
+    parser: ToolParser | None
+    named: str | None = None  # forced: the named function (None: "required")
+    names: tuple[str, ...] = ()  # forced "required": the functions it may call
     parallel: bool = True
 
     @classmethod
     def of(cls, parser_name: str | None, req: ChatCompletionRequest) -> ToolCalling | None:
         """None when the output is plain content (no tools, or tool_choice "none");
-        a 400 when tools are to be called but the server parses no calls."""
+        a 400 when the parser is to find the calls but the server has none."""
         if not req.parses_tool_calls:
             return None
+        parallel = req.parallel_tool_calls is not False
+        if req.forces_tool_call:
+            names = tuple(t.function.name for t in req.tools or [])
+            return cls(None, req.named_tool, names, parallel)
         if parser_name is None:
             raise RequestError(
                 "this server parses no tool calls: start it with --tool-call-parser "
-                f"({' or '.join(TOOL_PARSERS)}), or send tool_choice 'none'",
+                f"({' or '.join(TOOL_PARSERS)}), or send tool_choice 'none', 'required' "
+                "or a named function",
                 param="tools",
             )
-        return cls(
-            get_tool_parser(parser_name), req.named_tool, req.parallel_tool_calls is not False
-        )
+        return cls(get_tool_parser(parser_name), parallel=parallel)
 
     def skip_special_tokens(self, req: ChatCompletionRequest) -> bool:
         """The request's flag, unless it left it unset and the parser's markers
         may be special tokens."""
-        if self.parser.keeps_special_tokens and "skip_special_tokens" not in req.model_fields_set:
+        if (
+            self.parser is not None
+            and self.parser.keeps_special_tokens
+            and "skip_special_tokens" not in req.model_fields_set
+        ):
             return False
         return req.skip_special_tokens
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """One choice's whole output -> (content, calls)."""
-        content, calls = self.parser.parse(text)
-        if self.named is not None:
-            content, calls = _named_call(text, content, calls, self.named)
+        if self.parser is not None:
+            content, calls = self.parser.parse(text)
+        else:
+            forced = parse_forced_calls(text, self.named, self.names)
+            content, calls = (text, []) if forced is None else (None, forced)
         return content, calls if self.parallel else calls[:1]
 
     def stream(self) -> ChoiceToolStream:
         return ChoiceToolStream(self)
-
-
-def _named_call(
-    text: str, content: str | None, calls: list[ToolCall], name: str
-) -> tuple[str | None, list[ToolCall]]:
-    mine = [c for c in calls if c.name == name]
-    if mine:
-        return content, mine[:1]
-    try:
-        obj = json.loads(text)
-    except ValueError:
-        return text, []
-    if not isinstance(obj, dict):
-        return text, []
-    call = call_from_object(obj)
-    if call is None or call.name != name:  # the object is the arguments
-        call = ToolCall(name, json.dumps(obj, ensure_ascii=False))
-    return None, [call]
 
 
 @dataclass
@@ -101,8 +94,9 @@ class ChoiceToolStream:
     _text: list[str] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
-        # NOTE: a named choice may fall back to the whole output: it waits for all of it
-        self._stream = None if self.calling.named else self.calling.parser.stream()
+        # NOTE: a forced call is read once the output is whole
+        parser = self.calling.parser
+        self._stream = None if parser is None else parser.stream()
 
     def feed(self, text: str) -> list[Delta]:
         if self._stream is None:

@@ -202,18 +202,8 @@ def test_unknown_fields_are_ignored_and_named():
 @pytest.mark.parametrize(
     "field,value",
     [
-        ("response_format", {"type": "json_object"}),
-        ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
         ("functions", [{"name": "f"}]),
         ("function_call", "auto"),
-        ("regex", "[a-z]+"),
-        ("ebnf", "root ::= 'a'"),
-        ("json_schema", {"type": "object"}),
-        ("structured_outputs", {"regex": "a"}),
-        ("guided_json", {"type": "object"}),
-        ("guided_regex", "a+"),
-        ("guided_choice", ["a", "b"]),
-        ("guided_grammar", "root ::= 'a'"),
         ("use_beam_search", True),
         ("modalities", ["text", "audio"]),
         ("prediction", {"type": "content", "content": "x"}),

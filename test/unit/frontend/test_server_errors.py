@@ -77,10 +77,13 @@ from .frontend_fakes import (
         ("/v1/chat/completions", {"messages": USER, "max_tokens": True}, 400, "max_tokens"),
         ("/v1/completions", {"prompt": "hi", "temperature": "0"}, 400, "temperature"),
         ("/v1/completions", {"prompt": "hi", "stream": "false"}, 400, "stream"),
-        # not built yet: refused by name
+        # a structured-output spec xgrammar refuses (test_structured_output_protocol.py)
         (
             "/v1/chat/completions",
-            {"messages": USER, "response_format": {"type": "json_object"}},
+            {
+                "messages": USER,
+                "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 1}}},
+            },
             400,
             "response_format",
         ),
@@ -104,7 +107,7 @@ from .frontend_fakes import (
             400,
             "functions",
         ),
-        ("/v1/completions", {"prompt": "hi", "regex": "a+"}, 400, "regex"),
+        ("/v1/completions", {"prompt": "hi", "regex": "(a+"}, 400, "regex"),
         ("/v1/completions", {"prompt": "hi", "structured_outputs": {}}, 400, "structured_outputs"),
         ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, 400, "use_beam_search"),
         # token ids of the new sampling fields are checked against the vocabulary

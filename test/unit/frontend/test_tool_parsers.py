@@ -165,8 +165,8 @@ def test_parser_names_match_the_server_flag():
 # ---------------------------------------------------------------- tool_choice, parallel
 
 
-def calling(named: str | None = None, parallel: bool = True) -> ToolCalling:
-    return ToolCalling(get_tool_parser("hermes"), named, parallel)
+def calling(parallel: bool = True) -> ToolCalling:
+    return ToolCalling(get_tool_parser("hermes"), parallel=parallel)
 
 
 def streamed(tools: ToolCalling, text: str) -> tuple[str, list[tuple[int, str]]]:
@@ -189,22 +189,6 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
     assert calling(parallel=False).parse(text) == ("x y", [WEATHER_CALL])
     assert streamed(calling(parallel=False), text) == ("x y", [(0, "get_weather")])
     assert streamed(calling(), text) == ("x y", [(0, "get_weather"), (1, "get_time")])
-
-
-def test_named_tool_choice():
-    named = calling(named="get_time")
-    # the named function's call among others
-    assert named.parse(block(WEATHER) + block(TIME)) == (None, [TIME_CALL])
-    # no call syntax: a JSON object is the named function's arguments...
-    assert named.parse('{"tz": "UTC"}') == (None, [ToolCall("get_time", '{"tz": "UTC"}')])
-    # ...or the call itself
-    assert named.parse(TIME) == (None, [TIME_CALL])
-    # anything else: no call, the text as content
-    assert named.parse("It is noon.") == ("It is noon.", [])
-    # a call of another function only: no call, the text as content
-    assert named.parse(block(WEATHER)) == (block(WEATHER), [])
-    assert streamed(named, '{"tz": "UTC"}') == ("", [(0, "get_time")])
-    assert streamed(named, "It is noon.") == ("It is noon.", [])
 
 
 def test_finish_reason():
