@@ -3,6 +3,7 @@
 them), and 2 data-parallel groups, answer greedy requests exactly like the one-rank
 server, with nothing leaked; a dead rank takes the server down."""
 
+import json
 import os
 import signal
 import time
@@ -56,6 +57,27 @@ def test_tp3_server_answers_like_one_rank(server, tp_server, prompt):
     info = wait_drained(tp_server)
     assert info["integrity_ok"] and info["num_free_pages"] == info["num_total_pages"], info
     assert "3 worker rank(s)" in tp_server.log()
+
+
+def test_structured_output_over_tp_and_dp_ranks_answers_like_one_rank(server, tp_server, dp_server):
+    """Every TP rank keeps its own grammar matchers and masks in lockstep, each DP
+    group its own requests': greedy answers under a schema equal one rank's."""
+    schema = {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", "blue"]}, "count": {"type": "integer"}},
+        "required": ["color", "count"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}}
+    kw = dict(max_tokens=40, response_format=fmt)
+    for prompt in PROMPTS:
+        one = complete(server.base_url, prompt, **kw).choices[0].message.content
+        for srv in (tp_server, dp_server):
+            assert complete(srv.base_url, prompt, **kw).choices[0].message.content == one
+        assert set(json.loads(one)) == {"color", "count"}
+    for srv in (tp_server, dp_server):
+        info = wait_drained(srv)
+        assert info["integrity_ok"] and info["num_free_pages"] == info["num_total_pages"], info
 
 
 def test_dp2_server_answers_like_one_rank(server, dp_server):
