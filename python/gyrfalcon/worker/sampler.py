@@ -162,7 +162,7 @@ def prepare(
             continue
         # NOTE: a grammar decides where its output ends: min_tokens cannot hold back the
         # stop tokens of a complete grammar, which allows nothing else
-        held = s.stop_ids if num_generated[i] < s.params.min_tokens and not s.grammar else []
+        held = s.stop_ids if num_generated[i] < s.params.min_tokens and s.grammar is None else []
         row = s.static_row(vocab_size, device)
         if masks and s.grammar is not None:
             constrained.append(i)
