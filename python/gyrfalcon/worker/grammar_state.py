@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -104,16 +105,39 @@ class HostMasks:
 
 
 class GrammarState:
-    """One request's matcher, and how much of its output it has consumed."""
+    """One request's matcher, and how much of its output it has consumed. The grammar
+    compiles in the background (`WorkerGrammars`); the first use waits for it."""
 
-    def __init__(self, compiled: xgr.CompiledGrammar, stop_ids: tuple[int, ...]):
-        self.matcher = xgr.GrammarMatcher(compiled)
+    def __init__(self, compiled: Future[xgr.CompiledGrammar], stop_ids: tuple[int, ...]):
+        self._compiled = compiled
+        self._matcher: xgr.GrammarMatcher | None = None
         self.stop_ids = stop_ids
         self.consumed = 0  # output tokens accepted so far
-        self.broken = False  # an output token the grammar refused (never by construction)
+        # unconstrained from now on: a token the grammar refused (never through the
+        # masks), or a grammar the worker could not compile (the frontend built it)
+        self.broken = False
+
+    @property
+    def matcher(self) -> xgr.GrammarMatcher:
+        assert self._resolved(), "the grammar did not compile"
+        assert self._matcher is not None
+        return self._matcher
+
+    def _resolved(self) -> bool:
+        """Whether the matcher is there (waiting for the compile the first time)."""
+        if self._matcher is None and not self.broken:
+            try:
+                self._matcher = xgr.GrammarMatcher(self._compiled.result())
+            except Exception as exc:  # NOTE: never the server's end: log, do not constrain
+                logger.error("structured output: the grammar did not compile: %s", exc)
+                self.broken = True
+        return not self.broken
 
     def sync(self, output_ids: list[int]) -> None:
         """Accept the output tokens emitted since the last call."""
+        if not self._resolved():
+            self.consumed = len(output_ids)
+            return
         for t in output_ids[self.consumed :]:
             if self.broken or self.matcher.is_terminated():
                 continue  # NOTE: after the stop token: only stop tokens follow
@@ -133,6 +157,8 @@ class GrammarState:
 
     def _walk(self, prefix: list[int]) -> int:
         """Accept `prefix` up to its first refused token; how many were accepted."""
+        if not self._resolved():
+            return 0
         accepted = 0
         for t in prefix:
             if self.broken or self.matcher.is_terminated() or not self.matcher.accept_token(t):
@@ -158,7 +184,7 @@ def sync_all(pairs: list[tuple[GrammarState, list[int]]]) -> None:
     one: list[GrammarState] = []
     tokens: list[int] = []
     for state, output_ids in pairs:
-        live = not state.broken and not state.matcher.is_terminated()
+        live = state._resolved() and not state.matcher.is_terminated()
         if live and len(output_ids) == state.consumed + 1:
             one.append(state)
             tokens.append(output_ids[-1])
@@ -202,12 +228,16 @@ def fill_masks(bitmask: torch.Tensor, entries: list[tuple[int, GrammarState, lis
 
 class WorkerGrammars:
     """Compiles requests' grammars against the model's tokenizer (loaded on the first
-    constrained request: ~1 s once), keeping the last COMPILED_CACHE compiled."""
+    constrained request: ~1 s once), keeping the last COMPILED_CACHE compiled. Compiles
+    run on a thread of their own (xgrammar releases the GIL), from the step that
+    brings the request until its first sample needs the mask: a new schema does not
+    stall the other rows' steps."""
 
     def __init__(self, tokenizer_path: str, vocab_size: int, stop_ids: tuple[int, ...]):
         self.tokenizer_path, self.vocab_size, self.stop_ids = tokenizer_path, vocab_size, stop_ids
         self._compiler: xgr.GrammarCompiler | None = None
-        self._compiled: OrderedDict[Any, xgr.CompiledGrammar] = OrderedDict()
+        self._compiled: OrderedDict[Any, Future[xgr.CompiledGrammar]] = OrderedDict()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
 
     def compiler(self) -> xgr.GrammarCompiler:
         if self._compiler is None:
@@ -221,12 +251,15 @@ class WorkerGrammars:
         return self._compiler
 
     def state(self, so: StructuredOutput) -> GrammarState:
-        """A fresh matcher for `so` (GrammarError where the grammar is invalid)."""
+        """A fresh matcher for `so`, its grammar compiling (or compiled) meanwhile."""
         key = (so.kind, so.spec, so.strict)
         compiled = self._compiled.pop(key, None)
         if compiled is None:
-            compiled = self.compiler().compile_grammar(build_grammar(so))
+            compiled = self._pool.submit(self._compile, so)
         self._compiled[key] = compiled
         while len(self._compiled) > COMPILED_CACHE:
             self._compiled.popitem(last=False)
         return GrammarState(compiled, self.stop_ids)
+
+    def _compile(self, so: StructuredOutput) -> xgr.CompiledGrammar:
+        return self.compiler().compile_grammar(build_grammar(so))
