@@ -21,6 +21,7 @@ MIXED step: eager, with the drafter's round over every row in the spec engine).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -42,10 +43,14 @@ from gyrfalcon.ipc.messages import SamplingParams
 from gyrfalcon.profiling import host_profile
 
 
-def step_times(eng: LocalEngine, bs: int, prompt_len: int, steps: int, seed: int):
+def step_times(
+    eng: LocalEngine, bs: int, prompt_len: int, steps: int, seed: int, timed=None, planned=None
+) -> tuple[float, float]:
     """(seconds per steady-state step, tokens emitted per step): wall time over `steps`
     steps the scheduler planned (a spec step may span two scheduler turns: it plans
-    the next step only once a row's accepted count is back)."""
+    the next step only once a row's accepted count is back). `timed`: a context
+    manager around the steady steps only (a profiler); `planned`, a list, gets the
+    number of steps planned."""
     gen = torch.Generator().manual_seed(seed)
     vocab = eng.model_cfg.vocab_size
     sp = SamplingParams(temperature=0.0, max_tokens=steps * 8 + 64, ignore_eos=True)
@@ -55,12 +60,15 @@ def step_times(eng: LocalEngine, bs: int, prompt_len: int, steps: int, seed: int
         eng.step()  # prefill
     for _ in range(8):
         eng.step()  # warm: every row decoding
-    elapsed, planned, emitted = _timed_steps(eng, steps)
+    with timed if timed is not None else contextlib.nullcontext():
+        elapsed, n, emitted = _timed_steps(eng, steps)
+    if planned is not None:
+        planned.append(n)
     for i in range(bs):
         eng.abort(f"r{i}")
     while eng.has_work():
         eng.step()
-    return elapsed / planned, emitted / planned
+    return elapsed / n, emitted / n
 
 
 def _timed_steps(
@@ -84,8 +92,10 @@ def _timed_steps(
         emitted += sum(len(o.token_ids) for o in eng.step())
         if between is not None:
             between(planned[0])
-    while between is None and eng.scheduler.num_inflight:  # the last steps' results
-        emitted += sum(len(o.token_ids) for o in eng.step())
+    # the last steps' results, planning nothing more (a turn of eng.step() would plan
+    # again, and so run every request to its max_tokens)
+    while between is None and eng.scheduler.num_inflight:
+        emitted += sum(len(o.token_ids) for o in eng.scheduler.process_result(eng.worker.take()))
     elapsed = time.perf_counter() - t0
     eng.worker.submit = submit
     return elapsed, planned[0], emitted
@@ -128,9 +138,42 @@ def arrival_cost(
 
 
 def profile(eng: LocalEngine, bs: int, ns: argparse.Namespace, path: str) -> None:
-    """step_times at batch bs under cProfile; the top functions by own and cumulative time."""
+    """step_times at batch bs under cProfile; the top functions by own and cumulative time.
+    On CUDA, then the device side: the kernels of 20 steady steps by total time, with
+    their launch counts (beside `path`, kernels_*.txt)."""
     with host_profile(path):
         step_times(eng, bs, ns.prompt_len, ns.steps, bs)
+    if eng.args.device != "cuda":
+        return
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as kernel_profile
+
+    steps = 20
+    kprof = kernel_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    planned: list[int] = []
+    step_s, tokens = step_times(eng, bs, ns.prompt_len, steps, bs, timed=kprof, planned=planned)
+    steps = planned[0]
+    events = [e for e in kprof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    table = kprof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=60, max_name_column_width=80
+    )
+    out = os.path.join(os.path.dirname(path), "kernels_" + os.path.basename(path))
+    lines = []  # per planned step: device us and launches of each kernel, by time
+    for e in kprof.key_averages():
+        us = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+        if us > 0 and e.key and not e.key.startswith("aten::"):
+            lines.append((us / steps, e.count / steps, e.key[:100]))
+    lines.sort(reverse=True)
+    total = sum(u for u, _, _ in lines)
+    with open(out, "w") as f:
+        f.write(
+            f"{steps} steady steps at batch {bs}: "
+            f"{len(events)} device events, {step_s * 1e3:.3f} ms a step under the profiler, "
+            f"{tokens:.2f} tokens a step\n"
+            f"per step: {total:.1f} us of kernels, {sum(n for _, n, _ in lines):.0f} launches\n"
+        )
+        f.writelines(f"{u:9.1f} us {n:7.1f} x  {k}\n" for u, n, k in lines)
+        f.write(f"\n{table}\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,6 +189,11 @@ def main(argv: list[str] | None = None) -> int:
         help="prefill backend of both engines (triton: no flashinfer module to build on a "
         "fresh machine; the steps measured are decode and verify steps either way)",
     )
+    p.add_argument(
+        "--disable-pdl", action="store_true",
+        help="no programmatic dependent launch: the kernel profile's durations then do not "
+        "overlap (each kernel waits for the previous one to end)",
+    )  # fmt: skip
     p.add_argument("--num-steps", type=int, default=3, help="k")
     p.add_argument("--batch-sizes", default="1,16,64")
     p.add_argument("--prompt-len", type=int, default=512)
@@ -171,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     common = dict(
         model=ns.model, device=ns.device, dtype=ns.dtype, load_format=ns.load_format,
         attention_backend=ns.attention_backend,
-        kv_cache_memory=ns.kv_cache_memory, max_num_seqs=max(sizes),
+        kv_cache_memory=ns.kv_cache_memory, max_num_seqs=max(sizes), disable_pdl=ns.disable_pdl,
         cuda_graph_max_bs=max(sizes),
     )  # fmt: skip
     spec = dict(

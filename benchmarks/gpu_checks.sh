@@ -26,7 +26,8 @@
 #           in drafters/smollm2-eagle3 (or staged: .drafter/drafter.tgz.part* carried with a
 #           stage part), then bench_spec_step.py for the 8B and SmolLM2 shapes (dummy
 #           weights) with host profiles of the first batch size. BENCH_SPEC=0 / STEP=0 skip
-#           either half; SPEC_FLAGS go to both servers; their logs come back in spec_logs/.
+#           either half (STEP_8B=0: the SmolLM2 shape only); SPEC_FLAGS go to both servers;
+#           their logs come back in spec_logs/. The profiles hold the kernels of 20 steps too.
 #   multiturn: the multi-turn chat benchmark with and without prefix caching (8B shape);
 #   structured: structured output's decode cost (SmolLM2 staged, batch 64) and its GPU tests;
 #   PYTEST_K selects tests (pytest -k), e.g. "not flashinfer_matches_torch_ref" skips the
@@ -219,8 +220,8 @@ case "${1:-tests}" in
     if [ "${STEP:-1}" = 1 ]; then
       S="python3 benchmarks/bench_spec_step.py --device-kind $KIND --output-dir $OUT --load-format dummy"
       S="$S --attention-backend triton"  # NOTE: no flashinfer module build (~90 s) for decode steps
-      $S benchmarks/models/llama-3.1-8b benchmarks/models/llama-3.1-8b-eagle3 --steps 40 \
-        --kv-cache-memory 16GiB --profile-dir "$OUT/host_profile_8b" 2>&1 | tail -6
+      [ "${STEP_8B:-1}" = 1 ] && $S benchmarks/models/llama-3.1-8b benchmarks/models/llama-3.1-8b-eagle3 \
+        --steps 40 --kv-cache-memory 16GiB --profile-dir "$OUT/host_profile_8b" 2>&1 | tail -6
       $S benchmarks/models/smollm2-135m benchmarks/models/smollm2-135m-eagle3 --steps 200 \
         --batch-sizes 1,16 --kv-cache-memory 4GiB --profile-dir "$OUT/host_profile_smollm2" \
         2>&1 | tail -5
