@@ -107,7 +107,6 @@ def build_batch_tensors(
         seq_lens.append(end)
         q_lens.append(n)
     max_pages = max((len(r.pages) for r in rows), default=1)
-    table = [r.pages + [dummy_page] * (max_pages - len(r.pages)) for r in rows]
 
     last = [s + n - 1 for s, n in zip(q_starts, q_lens)]
     # NOTE: one host->device copy for the whole step; the fields are views of it, each
@@ -118,7 +117,9 @@ def build_batch_tensors(
     for part in parts:
         flat.extend(part)
         flat.extend([0] * (aligned_len(len(part)) - len(part)))
-    flat.extend(p for row in table for p in row)
+    for r in rows:  # the page table, padded with the dummy page
+        flat.extend(r.pages)
+        flat.extend([dummy_page] * (max_pages - len(r.pages)))
     packed = upload(flat, torch.int64, device)
     sizes = [aligned_len(len(part)) for part in parts]
     views = [x[: len(part)] for x, part in zip(packed[: sum(sizes)].split(sizes), parts)]
