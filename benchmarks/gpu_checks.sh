@@ -10,6 +10,8 @@
 #           dp 2 against one GPU at concurrency 256.
 #   moe:    two GPUs: the Qwen3-30B-A3B shape as DP 2 + EP 2 and as MoE-TP 2 (MOE_CONC,
 #           MOE_FLAGS).
+#   rank-spec: two GPUs: configs/*.sh plain and _eagle3 through run_config.sh, pages checked,
+#           the spec step's cost on every rank (RANK_CONFIGS, RS_CONC, RS_PROMPTS).
 #   fi-cache: pack flashinfer's compiled modules (the .so files only, those restored and
 #           those built here) into $OUT/fi-aot.tgz.part* (15 MiB parts); put them in
 #           .fi-cache/ here and send that folder along (carry): restored into flashinfer's
@@ -156,6 +158,26 @@ case "${1:-tests}" in
       done
       kill -TERM $SERVER; wait $SERVER; echo "server exit $?"; grep -a "target forwards" "$OUT/server_moe_${R%%:*}.log"
     done ;;
+  rank-spec)  # EAGLE3 over two GPUs: each config of RANK_CONFIGS (default the MoE pair
+    # attn_dp2_moe_ep2 and attn_tp2_moe_tp2) served plain and as its _eagle3 variant (dummy
+    # drafter) by benchmarks/run_config.sh (triton attention, GYRFALCON_STEP_TIMES=1,
+    # concurrency RS_CONC (16), RS_PROMPTS (32) prompts of 1024 in / 256 out), which checks
+    # that every page came back on every rank; then the spec step's device cost against the
+    # plain step's on every rank (gyrfalcon.bench.rank_steps). Sent back as rank_spec.tgz.
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    export GYRFALCON_STEP_TIMES=1 DEVICE_KIND=$KIND CONFIG_ARGS="--attention-backend triton"
+    RS=$OUT/rank_spec; mkdir -p "$RS"
+    for C in ${RANK_CONFIGS:-attn_dp2_moe_ep2 attn_tp2_moe_tp2}; do
+      for V in "$C" "${C}_eagle3"; do
+        CONCURRENCIES=${RS_CONC:-16} NUM_PROMPTS=${RS_PROMPTS:-32} OUTPUT_LEN=256 PORT=8100 \
+          bash benchmarks/run_config.sh "configs/$V.sh" "$RS" 2>&1 | grep -avE "^\s*$" | tail -5
+        grep -aE "rank [0-9]: [0-9]+ steps" "$RS/${V}_${KIND}_server.log" | cut -c1-400
+      done
+      python3 -m gyrfalcon.bench.rank_steps --plain "$RS/${C}_${KIND}_server.log" \
+        --spec "$RS/${C}_eagle3_${KIND}_server.log" --name "${C}_c${RS_CONC:-16}" \
+        --device-kind "$KIND" --commit "$GYRFALCON_COMMIT" --output-json "$RS/${C}_spec_step.json"
+    done
+    tar czf "$OUT/rank_spec.tgz" -C "$OUT" rank_spec && rm -rf "$RS" ;;
   structured)  # structured output's cost: bench_structured.py (SmolLM2 staged, batch 64,
     # every row under a json_schema against the same rows free), then the GPU tests of it
     python3 benchmarks/bench_structured.py --model "$GYRFALCON_SMOLLM2_GGUF" --device cuda \

@@ -6,10 +6,12 @@
 #   CONCURRENCIES ("1 16 64"), INPUT_LEN (1024), OUTPUT_LEN (256), NUM_PROMPTS (default
 #   max(8, 4 x concurrency)), IGNORE_EOS (1: every request runs OUTPUT_LEN tokens),
 #   HEALTH_TIMEOUT (1200 s), STOP_TIMEOUT (120 s), BENCH_FLAGS (more bench flags),
-#   LOG_DIR (OUT_DIR); the config's own variables (MODEL, DRAFT, DEVICE, ...) pass through.
+#   LOG_DIR (OUT_DIR), CONFIG_ARGS (more `gyrfalcon serve` flags, e.g. "--attention-backend
+#   triton"); the config's own variables (MODEL, DRAFT, DEVICE, ...) pass through.
 # Writes OUT_DIR/<config>_c<C>_<DEVICE_KIND>.json per concurrency and the server's log
 # LOG_DIR/<config>_<DEVICE_KIND>_server.log, and appends one row per concurrency to
-# OUT_DIR/run_config.md.
+# OUT_DIR/run_config.md. Then asks /server_info whether every KV page came back on
+# every rank (the scheduler's invariant checks included) and exits 1 if not.
 set -euo pipefail
 CONFIG=${1:?usage: benchmarks/run_config.sh CONFIG [OUT_DIR]}
 OUT=${2:-benchmarks/results}
@@ -67,7 +69,8 @@ fi
 
 # NOTE: setsid gives the server its own process group, so a SIGKILL reaches its children
 LAUNCH=$(command -v setsid || true)
-$LAUNCH bash "$CONFIG" >"$LOG" 2>&1 &
+read -r -a CONFIG_EXTRA <<<"${CONFIG_ARGS:-}"
+$LAUNCH bash "$CONFIG" ${CONFIG_EXTRA[@]+"${CONFIG_EXTRA[@]}"} >"$LOG" 2>&1 &
 SERVER=$!
 
 echo "serving $CONFIG on port $PORT (log: $LOG)"
@@ -136,3 +139,21 @@ with open(md, "a", encoding="utf-8") as f:
 print(row, end="")
 PY
 done
+# NOTE: the free pages summed over the ranks equal the total only if every rank's do
+"$PYTHON" - "$PORT" <<'PY'
+import json
+import sys
+import time
+import urllib.request as u
+
+url = f"http://127.0.0.1:{sys.argv[1]}/server_info"
+for _ in range(120):
+    info = json.load(u.urlopen(url, timeout=30))
+    if not info["num_running"] and not info["num_waiting"]:
+        break
+    time.sleep(0.5)
+free, total = info["num_free_pages"], info["num_total_pages"]
+integrity = "ok" if info["integrity_ok"] else f"FAILED ({info.get('integrity_error')})"
+print(f"pages after the runs: {free} of {total} free on all ranks, integrity {integrity}")
+sys.exit(0 if info["integrity_ok"] and free == total else 1)
+PY

@@ -129,33 +129,44 @@ def alive(pid: int) -> bool:
 
 @dataclass
 class Served:
-    """What `serve_greedy` got: per prompt (tokens, logprobs), the server's page
-    accounting after them (with the response's usage), and its log."""
+    """What `serve_greedy` got: per prompt (tokens, logprobs) (both empty without
+    logprobs), per prompt its text, the server's page accounting after them (with the
+    response's usage), and its log."""
 
     out: list[tuple[list[str], list[float]]]
     info: dict
     log: str
+    texts: list[str]
 
 
 def serve_greedy(
-    model_dir: str, log_path: str, prompts: list, max_tokens: int, *flags: str
+    model_dir: str,
+    log_path: str,
+    prompts: list,
+    max_tokens: int,
+    *flags: str,
+    logprobs: bool = True,
 ) -> Served:
     """Start a server with `flags` (served as model "m"), send the prompts as one greedy
-    completions request (EOS ignored, logprobs 1), wait until every page is back, stop."""
+    completions request (EOS ignored, logprobs 1 unless `logprobs` is off), wait until
+    every page is back, stop."""
     srv = start_server(model_dir, log_path, "--served-model-name", "m", *flags)
     try:
         body = {
             "model": "m", "prompt": prompts, "max_tokens": max_tokens, "temperature": 0,
-            "logprobs": 1, "ignore_eos": True,
+            "ignore_eos": True, **({"logprobs": 1} if logprobs else {}),
         }  # fmt: skip
         r = httpx.post(f"{srv.base_url}/v1/completions", json=body, timeout=300)
         assert r.status_code == 200, r.text
         choices = sorted(r.json()["choices"], key=lambda c: c["index"])
-        out = [(c["logprobs"]["tokens"], c["logprobs"]["token_logprobs"]) for c in choices]
+        out = [
+            (c["logprobs"]["tokens"], c["logprobs"]["token_logprobs"]) if logprobs else ([], [])
+            for c in choices
+        ]
         info = {**wait_drained(srv), "usage": r.json()["usage"]}
     finally:
         assert stop_server(srv) == 0, srv.log()[-3000:]
-    return Served(out, info, srv.log())
+    return Served(out, info, srv.log(), [c["text"] for c in choices])
 
 
 def graph_forwards(log: str, rank: int) -> int:
@@ -165,3 +176,14 @@ def graph_forwards(log: str, rank: int) -> int:
 
     found = re.search(rf"rank {rank}: \d+ steps, (\d+) target forwards through graphs", log)
     return int(found[1]) if found else 0
+
+
+def step_kinds(log: str, rank: int) -> dict[str, int]:
+    """Steps per kind (fused, graph, piecewise, eager, idle) that rank `rank`'s worker
+    logged when it stopped (worker/step_stats.py); {} if it logged none."""
+    import re
+
+    line = re.search(rf"rank {rank}: \d+ steps, .*", log)
+    if line is None:
+        return {}
+    return {k: int(n) for k, n in re.findall(r"(\w+) (\d+) x [\d.]+ ms host", line[0])}

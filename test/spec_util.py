@@ -32,6 +32,17 @@ def make_pair(root, hidden: int = 64) -> tuple[str, str]:
     return target, draft
 
 
+def make_drafter_for(model: str, path: str) -> str:
+    """A tiny random EAGLE3 drafter at `path` for the tiny target in `model` (its RoPE
+    theta; 512 positions); returns path."""
+    import json
+
+    with open(f"{model}/config.json") as f:
+        cfg = json.load(f)
+    make_tiny_eagle3(path, rope_theta=cfg.get("rope_theta", 10000.0), max_position_embeddings=512)
+    return path
+
+
 def prompts(seed: int, lens: list[int]) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lens]

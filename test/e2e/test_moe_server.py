@@ -7,7 +7,7 @@ like the one-rank server, logprobs included, nothing leaked on any rank."""
 
 import pytest
 from conftest import make_tiny_hf_model
-from server_util import graph_forwards, serve_greedy
+from server_util import graph_forwards, serve_greedy, step_kinds
 
 PROMPTS = [[5, 9, 17, 33, 60], [7] * 12, list(range(3, 40))]
 
@@ -23,13 +23,15 @@ def moe(request, tmp_path_factory):
     return model, tok
 
 
-def serve_batch(moe, tmp_path, *flags: str, prompts=PROMPTS) -> tuple[list, dict, str]:
+def serve_batch(moe, tmp_path, *flags: str, prompts=PROMPTS, logprobs=True) -> tuple:
+    """(per prompt (tokens, logprobs), page accounting, log, texts)."""
     model, tok = moe
     flags = ("--tokenizer", tok, "--page-size", "4", "--num-kv-pages", "128", *flags)
     got = serve_greedy(
-        model, str(tmp_path / "server.log"), prompts, 12, "--cpu-threads", "1", *flags
-    )
-    return got.out, got.info, got.log
+        model, str(tmp_path / "server.log"), prompts, 12, "--cpu-threads", "1", *flags,
+        logprobs=logprobs,
+    )  # fmt: skip
+    return got.out, got.info, got.log, got.texts
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +50,8 @@ FLAGS = {
 
 @pytest.mark.parametrize("flags", list(FLAGS.values()), ids=list(FLAGS))
 def test_two_ranks_answer_like_one(moe, one_rank, tmp_path, flags):
-    got, info, log = serve_batch(moe, tmp_path, *flags)
-    want, _, _ = one_rank
+    got, info, log, _ = serve_batch(moe, tmp_path, *flags)
+    want, *_ = one_rank
     how = "expert parallel" if "--ep-size" in flags else "MoE-TP"
     assert f"rank 1: MoE experts split {how} over 2 ranks" in log
     for (tokens, lps), (want_tokens, want_lps) in zip(got, want):
@@ -62,27 +64,58 @@ def test_two_ranks_answer_like_one(moe, one_rank, tmp_path, flags):
         assert all(graph_forwards(log, rank) > 0 for rank in (0, 1)), log[-3000:]
 
 
+def eagle3_flags(moe, tmp_path) -> list[str]:
+    """EAGLE3 (a tiny random drafter: mostly 0 accepted) over DP 2 + EP 2."""
+    from spec_util import make_drafter_for
+
+    draft = make_drafter_for(moe[0], str(tmp_path / "draft"))
+    return [
+        "--dp-size", "2", "--ep-size", "2", "--speculative-algorithm", "EAGLE3",
+        "--speculative-draft-model-path", draft, "--speculative-num-steps", "2",
+    ]  # fmt: skip
+
+
 def test_eagle3_with_dp_attention_and_an_idle_group_is_lossless(moe, one_rank, tmp_path):
     """SPEC_DECODE.md bug class 6: EAGLE3 over two DP groups whose MoE layers share the
     experts. One request: one group verifies (a random drafter: mostly 0 accepted)
     while the other stays idle and runs dummy rows into every MoE collective of each
     verify step. No hang, and the tokens are the plain one-rank server's."""
-    import json
-
-    from conftest import make_tiny_eagle3
-
-    model, _ = moe
-    with open(f"{model}/config.json") as f:
-        cfg = json.load(f)
-    draft = str(tmp_path / "draft")
-    make_tiny_eagle3(draft, rope_theta=cfg.get("rope_theta", 10000.0), max_position_embeddings=512)
-    flags = [
-        "--dp-size", "2", "--ep-size", "2", "--speculative-algorithm", "EAGLE3",
-        "--speculative-draft-model-path", draft, "--speculative-num-steps", "2",
-    ]  # fmt: skip
-    got, info, log = serve_batch(moe, tmp_path, *flags, prompts=PROMPTS[:1])
-    want, _, _ = one_rank
+    flags = eagle3_flags(moe, tmp_path)
+    got, info, _, _ = serve_batch(moe, tmp_path, *flags, prompts=PROMPTS[:1])
+    want, *_ = one_rank
     assert got[0][0] == want[0][0]
     assert got[0][1] == pytest.approx(want[0][1], abs=1e-4)
     assert info["usage"]["spec_verify_steps"] > 0
     assert info["integrity_ok"] and info["num_free_pages"] == info["num_total_pages"], info
+
+
+@pytest.mark.parametrize(
+    "prompts, logprobs, want_kinds",
+    [
+        # greedy rows without logprobs on both groups: the fused step (one replay: verify
+        # and the draft round) on each, padded to the rows the groups agreed on
+        (PROMPTS, False, ({"fused"}, {"fused"})),
+        # logprobs take the general path: the VERIFY graph; the idle group replays a
+        # dummy row of k + 1 tokens in the same graph size
+        (PROMPTS[:1], True, ({"graph"}, {"idle"})),
+    ],
+    ids=["fused_both_groups", "verify_graph_idle_group"],
+)
+def test_eagle3_over_dp_groups_replays_agreed_verify_graphs(
+    moe, one_rank, tmp_path, prompts, logprobs, want_kinds
+):
+    """Bug class 6 under (static) graph replay: both DP groups replay VERIFY graphs of one
+    agreed size and width every steady step, an idle group's dummy row included, so the
+    experts' gather needs no host exchange; outputs are the one-rank server's."""
+    flags = [*eagle3_flags(moe, tmp_path), "--static-graph-replay"]
+    got, info, log, texts = serve_batch(moe, tmp_path, *flags, prompts=prompts, logprobs=logprobs)
+    want, _, _, want_texts = one_rank
+    assert texts == want_texts[: len(prompts)]
+    if logprobs:
+        assert got[0][1] == pytest.approx(want[0][1], abs=1e-4)
+    assert info["usage"]["spec_verify_steps"] > 0
+    assert info["integrity_ok"] and info["num_free_pages"] == info["num_total_pages"], info
+    for rank, kinds in enumerate(want_kinds):
+        steps = step_kinds(log, rank)
+        assert all(steps.get(k, 0) > 0 for k in kinds), (rank, steps, log[-3000:])
+        assert graph_forwards(log, rank) > 0, log[-3000:]  # the idle rank's dummy rows too

@@ -1,11 +1,13 @@
 """Several GPU ranks over NCCL (two GPUs or more): a tiny float32 Llama served with
 tensor parallelism (tp 2) and with two data-parallel groups, CUDA graphs on, answers
 greedy batches exactly like one GPU, logprobs included; a bf16 tp-2 server on the
-default backends serves a batch with nothing leaked."""
+default backends serves a batch with nothing leaked; a tiny MoE likewise over DP
+attention + EP and MoE-TP; EAGLE3 over each of those splits answers like plain
+decoding on one GPU, its verify steps replayed as graphs on every rank."""
 
 import pytest
 import torch
-from server_util import graph_forwards, serve_greedy
+from server_util import graph_forwards, serve_greedy, step_kinds
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,7 +29,13 @@ def tiny(tiny_gpu_dir, tmp_path_factory):
 def serve_batch(tiny, tmp_path, name: str, *flags: str) -> tuple[list, dict]:
     """Greedy completions of PROMPTS (all at once) from a server with `flags`: their
     (tokens, logprobs) and the server's page accounting after them."""
-    model, tok = tiny
+    got = serve_all(tiny, tmp_path, name, PROMPTS, True, *flags)
+    return got.out, got.info
+
+
+def serve_all(tiny, tmp_path, name: str, prompts: list, logprobs: bool, *flags: str):
+    """`serve_greedy` of `prompts` (24 tokens each) on CUDA with the tests' KV pool."""
+    model, tok = tiny[0], tiny[-1]
     flags = (
         "--device",
         "cuda",
@@ -39,8 +47,8 @@ def serve_batch(tiny, tmp_path, name: str, *flags: str) -> tuple[list, dict]:
         "256",
         *flags,
     )
-    got = serve_greedy(model, str(tmp_path / f"{name}.log"), PROMPTS, 24, *flags)
-    return got.out, got.info
+    log = str(tmp_path / f"{name}.log")
+    return serve_greedy(model, log, prompts, 24, *flags, logprobs=logprobs)
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +104,87 @@ def test_two_gpus_serve_a_moe_model_like_one_under_graphs(tiny_moe, tmp_path, fl
     assert info["integrity_ok"] and info["num_free_pages"] == info["num_total_pages"], info
     log = (tmp_path / "ranks.log").read_text()
     assert all(graph_forwards(log, rank) > 0 for rank in (0, 1)), log[-3000:]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A tiny float32 Llama (4 layers: EAGLE3's aux layers), a random EAGLE3 drafter
+    for it, and a tokenizer: (target, drafter, tokenizer)."""
+    from spec_util import make_pair
+
+    from gyrfalcon.bench.synthetic_tokenizer import make_synthetic_tokenizer
+
+    root = tmp_path_factory.mktemp("pair")
+    target, draft = make_pair(root, hidden=256)
+    make_synthetic_tokenizer(target, str(root / "tok"))
+    return target, draft, str(root / "tok")
+
+
+def eagle3(draft: str) -> list[str]:
+    return [
+        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", draft,
+        "--speculative-num-steps", "3", "--attention-backend", "triton",
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pair_plain(pair, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pair-plain")
+    return serve_all(pair, tmp, "plain", PROMPTS, False, "--attention-backend", "triton")
+
+
+@pytest.mark.parametrize("flags", [["--tp-size", "2"], ["--dp-size", "2"]], ids=["tp2", "dp2"])
+def test_eagle3_over_two_gpus_answers_like_one_gpu_plain(pair, pair_plain, tmp_path, flags):
+    """Greedy rows without logprobs: every steady step is the fused spec step (one
+    replay of verify and the draft round) on both ranks; the text is plain decoding's
+    on one GPU, and every page comes back."""
+    want = pair_plain
+    got = serve_all(pair, tmp_path, "spec", PROMPTS, False, *eagle3(pair[1]), *flags)
+    assert got.texts == want.texts
+    info = got.info
+    assert info["usage"]["spec_verify_steps"] > 0
+    assert info["integrity_ok"] and info["num_free_pages"] == info["num_total_pages"], info
+    assert all(step_kinds(got.log, rank).get("fused", 0) > 0 for rank in (0, 1)), got.log[-3000:]
+
+
+@pytest.fixture(scope="module")
+def moe_pair(tiny_moe, tmp_path_factory):
+    """The tiny MoE, a random EAGLE3 drafter of its shape, its tokenizer."""
+    from spec_util import make_drafter_for
+
+    model, tok = tiny_moe
+    return model, make_drafter_for(model, str(tmp_path_factory.mktemp("moe-draft"))), tok
+
+
+@pytest.mark.parametrize(
+    "prompts, logprobs, want_kinds",
+    [
+        (PROMPTS, False, ({"fused"}, {"fused"})),
+        # one request with logprobs: the general path's VERIFY graph on one group, the
+        # other idle, replaying a dummy row of k + 1 tokens in the agreed graph
+        (PROMPTS[:1], True, ({"graph"}, {"idle"})),
+    ],
+    ids=["fused_both_groups", "verify_graph_idle_group"],
+)
+def test_eagle3_over_dp_attention_and_ep_replays_agreed_graphs(
+    moe_pair, tmp_path, prompts, logprobs, want_kinds
+):
+    """SPEC_DECODE.md bug class 6 on GPUs: EAGLE3 over two DP groups whose MoE layers
+    gather every rank's tokens. The groups replay one agreed VERIFY graph size every
+    steady step (NCCL inside the graphs), an idle group's dummy rows included: no hang,
+    plain one-GPU output, nothing leaked."""
+    plain = ("--attention-backend", "triton")
+    want = serve_all(moe_pair, tmp_path, "plain", prompts, logprobs, *plain)
+    flags = [*eagle3(moe_pair[1]), "--dp-size", "2", "--ep-size", "2"]
+    got = serve_all(moe_pair, tmp_path, "spec", prompts, logprobs, *flags)
+    assert got.texts == want.texts
+    for (tokens, lps), (want_tokens, want_lps) in zip(got.out, want.out):
+        assert tokens == want_tokens
+        assert lps == pytest.approx(want_lps, abs=1e-3)
+    info = got.info
+    assert info["usage"]["spec_verify_steps"] > 0
+    assert info["integrity_ok"] and info["num_free_pages"] == info["num_total_pages"], info
+    for rank, kinds in enumerate(want_kinds):
+        steps = step_kinds(got.log, rank)
+        assert all(steps.get(k, 0) > 0 for k in kinds), (rank, steps, got.log[-3000:])
+        assert graph_forwards(got.log, rank) > 0, got.log[-3000:]

@@ -218,10 +218,13 @@ class RankBatch(msgspec.Struct, array_like=True):
 class StepPlan(msgspec.Struct, tag=True):
     step_id: int
     batches: list[RankBatch]  # one per DP rank, indexed by DP rank
-    # the rows every DP rank pads its graph batch to where their collectives span the
-    # DP groups (MoE experts over DP attention): the most rows of any rank when every
-    # batch is DECODE or IDLE, else 0 (every rank eager); `plan.agreed_graph_rows`
+    # where the DP ranks' collectives span the DP groups (MoE experts over DP
+    # attention), the graph every rank replays this step (`plan.agreed_graph`): its
+    # rows (the most of any rank when every batch is DECODE and IDLE, or uniform
+    # VERIFY and IDLE; else 0: every rank eager) and tokens per row (1 for DECODE,
+    # k + 1 for VERIFY: an IDLE rank's dummy row has as many)
     graph_rows: int = 0
+    graph_width: int = 1
 
 
 class Shutdown(msgspec.Struct, tag=True):

@@ -42,12 +42,25 @@ def rank_batch(decision: Decision, finished_rids: list[str]) -> RankBatch:
     return RankBatch(forward_mode(decision), rows, new_requests, finished_rids)
 
 
-def agreed_graph_rows(batches: list[RankBatch]) -> int:
-    """The batch size every DP rank replays its graph at when their collectives span
-    the DP groups (`StepPlan.graph_rows`): the most rows of any rank (an IDLE rank runs
-    one dummy row) when every batch is a plain DECODE or IDLE, else 0: one rank's
-    prefill or verify step, which runs eagerly, makes every rank run eagerly, since an
-    eager rank gathers row counts on the host where a replaying one would not."""
-    if any(b.forward_mode not in (ForwardMode.DECODE, ForwardMode.IDLE) for b in batches):
-        return 0
-    return max(max(len(b.rows) for b in batches), 1)
+def agreed_graph(batches: list[RankBatch], num_draft: int = 0) -> tuple[int, int]:
+    """(rows, tokens per row) of the graph every DP rank replays when their collectives
+    span the DP groups (`StepPlan.graph_rows`, `graph_width`): the most rows of any rank
+    (an IDLE rank runs one dummy row) when every other batch is a plain DECODE (1 token
+    a row), or when every other batch is a uniform VERIFY: each row one input token and
+    all `num_draft` drafts (num_draft + 1 tokens a row, the VERIFY graphs' width).
+    Else (0, 1): one rank's prefill, mixed or ragged verify step runs eagerly, and so
+    must every rank, since an eager rank gathers row counts on the host where a
+    replaying one would not."""
+    widths: set[int] = set()
+    for b in batches:
+        if b.forward_mode == ForwardMode.DECODE:
+            widths.add(1)
+        elif b.forward_mode == ForwardMode.VERIFY and num_draft > 0:
+            uniform = all(len(r.input_ids) == 1 and r.num_draft == num_draft for r in b.rows)
+            widths.add(num_draft + 1 if uniform else 0)
+        elif b.forward_mode != ForwardMode.IDLE:
+            return 0, 1
+    width = widths.pop() if len(widths) == 1 else (1 if not widths else 0)
+    if width == 0:
+        return 0, 1
+    return max(max(len(b.rows) for b in batches), 1), width

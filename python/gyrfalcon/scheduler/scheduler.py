@@ -29,7 +29,7 @@ from gyrfalcon.ipc.messages import (
 )
 from gyrfalcon.scheduler.outputs import delta_output, final_output
 from gyrfalcon.scheduler.page_allocator import PageAllocator
-from gyrfalcon.scheduler.plan import agreed_graph_rows, rank_batch
+from gyrfalcon.scheduler.plan import agreed_graph, rank_batch
 from gyrfalcon.scheduler.policy import Limits, ReserveRatio, Scheduled, schedule
 from gyrfalcon.scheduler.prefix_cache import PrefixCache
 from gyrfalcon.scheduler.ranks import RankState, pick_rank
@@ -207,7 +207,7 @@ class Scheduler:
                 s.req.num_computed += s.num_tokens
                 s.req.num_pending += s.samples
                 s.req.num_pending_drafts += s.num_draft
-        return StepPlan(step_id, batches, agreed_graph_rows(batches))
+        return StepPlan(step_id, batches, *agreed_graph(batches, self.cfg.num_draft_tokens))
 
     def pump(
         self, submit: Callable[[StepPlan], None], receive: Callable[[], StepResult]

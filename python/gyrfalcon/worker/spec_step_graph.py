@@ -95,10 +95,15 @@ class FusedSpecStep:
         return bs <= graphs.sizes[-1] and max_pages <= graphs.buf.max_pages
 
     def launch(
-        self, rows: list[ScheduledRow], reqs: list[WorkerRequest], max_model_len: int
+        self,
+        rows: list[ScheduledRow],
+        reqs: list[WorkerRequest],
+        max_model_len: int,
+        agreed: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The step for these verify rows as one replay: the batch at the rows' latest
-        starts and their `ROW_FIELDS` in one upload -> `run`'s (accepted, emitted)."""
+        starts and their `ROW_FIELDS` in one upload -> `run`'s (accepted, emitted);
+        agreed: the rows the DP ranks agreed to pad to (`StepPlan.graph_rows`), or 0."""
         graphs = self.executor.graphs
         assert graphs is not None, "the fused step runs through the executor's graphs"
         ps, k = self.page_size, self.k
@@ -111,19 +116,22 @@ class FusedSpecStep:
         fields += [int(r.input_ids[0] == PLACEHOLDER) for r in rows]
         fields += [min(len(q.pages) * ps, max_model_len) - 1 for q in reqs]
         bt = build_batch_tensors(inputs, ps, self.rows.device, extra=[fields])
-        return self.run(graphs, bt, bt.extra[0].view(len(ROW_FIELDS), len(rows)))
+        return self.run(graphs, bt, bt.extra[0].view(len(ROW_FIELDS), len(rows)), agreed)
 
     def run(
-        self, graphs: GraphRunner, bt: BatchTensors, rows: torch.Tensor
+        self, graphs: GraphRunner, bt: BatchTensors, rows: torch.Tensor, agreed: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replay the step for bt's rows (rows: their [4, bs] `ROW_FIELDS`) -> (accepted
-        [bs], emitted [bs, k + 1] padded with EMIT_PAD)."""
+        """Replay the step for bt's rows (rows: their [4, bs] `ROW_FIELDS`), padded to
+        at least `agreed` rows -> (accepted [bs], emitted [bs, k + 1] padded with
+        EMIT_PAD)."""
         bs, k1 = rows.shape[1], self.k + 1
-        padded = padded_batch_size(bs, graphs.sizes)
+        padded = padded_batch_size(max(bs, agreed), graphs.sizes)
         self.rows[:, :bs].copy_(rows)
         if padded > bs:
             self.rows[:, bs:padded].copy_(self.pad.expand(-1, padded - bs))
-        emitted, accepted = graphs.run(ForwardMode.VERIFY, bt, VARIANT)
+        # NOTE: as the executor's replays: MoE layers over DP groups gather agreed rows
+        with self.executor.ctx.parallel.rows_agreed():
+            emitted, accepted = graphs.run(ForwardMode.VERIFY, bt, VARIANT, rows=agreed)
         return accepted[::k1], emitted.view(bs, k1)
 
     def _step(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -115,8 +115,10 @@ class StepWorker:
         self.max_model_len = 0
         self.fused: FusedSpecStep | None = None  # the whole greedy spec step in one graph
         # where the DP ranks' collectives span the DP groups, the plan's agreed graph
-        # size (`StepPlan.graph_rows`; 0: eager, as in warm-up); None: this rank decides
+        # size (`StepPlan.graph_rows`; 0: eager, as in warm-up) and tokens per row
+        # (`graph_width`); None: this rank decides
         self.graph_rows: int | None = 0 if args.dp_ranks_agree() else None
+        self.graph_width = 1
         self.num_plans = 0  # plans run (warm-up excluded)
         self.stats = StepStats(self.device)  # per kind of step (warm-up excluded)
         self.compiles = CompileWatch()  # Triton kernels first built after the warm-up
@@ -140,10 +142,8 @@ class StepWorker:
         if self.drafter is not None:
             verify = self.num_draft + 1
             self.drafter.init_kv_cache(num_pages, self.args.kv_dtype(self.executor.dtype))
-            # NOTE: the fused step replays whatever its rows; DP ranks that agree on graphs
-            # run verify steps eagerly (`plan.agreed_graph_rows`)
-            fusable = self.graph_rows is None and self.args.graph_mode() is not None
-            if self.floats_rows and fusable:
+            # NOTE: DP ranks that agree on graphs replay it at the plan's size (`_fuses`)
+            if self.floats_rows and self.args.graph_mode() is not None:
                 self.requests.reserve(
                     max(MIN_SLOTS, RESERVED_SLOTS_PER_SEQ * self.args.max_num_seqs)
                 )
@@ -161,7 +161,7 @@ class StepWorker:
         """Launch this rank's batch of `plan`; its result comes from a later `take()`."""
         self.num_plans += 1
         if self.graph_rows is not None:
-            self.graph_rows = plan.graph_rows
+            self.graph_rows, self.graph_width = plan.graph_rows, plan.graph_width
         began = self.stats.begin()
         try:
             self.submit_batch(plan.step_id, plan.batches[self.dp_rank])
@@ -230,11 +230,16 @@ class StepWorker:
             self.compiles.install()
 
     def _run_dummy_row(self) -> None:
-        """An IDLE rank's step: one padded row (token 0 at position 0 on the dummy page)
-        through the executor's normal DECODE path, graphs included; output discarded."""
-        dummy = RowInput(0, [0], [DUMMY_PAGE])
-        bt = build_batch_tensors([dummy], self.args.page_size, self.device, extra=[[0]])
-        self.executor.forward(ForwardMode.DECODE, bt, bt.extra[0], True, self.graph_rows)
+        """An IDLE rank's step: one padded row (token 0 at positions 0 .. t - 1 on the
+        dummy page) through the executor's normal path, graphs included; output
+        discarded. t is the plan's `graph_width`: a DECODE row, or a VERIFY row of k + 1
+        tokens when the other ranks verify in the agreed graph."""
+        t = self.graph_width
+        mode = ForwardMode.DECODE if t == 1 else ForwardMode.VERIFY
+        ps = self.args.page_size
+        dummy = RowInput(0, [0] * t, [DUMMY_PAGE] * -(-t // ps))
+        bt = build_batch_tensors([dummy], ps, self.device, extra=[list(range(t))])
+        self.executor.forward(mode, bt, bt.extra[0], True, self.graph_rows)
 
     def _launch(self, step_id: int, rb: RankBatch) -> PendingStep:
         rows = rb.rows
@@ -333,12 +338,13 @@ class StepWorker:
     def _fuses(self, rows: list[ScheduledRow], reqs: list[WorkerRequest]) -> bool:
         """Whether the step runs as the fused greedy step: every row a verify row of k
         drafts after one input, of a request that `fuses`, in a captured size."""
-        f, k = self.fused, self.num_draft
+        f, k, agreed, graphs = self.fused, self.num_draft, self.graph_rows, self.executor.graphs
         return (
             f is not None
+            and agreed != 0  # NOTE: the DP ranks agreed on eager: the general path
             and all(len(r.input_ids) == 1 and r.num_draft == k for r in rows)
             and all(fuses(q.sampling) for q in reqs)
-            and f.usable(self.executor.graphs, len(rows), max(len(q.pages) for q in reqs))
+            and f.usable(graphs, max(len(rows), agreed or 0), max(len(q.pages) for q in reqs))
         )
 
     def _launch_fused(
@@ -348,7 +354,8 @@ class StepWorker:
         step's (accepted, emitted)."""
         assert self.fused is not None
         k = self.num_draft
-        accepted, emitted = self.fused.launch(rows, reqs, self.max_model_len)
+        agreed = self.graph_rows or 0
+        accepted, emitted = self.fused.launch(rows, reqs, self.max_model_len, agreed)
         step.sample_rows = list(range(len(rows)))
         step.states = [q.sampling for q in reqs]
         step.width, step.kind = k + 1, "fused"

@@ -13,7 +13,7 @@ from gyrfalcon.ipc.messages import (
     ScheduledRow,
     StepResult,
 )
-from gyrfalcon.scheduler.plan import agreed_graph_rows
+from gyrfalcon.scheduler.plan import agreed_graph
 from gyrfalcon.scheduler.scheduler import Scheduler, SchedulerConfig
 
 EOS = 99
@@ -146,25 +146,40 @@ def test_rank_layout_maps_ranks_to_dp_groups():
     assert RankLayout().world_size == 1 and RankLayout().reports(0)
 
 
-def _batch(mode: ForwardMode, rows: int) -> RankBatch:
-    return RankBatch(mode, [ScheduledRow(f"r{i}", 4, [1], [], True) for i in range(rows)])
+def _batch(mode: ForwardMode, rows: int, drafts: int = 0, inputs: int = 1) -> RankBatch:
+    rows_ = [ScheduledRow(f"r{i}", 4, [1] * inputs, [], True, False, drafts) for i in range(rows)]
+    return RankBatch(mode, rows_)
+
+
+V, D, IDLE = ForwardMode.VERIFY, ForwardMode.DECODE, ForwardMode.IDLE
 
 
 @pytest.mark.parametrize(
-    "modes, want",
+    "batches, want",
     [
-        ([(ForwardMode.DECODE, 3), (ForwardMode.DECODE, 5)], 5),
-        ([(ForwardMode.DECODE, 3), (ForwardMode.IDLE, 0)], 3),
-        ([(ForwardMode.IDLE, 0), (ForwardMode.IDLE, 0)], 1),  # the dummy rows
-        ([(ForwardMode.DECODE, 3), (ForwardMode.MIXED, 2)], 0),
-        ([(ForwardMode.PREFILL, 1), (ForwardMode.IDLE, 0)], 0),
-        ([(ForwardMode.VERIFY, 2), (ForwardMode.DECODE, 2)], 0),
+        ([_batch(D, 3), _batch(D, 5)], (5, 1)),
+        ([_batch(D, 3), _batch(IDLE, 0)], (3, 1)),
+        ([_batch(IDLE, 0), _batch(IDLE, 0)], (1, 1)),  # the dummy rows
+        ([_batch(D, 3), _batch(ForwardMode.MIXED, 2)], (0, 1)),
+        ([_batch(ForwardMode.PREFILL, 1), _batch(IDLE, 0)], (0, 1)),
+        # uniform verify rows (one input, all k = 3 drafts): the VERIFY graphs' width,
+        # which an idle rank's dummy row takes too
+        ([_batch(V, 2, 3), _batch(V, 5, 3)], (5, 4)),
+        ([_batch(V, 2, 3), _batch(IDLE, 0)], (2, 4)),
+        ([_batch(V, 2, 3), _batch(D, 2)], (0, 1)),  # one graph width a step
+        ([_batch(V, 2, 2), _batch(IDLE, 0)], (0, 1)),  # fewer drafts (the context's end)
+        ([_batch(V, 2, 3, inputs=2), _batch(IDLE, 0)], (0, 1)),  # a row of two inputs
     ],
 )
-def test_dp_ranks_agree_on_one_graph_size_or_all_run_eagerly(modes, want):
-    """With experts over DP attention every rank replays at the largest rank's size,
-    or, if any rank's batch runs eagerly, all do (their collectives must match)."""
-    assert agreed_graph_rows([_batch(m, n) for m, n in modes]) == want
+def test_dp_ranks_agree_on_one_graph_or_all_run_eagerly(batches, want):
+    """With experts over DP attention every rank replays one graph (mode width and the
+    largest rank's rows), or, if any rank's batch runs eagerly, all do (their
+    collectives must match)."""
+    assert agreed_graph(batches, num_draft=3) == want
+
+
+def test_without_a_drafter_verify_batches_never_replay_agreed_graphs():
+    assert agreed_graph([_batch(V, 2, 3), _batch(IDLE, 0)]) == (0, 1)
 
 
 def test_the_scheduler_sends_the_agreed_size_with_every_plan():
