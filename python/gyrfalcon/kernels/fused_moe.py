@@ -95,15 +95,35 @@ def moe_config(num_pairs: int, num_experts: int, itemsize: int = 2) -> MoeConfig
     2291 with 64 x 128 tiles; Qwen3 T 1024: 571 us, vs 641 with BLOCK_M 32)."""
     assert num_pairs >= 1 and num_experts >= 1 and itemsize in (2, 4)
     rows = num_pairs / num_experts
-    if rows <= 16:
-        cfg = MoeConfig(16, 64, 128, num_warps=4, num_stages=4)
-    elif rows <= 32:
-        cfg = MoeConfig(32, 64, 128, num_warps=4, num_stages=4)
-    elif rows <= 128:
-        cfg = MoeConfig(64, 64, 64, num_warps=4, num_stages=3)
-    else:
-        cfg = MoeConfig(128, 128, 64, num_warps=8, num_stages=3)
+    cfg = next(c for most, c in _CONFIGS if most is None or rows <= most)
     return dataclasses.replace(cfg, block_k=max(_DOT_MIN, cfg.block_k * 2 // itemsize))
+
+
+# `moe_config`'s classes: (the most mean rows per expert it serves, None: any, its config)
+_CONFIGS: tuple[tuple[int | None, MoeConfig], ...] = (
+    (16, MoeConfig(16, 64, 128, num_warps=4, num_stages=4)),
+    (32, MoeConfig(32, 64, 128, num_warps=4, num_stages=4)),
+    (128, MoeConfig(64, 64, 64, num_warps=4, num_stages=3)),
+    (None, MoeConfig(128, 128, 64, num_warps=8, num_stages=3)),
+)
+
+
+def warm_up_token_counts(num_experts: int, top_k: int, max_tokens: int) -> list[int]:
+    """Token counts T <= max_tokens whose `fused_moe` launches (E experts, top-k) build
+    every kernel variant any T <= max_tokens would: each `moe_config` class (by the mean
+    rows P / E, P = T k) at its fewest and most tokens, and at both sides of the switch
+    between the align paths (one chunk of `align_tile` rows, or several) inside it;
+    the last class, unbounded, at its fewest and past the switch only."""
+    switch = align_tile(num_experts)[1] // top_k  # the most T whose P fits one chunk
+    out: set[int] = set()
+    fewer = 0  # the rows the classes before serve
+    for most, _ in _CONFIGS:
+        lo = fewer * num_experts // top_k + 1  # the fewest T with T k / E > fewer
+        hi = max(lo, switch + 1) if most is None else most * num_experts // top_k
+        hi = min(hi, max_tokens)
+        out.update(t for t in (lo, hi, switch, switch + 1) if lo <= t <= hi)
+        fewer = most or 0
+    return sorted(out)
 
 
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:

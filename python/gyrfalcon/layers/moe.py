@@ -231,6 +231,21 @@ class SparseMoeBlock(nn.Module):
         self.gate = TopKRouter(hidden_size, num_experts, top_k, renormalize, weights_fp32)
         self.experts = MoeExperts(hidden_size, num_experts, intermediate_size, ctx)
 
+    @torch.inference_mode()
+    def warm_up_kernels(self, max_tokens: int) -> None:
+        """Run this rank's experts (no collective) at the token counts that build every
+        fused-kernel variant a batch of up to max_tokens tokens needs
+        (`warm_up_token_counts`): no eager step builds one while serving. On CUDA only."""
+        from gyrfalcon.kernels.fused_moe import warm_up_token_counts
+
+        w13 = self.experts.w13
+        if not self.experts.kernels.use_fused(w13):
+            return
+        local = self.experts.shard.num_experts
+        for t in warm_up_token_counts(local, self.gate.top_k, max_tokens):
+            x = torch.zeros(t, w13.shape[2], dtype=w13.dtype, device=w13.device)
+            self.experts(x, *self.gate(x))  # NOTE: the router's dtypes, as in serving
+
     def forward(self, x: torch.Tensor, tokens_local: bool | None = None) -> torch.Tensor:
         """x [T, H] (post-attention-normed) -> [T, H], reduced over the group.
 

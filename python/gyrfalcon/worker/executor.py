@@ -26,6 +26,7 @@ from gyrfalcon.kernels.dispatch import KernelPolicy
 from gyrfalcon.layers.attention.base import AttentionBackend
 from gyrfalcon.layers.attention.registry import create_backends
 from gyrfalcon.layers.context import LayerContext
+from gyrfalcon.layers.moe import SparseMoeBlock
 from gyrfalcon.models.registry import build_model
 from gyrfalcon.worker.cuda_graph import GraphRunner, GraphSpec
 from gyrfalcon.worker.piecewise_graph import PiecewiseGraphs, piecewise_sizes
@@ -181,9 +182,17 @@ class ModelExecutor:
 
     def warm_up_kernels(self, max_rows: int) -> None:
         """The eager path's kernel variants the warm-up steps do not meet, for batches of
-        up to max_rows rows (`AttentionBackend.warm_up_kernels`)."""
+        up to max_rows rows (`AttentionBackend.warm_up_kernels`), and the fused MoE
+        kernels' for any step's token count (`SparseMoeBlock.warm_up_kernels`)."""
         assert self.kv_cache is not None, "init_kv_cache() first"
         self.backends.extend.warm_up_kernels(self.kv_cache, self.dtype, max_rows, self.page_size)
+        # NOTE: one MoE layer builds the kernels of all (they share shapes); an eager step
+        # under DP attention gathers every group's tokens
+        budget = self.args.max_num_batched_tokens
+        assert budget is not None, "resolved server args"
+        moe = next((m for m in self.model.modules() if isinstance(m, SparseMoeBlock)), None)
+        if moe is not None:
+            moe.warm_up_kernels(budget * self.args.dp_size)
 
     def _model_outputs(self, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
         """(final hidden states,) or (them, the aux states): what a pass of piecewise

@@ -21,6 +21,7 @@ from gyrfalcon.kernels.fused_moe import (  # noqa: E402
     max_blocks,
     moe_align,
     moe_config,
+    warm_up_token_counts,
 )
 from gyrfalcon.layers.moe import moe_reference  # noqa: E402
 
@@ -105,6 +106,25 @@ def test_align_tile_and_config():
     assert [moe_config(t * 8, 128).block_m for t in (256, 512, 1024, 4096)] == [16, 32, 64, 128]
     with pytest.raises(AssertionError):
         MoeConfig(block_m=8, block_n=32, block_k=32, num_warps=4, num_stages=1)
+
+
+@pytest.mark.parametrize(
+    "num_experts,top_k", [(64, 8), (128, 8), (8, 2), (4, 2), (1, 1), (16, 4), (32, 8)]
+)
+@pytest.mark.parametrize("max_tokens", [1, 7, 100, 3000])
+def test_warm_up_token_counts_meet_every_kernel_variant(num_experts, top_k, max_tokens):
+    """The few token counts of the warm-up build what any batch of up to max_tokens
+    tokens would: the same (config, one chunk or several) variants, so no Triton
+    kernel is built while serving an eager step (a prefill, a DP gather)."""
+
+    def variant(t: int) -> tuple[MoeConfig, bool]:
+        one_chunk = t * top_k <= align_tile(num_experts)[1]
+        return moe_config(t * top_k, num_experts), one_chunk
+
+    counts = warm_up_token_counts(num_experts, top_k, max_tokens)
+    assert counts and max(counts) <= max_tokens and len(counts) <= 9
+    want = {variant(t) for t in range(1, max_tokens + 1)}
+    assert {variant(t) for t in counts} == want
 
 
 # one chunk of pairs (one program), and several (E >= 100: chunks of 64 pairs)
