@@ -207,6 +207,8 @@ class Scheduler:
                 s.req.num_computed += s.num_tokens
                 s.req.num_pending += s.samples
                 s.req.num_pending_drafts += s.num_draft
+        if len(batches) == 1:  # NOTE: only DP ranks read the agreed graph
+            return StepPlan(step_id, batches)
         return StepPlan(step_id, batches, *agreed_graph(batches, self.cfg.num_draft_tokens))
 
     def pump(
