@@ -158,23 +158,28 @@ case "${1:-tests}" in
       done
       kill -TERM $SERVER; wait $SERVER; echo "server exit $?"; grep -a "target forwards" "$OUT/server_moe_${R%%:*}.log"
     done ;;
-  rank-spec)  # EAGLE3 over two GPUs: each config of RANK_CONFIGS (default the MoE pair
+  rank-spec)  # EAGLE3 over several GPUs: each config of RANK_CONFIGS (default the MoE pair
     # attn_dp2_moe_ep2 and attn_tp2_moe_tp2) served plain and as its _eagle3 variant (dummy
-    # drafter) by benchmarks/run_config.sh (triton attention, GYRFALCON_STEP_TIMES=1,
-    # concurrency RS_CONC (16), RS_PROMPTS (32) prompts of 1024 in / 256 out), which checks
-    # that every page came back on every rank; then the spec step's device cost against the
-    # plain step's on every rank (gyrfalcon.bench.rank_steps). Sent back as rank_spec.tgz.
+    # drafter) by benchmarks/run_config.sh (triton attention, GYRFALCON_STEP_TIMES=1, at each
+    # concurrency of RS_CONC (16), RS_PROMPTS prompts (default 2 x concurrency; RS_PER_C sets
+    # the multiple) of 1024 in / RS_OUT (256) out), which checks that every page came back on
+    # every rank; then the spec step's device cost against the plain step's on every rank
+    # (gyrfalcon.bench.rank_steps). Sent back as rank_spec.tgz. The 4-GPU runs (issue of
+    # the wide machines): RANK_CONFIGS="attn_dp4_moe_ep4 attn_tp4_moe_tp4" RS_CONC="16 64 256"
+    # RS_PER_C=1 RS_OUT=512; their GPU tests: GYRFALCON_GPU_RANKS=4 PYTEST_K=ranks ... tests
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     export GYRFALCON_STEP_TIMES=1 DEVICE_KIND=$KIND CONFIG_ARGS="--attention-backend triton"
     RS=$OUT/rank_spec; mkdir -p "$RS"
     for C in ${RANK_CONFIGS:-attn_dp2_moe_ep2 attn_tp2_moe_tp2}; do
       for V in "$C" "${C}_eagle3"; do
-        CONCURRENCIES=${RS_CONC:-16} NUM_PROMPTS=${RS_PROMPTS:-32} OUTPUT_LEN=256 PORT=8100 \
-          bash benchmarks/run_config.sh "configs/$V.sh" "$RS" 2>&1 | grep -avE "^\s*$" | tail -5
+        CONCURRENCIES=${RS_CONC:-16} PROMPTS_PER_CONCURRENCY=${RS_PER_C:-2} \
+          NUM_PROMPTS=${RS_PROMPTS:-} OUTPUT_LEN=${RS_OUT:-256} PORT=8100 \
+          bash benchmarks/run_config.sh "configs/$V.sh" "$RS" 2>&1 \
+          | grep -aE "^\| $V |pages after|error|Error" | tail -8
         grep -aE "rank [0-9]: [0-9]+ steps" "$RS/${V}_${KIND}_server.log" | cut -c1-400
       done
       python3 -m gyrfalcon.bench.rank_steps --plain "$RS/${C}_${KIND}_server.log" \
-        --spec "$RS/${C}_eagle3_${KIND}_server.log" --name "${C}_c${RS_CONC:-16}" \
+        --spec "$RS/${C}_eagle3_${KIND}_server.log" --name "${C}_c${RS_CONC// /-}" \
         --device-kind "$KIND" --commit "$GYRFALCON_COMMIT" --output-json "$RS/${C}_spec_step.json"
     done
     tar czf "$OUT/rank_spec.tgz" -C "$OUT" rank_spec && rm -rf "$RS" ;;

@@ -4,7 +4,7 @@
 #   usage: benchmarks/run_config.sh CONFIG [OUT_DIR]        (OUT_DIR: benchmarks/results)
 # Environment: DEVICE_KIND (the machine, e.g. nvidia-h100-x1; default unknown), PORT (8100),
 #   CONCURRENCIES ("1 16 64"), INPUT_LEN (1024), OUTPUT_LEN (256), NUM_PROMPTS (default
-#   max(8, 4 x concurrency)), IGNORE_EOS (1: every request runs OUTPUT_LEN tokens),
+#   max(8, PROMPTS_PER_CONCURRENCY x concurrency), PROMPTS_PER_CONCURRENCY 4), IGNORE_EOS (1: every request runs OUTPUT_LEN tokens),
 #   HEALTH_TIMEOUT (1200 s), STOP_TIMEOUT (120 s), BENCH_FLAGS (more bench flags),
 #   LOG_DIR (OUT_DIR), CONFIG_ARGS (more `gyrfalcon serve` flags, e.g. "--attention-backend
 #   triton"); the config's own variables (MODEL, DRAFT, DEVICE, ...) pass through.
@@ -94,7 +94,8 @@ EOS_FLAG=()
 [ "$IGNORE_EOS" = 1 ] && EOS_FLAG=(--ignore-eos)
 read -r -a EXTRA <<<"${BENCH_FLAGS:-}"
 for C in $CONCURRENCIES; do
-  N=${NUM_PROMPTS:-$((4 * C > 8 ? 4 * C : 8))}
+  PER=${PROMPTS_PER_CONCURRENCY:-4}
+  N=${NUM_PROMPTS:-$((PER * C > 8 ? PER * C : 8))}
   JSON=$OUT/${NAME}_c${C}_${DEVICE_KIND}.json
   gyrfalcon bench serve --port "$PORT" --dataset random --num-prompts "$N" \
     --random-input-len "$INPUT_LEN" --random-output-len "$OUTPUT_LEN" --max-concurrency "$C" \

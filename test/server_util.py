@@ -119,6 +119,19 @@ def group_members(pgid: int) -> list[int]:
     return [p for p, fields in proc_stats() if int(fields[2]) == pgid and fields[0] != "Z"]
 
 
+def rss_kb(pid: int) -> int:
+    """Resident memory of a process, in KiB."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def worker_pids(server: Server, n: int) -> list[int]:
+    """The server's n worker ranks, in start order: of its live children, the n holding
+    the most memory (the model's shards; the scheduler never loads torch)."""
+    kids = [k for k in children_of(server.proc.pid) if alive(k)]
+    return sorted(sorted(kids, key=rss_kb)[-n:])
+
+
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -21,14 +21,19 @@ from gyrfalcon.worker.spec_step_graph import VARIANT
 VOCAB = 256
 
 
-def make_pair(root, hidden: int = 64) -> tuple[str, str]:
-    """hidden 256: head_dim 64, flashinfer's smallest."""
+def make_pair(root, hidden: int = 64, heads: int = 4) -> tuple[str, str]:
+    """hidden 256: head_dim 64, flashinfer's smallest (with 4 heads); `heads`: attention
+    heads of both (tp sizes up to it split them)."""
     target, draft = str(root / "target"), str(root / "draft")
     inter = 2 * hidden
     make_tiny_hf_model(
-        target, "llama", num_hidden_layers=4, hidden_size=hidden, intermediate_size=inter
-    )
-    make_tiny_eagle3(draft, hidden_size=hidden, target_hidden_size=hidden, intermediate_size=inter)
+        target, "llama", num_hidden_layers=4, hidden_size=hidden, intermediate_size=inter,
+        num_attention_heads=heads,
+    )  # fmt: skip
+    make_tiny_eagle3(
+        draft, hidden_size=hidden, target_hidden_size=hidden, intermediate_size=inter,
+        num_attention_heads=heads,
+    )  # fmt: skip
     return target, draft
 
 

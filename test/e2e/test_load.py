@@ -8,15 +8,11 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+from server_util import rss_kb
 
 TOTAL, CONCURRENCY, WAVES = 1000, 256, 2
 MAX_TOKENS = 4
 RSS_GROWTH_LIMIT_KB = 20 * 1024  # the second half of the load over the first
-
-
-def rss_kb(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
 
 async def streamed(client: httpx.AsyncClient, model: str, i: int) -> tuple[int, str, int]:

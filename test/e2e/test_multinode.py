@@ -17,6 +17,7 @@ from conftest import make_tiny_hf_model
 from server_util import (
     alive,
     children_of,
+    rss_kb,
     serve_command,
     serve_greedy,
     spawn_serve,
@@ -75,11 +76,6 @@ def kill_all(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def rss(pid: int) -> int:
-    with open(f"/proc/{pid}/statm") as f:
-        return int(f.read().split()[1])
-
-
 def test_two_nodes_answer_like_one_rank_and_stop_with_the_head(tiny, tmp_path):
     model, flags = tiny
     want = serve_greedy(model, str(tmp_path / "one.log"), PROMPTS, 12, *flags).out
@@ -123,7 +119,7 @@ def test_a_dead_rank_on_node_1_takes_the_head_down(tiny, tmp_path):
     node 1 too; nothing is left."""
     head, node, procs = two_nodes(tiny, tmp_path)
     try:
-        worker = max((k for k in children_of(node.pid) if alive(k)), key=rss)  # the model's
+        worker = max((k for k in children_of(node.pid) if alive(k)), key=rss_kb)  # the model's
         os.kill(worker, signal.SIGKILL)
         start = time.monotonic()
         code = head.proc.wait(DEATH_S)

@@ -9,7 +9,7 @@ import signal
 import time
 
 import pytest
-from server_util import alive, children_of, start_server, stop_server, wait_drained
+from server_util import alive, children_of, start_server, stop_server, wait_drained, worker_pids
 
 PROMPTS = ["Name three colors.", "What is 12 times 12?"]
 
@@ -105,13 +105,7 @@ def test_a_dead_rank_takes_the_tp_server_down(smollm2_dir, tmp_path):
         "--cpu-threads", "1",
     )  # fmt: skip
     kids = children_of(srv.proc.pid)
-
-    def rss(pid):
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1])
-
-    workers = sorted(k for k in kids if alive(k))
-    workers = sorted(sorted(workers, key=rss)[-3:])  # the three that hold model shards
+    workers = worker_pids(srv, 3)
     os.kill(workers[-1], signal.SIGKILL)  # NOTE: the last started: a rank that reports nothing
     try:
         code = srv.proc.wait(30)
