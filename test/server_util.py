@@ -200,3 +200,31 @@ def step_kinds(log: str, rank: int) -> dict[str, int]:
     if line is None:
         return {}
     return {k: int(n) for k, n in re.findall(r"(\w+) (\d+) x [\d.]+ ms host", line[0])}
+
+
+def kill_a_rank_mid_load(server: Server, num_ranks: int, body: dict, wait_s: float) -> tuple:
+    """Send `body` (a completions request) from a thread, wait until the server runs it,
+    SIGKILL its last worker rank and wait up to wait_s for the server to exit: (its exit
+    code, or None if it did not, the seconds it took, the children it had)."""
+    import threading
+
+    kids = children_of(server.proc.pid)
+
+    def load() -> None:
+        try:
+            httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
+        except httpx.HTTPError:
+            pass  # NOTE: the server dies under it
+
+    threading.Thread(target=load, daemon=True).start()
+    deadline = time.monotonic() + 60
+    while server.info()["num_running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.info()["num_running"] > 0, "the request never started"
+    os.kill(worker_pids(server, num_ranks)[-1], signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        code = server.proc.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        code = None
+    return code, time.monotonic() - start, kids

@@ -7,7 +7,15 @@ like the one-rank server, logprobs included, nothing leaked on any rank."""
 
 import pytest
 from conftest import make_tiny_hf_model
-from server_util import graph_forwards, serve_greedy, step_kinds
+from server_util import (
+    alive,
+    graph_forwards,
+    kill_a_rank_mid_load,
+    serve_greedy,
+    start_server,
+    step_kinds,
+    stop_server,
+)
 
 PROMPTS = [[5, 9, 17, 33, 60], [7] * 12, list(range(3, 40))]
 
@@ -119,3 +127,23 @@ def test_eagle3_over_dp_groups_replays_agreed_verify_graphs(
         steps = step_kinds(log, rank)
         assert all(steps.get(k, 0) > 0 for k in kinds), (rank, steps, log[-3000:])
         assert graph_forwards(log, rank) > 0, log[-3000:]  # the idle rank's dummy rows too
+
+
+def test_a_rank_killed_mid_decode_takes_the_dp_ep_server_down(moe, tmp_path):
+    """SIGKILL the last worker of a DP 2 + EP 2 server while it decodes (the other rank
+    waits in the experts' gather, a gloo collective): the server exits non-zero within
+    30 s, names the dead rank, and no process is left."""
+    import time
+
+    model, tok = moe
+    flags = ["--tokenizer", tok, "--dp-size", "2", "--ep-size", "2", "--cpu-threads", "1"]
+    srv = start_server(model, str(tmp_path / "kill.log"), "--served-model-name", "m", *flags)
+    body = {"model": "m", "prompt": PROMPTS * 2, "max_tokens": 400, "ignore_eos": True}
+    try:
+        code, took, kids = kill_a_rank_mid_load(srv, 2, body, 30)
+    finally:
+        stop_server(srv)
+    assert code not in (0, None) and took < 30, srv.log()[-3000:]
+    assert "exited unexpectedly" in srv.log(), srv.log()[-3000:]
+    time.sleep(0.5)
+    assert not [k for k in kids if alive(k)]

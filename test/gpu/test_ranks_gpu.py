@@ -9,22 +9,18 @@ The rank count is GYRFALCON_GPU_RANKS (default 2; 4 or 8 on the wider machines):
 tiny models get max(4, ranks) attention heads so that tp splits them."""
 
 import os
-import signal
-import threading
 import time
 
-import httpx
 import pytest
 import torch
 from server_util import (
     alive,
-    children_of,
     graph_forwards,
+    kill_a_rank_mid_load,
     serve_greedy,
     start_server,
     step_kinds,
     stop_server,
-    worker_pids,
 )
 
 RANKS = int(os.environ.get("GYRFALCON_GPU_RANKS", "2"))
@@ -231,28 +227,12 @@ def test_a_rank_killed_mid_load_takes_the_server_down(tiny_moe, tmp_path):
     flags = ["--attention-backend", "triton", "--dp-size", N, "--ep-size", N]
     log = str(tmp_path / "kill.log")
     srv = start_server(model, log, "--served-model-name", "m", *cuda_flags(tok), *flags)
-    kids = children_of(srv.proc.pid)
     body = {"model": "m", "prompt": PROMPTS * 4, "max_tokens": 400, "ignore_eos": True}
-
-    def load() -> None:
-        try:
-            httpx.post(f"{srv.base_url}/v1/completions", json=body, timeout=120)
-        except httpx.HTTPError:
-            pass  # NOTE: the server dies under it
-
-    client = threading.Thread(target=load, daemon=True)
     try:
-        client.start()
-        deadline = time.monotonic() + 60
-        while srv.info()["num_running"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert srv.info()["num_running"] > 0, "the batch never started"
-        os.kill(worker_pids(srv, RANKS)[-1], signal.SIGKILL)
-        start = time.monotonic()
-        code = srv.proc.wait(DEATH_S)
-        took = time.monotonic() - start
+        code, took, kids = kill_a_rank_mid_load(srv, RANKS, body, DEATH_S)
     finally:
         stop_server(srv)
-    assert code != 0 and took < DEATH_S and "exited unexpectedly" in srv.log(), srv.log()[-3000:]
+    assert code not in (0, None) and took < DEATH_S, srv.log()[-3000:]
+    assert "exited unexpectedly" in srv.log(), srv.log()[-3000:]
     time.sleep(0.5)
     assert not [k for k in kids if alive(k)]
