@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gyrfalcon.ipc.messages import SamplingParams
+from gyrfalcon.ipc.messages import SamplingParams, ScheduledRow
 
 # Input id of a position whose token is still being sampled by a step in flight:
 # the worker substitutes the id it sampled, on the device.
@@ -65,3 +65,9 @@ def verifies_drafts(params: SamplingParams) -> bool:
         and params.presence_penalty == 0.0
         and params.frequency_penalty == 0.0
     )
+
+
+def is_steady_verify_row(row: ScheduledRow, num_draft: int) -> bool:
+    """Whether a row is a steady-state verify row: one input token then all `num_draft`
+    drafts, num_draft + 1 tokens (the width of the VERIFY graphs and of the fused step)."""
+    return len(row.input_ids) == 1 and row.num_draft == num_draft

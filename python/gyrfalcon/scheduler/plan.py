@@ -9,6 +9,7 @@ appear here: the worker makes them.
 
 from __future__ import annotations
 
+from gyrfalcon.ipc.contract import is_steady_verify_row
 from gyrfalcon.ipc.messages import ForwardMode, NewRequest, RankBatch, ScheduledRow
 from gyrfalcon.scheduler.policy import Decision
 from gyrfalcon.scheduler.step_log import is_decode_row
@@ -56,11 +57,10 @@ def agreed_graph(batches: list[RankBatch], num_draft: int = 0) -> tuple[int, int
         if b.forward_mode == ForwardMode.DECODE:
             widths.add(1)
         elif b.forward_mode == ForwardMode.VERIFY and num_draft > 0:
-            uniform = all(len(r.input_ids) == 1 and r.num_draft == num_draft for r in b.rows)
-            widths.add(num_draft + 1 if uniform else 0)
+            steady = all(is_steady_verify_row(r, num_draft) for r in b.rows)
+            widths.add(num_draft + 1 if steady else 0)
         elif b.forward_mode != ForwardMode.IDLE:
             return 0, 1
-    width = widths.pop() if len(widths) == 1 else (1 if not widths else 0)
-    if width == 0:
+    if len(widths) > 1 or 0 in widths:
         return 0, 1
-    return max(max(len(b.rows) for b in batches), 1), width
+    return max(max(len(b.rows) for b in batches), 1), widths.pop() if widths else 1

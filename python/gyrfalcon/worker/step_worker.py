@@ -39,7 +39,7 @@ from gyrfalcon.forward.metadata import (
     shift_rows,
 )
 from gyrfalcon.forward.parallel import SINGLE_RANK, ParallelContext
-from gyrfalcon.ipc.contract import DUMMY_PAGE, verifies_drafts
+from gyrfalcon.ipc.contract import DUMMY_PAGE, is_steady_verify_row, verifies_drafts
 from gyrfalcon.ipc.messages import (
     ForwardMode,
     RankBatch,
@@ -342,7 +342,7 @@ class StepWorker:
         return (
             f is not None
             and agreed != 0  # NOTE: the DP ranks agreed on eager: the general path
-            and all(len(r.input_ids) == 1 and r.num_draft == k for r in rows)
+            and all(is_steady_verify_row(r, k) for r in rows)
             and all(fuses(q.sampling) for q in reqs)
             and f.usable(graphs, max(len(rows), agreed or 0), max(len(q.pages) for q in reqs))
         )
