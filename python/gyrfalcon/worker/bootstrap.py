@@ -14,7 +14,8 @@ from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.forward.distributed import init_tensor_parallel
 from gyrfalcon.forward.parallel import SINGLE_RANK
 from gyrfalcon.ipc.contract import RankLayout
-from gyrfalcon.worker.kv_sizing import max_model_len, num_kv_pages
+from gyrfalcon.worker.kv_sizing import max_model_len, num_kv_pages, profile_context
+from gyrfalcon.worker.memory_profile import step_peak_bytes
 from gyrfalcon.worker.step_worker import StepWorker, rank_device
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,11 @@ def build_worker(
     tp_size = executor.ctx.parallel.tp_size
     draft = worker.drafter.cfg.layer if worker.drafter else None
     kv_dtype = args.kv_dtype(executor.dtype)
-    pages = num_kv_pages(args, cfg, kv_dtype, worker.device, tp_size, draft)
+    step_peak = 0
+    if worker.device.type == "cuda" and args.num_kv_pages is None and args.kv_cache_memory is None:
+        step_peak = step_peak_bytes(worker, profile_context(args, cfg))
+        logger.info("rank %d: the largest step takes %.2f GiB", rank, step_peak / (1 << 30))
+    pages = num_kv_pages(args, cfg, kv_dtype, worker.device, tp_size, draft, step_peak)
     context = max_model_len(args, cfg, pages)
     worker.init_kv_cache(pages, context)
     worker.warm_up(context)

@@ -98,6 +98,11 @@ class ModelExecutor:
     ) -> None:
         """Allocate the paged KV cache (after weights, so sizing sees their memory),
         then set up graphs for contexts up to max_model_len (`setup_graphs`)."""
+        self.alloc_kv_cache(num_pages)
+        self.setup_graphs(max_model_len, verify_tokens_per_row, extra_specs)
+
+    def alloc_kv_cache(self, num_pages: int) -> None:
+        """The paged KV cache alone (no graphs: eager steps only)."""
         c = self.cfg
         self.kv_cache = KVCache(
             c.num_layers,
@@ -109,7 +114,6 @@ class ModelExecutor:
             self.device,
             self.ctx.kernels,
         )
-        self.setup_graphs(max_model_len, verify_tokens_per_row, extra_specs)
 
     @property
     def graph_max_bs(self) -> int:

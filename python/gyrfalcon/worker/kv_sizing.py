@@ -26,13 +26,35 @@ def available_cpu_memory() -> int:
     return 4 << 30
 
 
-def kv_budget_bytes(args: ServerArgs, device: torch.device) -> int:
+SLACK_BYTES = 1 << 30  # kept free beyond a measured step peak: graph pools, fragmentation
+
+
+def kv_budget(total: int, free: int, fraction: float, step_peak: int = 0) -> tuple[int, bool]:
+    """(bytes for the KV cache on a device of `total` bytes with `free` free now, whether
+    the largest step capped them): weights and KV together get `fraction` of the device,
+    and where the largest step's activations were measured (`step_peak` > 0:
+    memory_profile.py) they and SLACK_BYTES stay free beside the KV cache."""
+    used = total - free  # weights and everything else already resident
+    by_fraction = int(total * fraction) - used
+    if step_peak <= 0:
+        return max(0, by_fraction), False
+    beside_step = free - step_peak - SLACK_BYTES
+    return max(0, min(by_fraction, beside_step)), beside_step < by_fraction
+
+
+def kv_budget_bytes(args: ServerArgs, device: torch.device, step_peak: int = 0) -> int:
     if args.kv_cache_memory is not None:
         return parse_size(args.kv_cache_memory)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        used = total - free  # weights and everything else already resident
-        return max(0, int(total * args.mem_fraction) - used)
+        budget, capped = kv_budget(total, free, args.mem_fraction, step_peak)
+        gib = 1 << 30
+        if capped:
+            logger.info(
+                "KV cache %.2f GiB, less than --mem-fraction %.2f allows: the largest step "
+                "needs %.2f GiB beside it", budget / gib, args.mem_fraction, step_peak / gib,
+            )  # fmt: skip
+        return budget
     return min(parse_size(args.max_cpu_kv_memory), int(available_cpu_memory() * args.mem_fraction))
 
 
@@ -43,10 +65,12 @@ def num_kv_pages(
     device: torch.device,
     tp_size: int,
     draft: ModelConfig | None = None,
+    step_peak: int = 0,
 ) -> int:
     """Pages including the reserved dummy page, for one rank of a TP group of tp_size
     (a page holds that rank's KV heads only). draft: the drafter's layers, whose own
-    pages come with every target page (drafter.py)."""
+    pages come with every target page (drafter.py). step_peak: the largest step's
+    activation bytes, kept free (`kv_budget`)."""
     if args.num_kv_pages is not None:
         return args.num_kv_pages
     per_page = 0
@@ -55,7 +79,7 @@ def num_kv_pages(
         per_page += KVCache.bytes_per_page(
             c.num_layers, args.page_size, kv_heads, c.head_dim, dtype
         )
-    pages = kv_budget_bytes(args, device) // per_page
+    pages = kv_budget_bytes(args, device, step_peak) // per_page
     if pages < 2:
         raise RuntimeError(
             f"KV cache budget too small: one page needs {per_page} bytes; "
@@ -77,3 +101,9 @@ def max_model_len(args: ServerArgs, cfg: ModelConfig, num_pages: int) -> int:
     if want > capacity:
         logger.warning("context length %d capped to KV capacity %d tokens", want, capacity)
     return min(want, capacity)
+
+
+def profile_context(args: ServerArgs, cfg: ModelConfig) -> int:
+    """The context the memory profile's rows fit (`max_model_len` before the KV cache
+    caps it)."""
+    return args.max_model_len or cfg.max_position_embeddings

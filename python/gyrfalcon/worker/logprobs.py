@@ -104,6 +104,12 @@ def top_k_lowest_ids(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     return vals.gather(1, order), ids.gather(1, order)
 
 
+def prompt_logprob_rows(vocab: int) -> int:
+    """Prompt positions scored at once: their logits stay within a bounded size whatever
+    the chunk's length (the callers compute logits this many rows at a time too)."""
+    return max(1, _PROMPT_LOGPROBS_CHUNK_ELEMS // vocab)
+
+
 def prompt_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, k: int) -> list[PositionLogprobs]:
     """Per prompt position i: logprob of next_ids[i] under log_softmax(logits[i]), its
     rank (1 + the number of tokens with a strictly larger logprob) and the top-k.
@@ -115,7 +121,7 @@ def prompt_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, k: int) -> lis
     if next_ids.shape != (n,):
         raise ValueError(f"next_ids {tuple(next_ids.shape)} does not match logits ({n}, ...)")
     k = min(k, vocab)
-    chunk = max(1, _PROMPT_LOGPROBS_CHUNK_ELEMS // vocab)
+    chunk = prompt_logprob_rows(vocab)
     result: list[PositionLogprobs] = []
     for start in range(0, n, chunk):
         lp = torch.log_softmax(logits[start : start + chunk].float(), dim=-1)  # [c, vocab]

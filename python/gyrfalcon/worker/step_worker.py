@@ -52,7 +52,8 @@ from gyrfalcon.worker.compile_watch import CompileWatch
 from gyrfalcon.worker.drafter import Drafter, DraftRound
 from gyrfalcon.worker.executor import ModelExecutor
 from gyrfalcon.worker.grammar_state import WorkerGrammars, warm_up_masks
-from gyrfalcon.worker.logprobs import HostCopy, SampleOutput
+from gyrfalcon.worker.logprobs import HostCopy, SampleOutput, prompt_logprob_rows
+from gyrfalcon.worker.memory_profile import check_largest_step_fits
 from gyrfalcon.worker.pending_step import PendingStep
 from gyrfalcon.worker.request_table import MIN_SLOTS, RequestTable, WorkerRequest
 from gyrfalcon.worker.sampler import (
@@ -227,6 +228,7 @@ class StepWorker:
         if self.device.type == "cuda":
             self.executor.warm_up_kernels(self.args.max_num_seqs)
             warm_up_masks(self.cfg.vocab_size, self.device)
+            check_largest_step_fits(self, context_len)
             self.compiles.install()
 
     def _run_dummy_row(self) -> None:
@@ -425,8 +427,13 @@ class StepWorker:
             end = min(row.start + len(row.input_ids), len(req.prompt_ids) - 1)
             if end <= row.start:
                 continue
-            n = end - row.start
             first = bt.q_starts_cpu[i]
-            logits = self.executor.compute_logits(hidden[first : first + n])
             next_ids = upload(req.prompt_ids[row.start + 1 : end + 1], torch.int64, self.device)
-            results[i].prompt_logprobs = prompt_logprobs(logits, next_ids, k)
+            # NOTE: logits a slice at a time: a whole chunk's would be chunk x vocab floats
+            lps: list = []
+            step = prompt_logprob_rows(self.cfg.vocab_size)
+            for s in range(0, end - row.start, step):
+                h = hidden[first + s : first + min(s + step, end - row.start)]
+                logits = self.executor.compute_logits(h)
+                lps += prompt_logprobs(logits, next_ids[s : s + len(h)], k)
+            results[i].prompt_logprobs = lps

@@ -89,3 +89,67 @@ def warmup_batches(
         steps.append((decode, [], [row(a, p + 2, 1, True, True, k)]))
     steps.append((ForwardMode.IDLE, [], []))
     return [RankBatch(m, r, n, [] if r else list(WARMUP_RIDS)) for m, n, r in steps]
+
+
+PROFILE_SAMPLING = SamplingParams(
+    temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, repetition_penalty=1.1,
+    frequency_penalty=0.1, logprobs=5, max_tokens=2,
+)  # fmt: skip
+"""Every sampling feature on at once: the costliest rows the sampler can be given."""
+
+
+def profile_rows(budget: int, max_seqs: int, chunk: int, longest: int) -> list[int]:
+    """Prompt lengths of the largest prefill step the scheduler can plan: as many rows
+    as it runs at once (max_seqs, at most one per token), `budget` tokens in all when
+    that many fit, each at most `chunk` and `longest` tokens, the lengths within one of
+    each other (the first ones longer)."""
+    assert min(budget, max_seqs, chunk, longest) >= 1, (budget, max_seqs, chunk, longest)
+    n = min(max_seqs, budget)
+    total = min(budget, n * min(chunk, longest))
+    return [total // n + (i < total % n) for i in range(n)]
+
+
+def profile_batches(
+    page_size: int,
+    budget: int,
+    max_seqs: int,
+    chunk: int,
+    context_len: int,
+    num_draft: int = 0,
+) -> list[RankBatch]:
+    """The steps that need the most activation memory, for `worker/memory_profile.py`:
+    a prefill of `profile_rows` (the most tokens a step holds: under DP attention with
+    expert parallelism every MoE layer gathers that many from every group), every row
+    sampled; then every row decodes, verifying `num_draft` drafts (the most logit rows
+    a step holds: max_seqs x (k + 1)); then the drop. Every row samples with
+    `PROFILE_SAMPLING` and every page is the dummy page; positions stay below
+    context_len (none where it leaves no room for a prompt token and the decode)."""
+    k = num_draft
+    longest = context_len - 1 - (k + 1)  # NOTE: the decode row's last position < context_len
+    if longest < 1:
+        return []
+    lengths = profile_rows(budget, max_seqs, chunk, longest)
+    rids = [f"profile-{i}" for i in range(len(lengths))]
+    new = [NewRequest(r, [TOKEN] * n, PROFILE_SAMPLING) for r, n in zip(rids, lengths)]
+    prefill = [
+        ScheduledRow(r, 0, [TOKEN] * n, [DUMMY_PAGE] * pages_needed(0, n, page_size), True)
+        for r, n in zip(rids, lengths)
+    ]
+    decode = [
+        ScheduledRow(
+            r,
+            n,
+            [PLACEHOLDER],
+            [DUMMY_PAGE] * pages_needed(-(-n // page_size), n + 1 + k, page_size),
+            True,
+            False,
+            k,
+        )  # fmt: skip
+        for r, n in zip(rids, lengths)
+    ]
+    mode = ForwardMode.VERIFY if k else ForwardMode.DECODE
+    return [
+        RankBatch(ForwardMode.PREFILL, prefill, new),
+        RankBatch(mode, decode),
+        RankBatch(ForwardMode.IDLE, [], [], rids),
+    ]

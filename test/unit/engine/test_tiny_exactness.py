@@ -107,6 +107,24 @@ def prompt_logprobs(eng, prompt):
     return torch.tensor(got)
 
 
+def test_prompt_logprobs_scored_a_slice_at_a_time_are_the_whole_chunks(
+    tiny_model_dirs, monkeypatch
+):
+    """Long prompt chunks score their logprobs a few rows of logits at a time (a whole
+    chunk's logits would be chunk x vocab floats): the values of scoring at once, up to
+    float32 rounding (a matmul's sums may group differently with fewer rows)."""
+    from gyrfalcon.worker import logprobs
+
+    d = tiny_model_dirs["llama"]
+    prompt = prompts(5, [30])[0]
+    whole = prompt_logprobs(engine(d, num_kv_pages=64), prompt)
+    eng = engine(d, num_kv_pages=64)
+    vocab = eng.worker.cfg.vocab_size
+    monkeypatch.setattr(logprobs, "_PROMPT_LOGPROBS_CHUNK_ELEMS", 4 * vocab)  # 4 rows a slice
+    assert logprobs.prompt_logprob_rows(vocab) == 4
+    assert torch.allclose(prompt_logprobs(eng, prompt), whole, rtol=0, atol=1e-5)
+
+
 def test_fp8_kv_cache_on_cpu_stays_close_and_holds_more_pages(tiny_model_dirs):
     """e4m3 KV is not exact; the engine must run it, stay close to a float32 cache, and
     size 4x the pages of a float32 cache in the same memory."""

@@ -1,0 +1,49 @@
+"""KV sizing on CUDA keeps the largest step's activations free: the profile measures
+the peak of the worst-case steps on a KV cache of two pages and frees it; the KV cache
+sized after it leaves that much free even where --mem-fraction asks for nearly all of
+the device; the warm-up's last check (the same steps beside the real KV cache and
+graphs) passes, and the worker then serves."""
+
+import pytest
+import torch
+
+from gyrfalcon.config.model_config import ModelConfig
+from gyrfalcon.config.server_args import ServerArgs
+from gyrfalcon.worker.kv_sizing import max_model_len, num_kv_pages, profile_context
+from gyrfalcon.worker.memory_profile import step_peak_bytes
+from gyrfalcon.worker.step_worker import StepWorker
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3-moe"])
+def test_kv_cache_leaves_the_largest_step_room(tmp_path, arch):
+    from conftest import make_tiny_hf_model
+
+    from gyrfalcon.bench.synthetic_tokenizer import make_synthetic_tokenizer
+
+    model, tok = str(tmp_path / "m"), str(tmp_path / "tok")
+    extra = {"moe_intermediate_size": 64} if arch == "qwen3-moe" else {}
+    make_tiny_hf_model(model, arch, num_attention_heads=4, hidden_size=256, **extra)
+    make_synthetic_tokenizer(model, tok)
+    args = ServerArgs(
+        model=model, tokenizer=tok, device="cuda", dtype="bfloat16",
+        attention_backend="triton", mem_fraction=0.99,
+    ).resolved()  # fmt: skip
+    cfg = ModelConfig.from_dir(model)
+    worker = StepWorker(args, cfg, model)
+    peak = step_peak_bytes(worker, profile_context(args, cfg))
+    assert peak > 0 and worker.executor.kv_cache is None and not worker.requests
+    dtype = args.kv_dtype(worker.executor.dtype)
+    pages = num_kv_pages(args, cfg, dtype, worker.device, 1, None, peak)
+    context = max_model_len(args, cfg, pages)
+    worker.init_kv_cache(pages, context)
+    free, total = torch.cuda.mem_get_info(worker.device)
+    cached = torch.cuda.memory_reserved(worker.device) - torch.cuda.memory_allocated(worker.device)
+    assert free + cached >= peak, (free, cached, peak)  # what 0.99 of the device would not leave
+    assert free < 0.05 * total  # yet the KV cache took the rest
+    worker.warm_up(context)  # ends with the profile's steps beside the KV cache: they fit
+    assert not worker.requests and not worker.pending

@@ -1,0 +1,112 @@
+"""The largest step's memory: the profile's steps (the most tokens a step can hold, then
+the most logit rows), the KV budget that keeps their peak free, and the steps run
+through a worker without touching anything but the dummy page."""
+
+import pytest
+import torch
+
+from gyrfalcon.ipc.contract import DUMMY_PAGE
+from gyrfalcon.ipc.messages import ForwardMode, SamplingParams
+from gyrfalcon.worker.kv_sizing import SLACK_BYTES, kv_budget
+from gyrfalcon.worker.memory_profile import check_largest_step_fits, run_profile_steps
+from gyrfalcon.worker.warmup import profile_batches, profile_rows
+
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize(
+    "budget, max_seqs, chunk, longest, want",
+    [
+        (16384, 256, 8192, 10**6, [64] * 256),  # the CUDA defaults: every row, every token
+        (16384, 1, 8192, 10**6, [8192]),  # one row: a chunk at most
+        (10, 4, 8, 100, [3, 3, 2, 2]),
+        (3, 8, 8, 100, [1, 1, 1]),  # no more rows than tokens
+        (100, 4, 8, 5, [5, 5, 5, 5]),  # the context bounds a row
+    ],
+)
+def test_profile_rows_fill_the_step(budget, max_seqs, chunk, longest, want):
+    assert profile_rows(budget, max_seqs, chunk, longest) == want
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_profile_batches_prefill_every_row_then_verify_every_row(k):
+    ps, context = 16, 200
+    batches = profile_batches(ps, 1000, 12, 64, context, k)
+    prefill, decode, drop = batches
+    assert [b.forward_mode for b in batches] == [
+        ForwardMode.PREFILL, ForwardMode.VERIFY if k else ForwardMode.DECODE, ForwardMode.IDLE,
+    ]  # fmt: skip
+    lengths = [len(r.input_ids) for r in prefill.rows]
+    assert lengths == profile_rows(1000, 12, 64, context - 2 - k) and sum(lengths) == 768
+    assert [len(n.prompt_ids) for n in prefill.new_requests] == lengths
+    assert all(r.sample and r.start == 0 for r in prefill.rows)
+    for p, d in zip(prefill.rows, decode.rows):
+        assert d.rid == p.rid and d.start == len(p.input_ids) and d.num_draft == k and d.sample
+        held = len(p.new_pages) + len(d.new_pages)
+        assert held == -(-(d.start + 1 + k) // ps)  # pages cover the drafts' positions too
+        assert d.start + k < context
+    pages = {pg for b in batches for r in b.rows for pg in r.new_pages}
+    assert pages == {DUMMY_PAGE}
+    assert sorted(drop.finished_rids) == sorted(r.rid for r in prefill.rows)
+    assert all(not n.sampling.greedy for n in prefill.new_requests)
+
+
+def test_a_context_too_short_for_a_profile_row_profiles_nothing():
+    assert profile_batches(16, 1000, 12, 64, 5, 3) == []
+    assert len(profile_batches(16, 1000, 12, 64, 6, 3)) == 3
+
+
+def test_kv_budget_keeps_the_largest_step_free():
+    total, free = 80 * GIB, 60 * GIB  # 20 GiB resident
+    assert kv_budget(total, free, 0.85) == (48 * GIB, False)  # no peak measured: the fraction
+    assert kv_budget(total, free, 0.85, 2 * GIB) == (48 * GIB, False)  # fits beside
+    budget, capped = kv_budget(total, free, 0.85, 16 * GIB)
+    assert capped and budget == free - 16 * GIB - SLACK_BYTES
+    assert kv_budget(total, free, 0.85, 70 * GIB) == (0, True)
+
+
+@pytest.mark.parametrize("with_drafter", [False, True])
+def test_profile_steps_touch_only_the_dummy_page_and_change_no_answer(tmp_path, with_drafter):
+    """The profile's steps (every sampling feature on, verify rows when drafting) run
+    through the worker between requests: nothing but the dummy page is written, nothing
+    is left behind, and later greedy answers are what they were."""
+    from spec_util import engine, make_pair, run
+
+    target, draft = make_pair(tmp_path)
+    eng = engine(
+        target, draft if with_drafter else None, static_graph_replay=True,
+        max_num_batched_tokens=48, max_num_seqs=6, chunked_prefill_size=16,
+    )  # fmt: skip
+    prompts = [[5, 9, 17, 33], [7] * 9]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    before = run(eng, prompts, greedy)
+    w = eng.worker
+    caches = [w.executor.kv_cache] + ([w.drafter.kv_cache] if with_drafter else [])
+    snapshots = [(kv.k.clone(), kv.v.clone()) for kv in caches]
+    run_profile_steps(w, w.max_model_len)
+    for kv, (k0, v0) in zip(caches, snapshots):
+        ps = kv.page_size
+        rest = torch.ones(kv.k.shape[1], dtype=torch.bool)
+        rest[DUMMY_PAGE * ps : (DUMMY_PAGE + 1) * ps] = False
+        assert torch.equal(kv.k[:, rest], k0[:, rest]) and torch.equal(kv.v[:, rest], v0[:, rest])
+    assert not w.requests and not w.pending
+    assert run(eng, prompts, greedy).ids == before.ids
+
+
+def test_a_largest_step_that_does_not_fit_fails_with_what_to_change(tiny_model_dirs, monkeypatch):
+    from gyrfalcon.config.model_config import ModelConfig
+    from gyrfalcon.config.server_args import ServerArgs
+    from gyrfalcon.worker.bootstrap import build_worker
+
+    d = tiny_model_dirs["llama"]
+    args = ServerArgs(model=d, device="cpu", dtype="float32", page_size=4, num_kv_pages=32)
+    worker, context = build_worker(args.resolved(), d, ModelConfig.from_dir(d), rank=0)
+
+    def out_of_memory(*_):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(worker, "submit_batch", out_of_memory)
+    with pytest.raises(
+        RuntimeError, match="does not fit beside the KV cache: lower --mem-fraction"
+    ):
+        check_largest_step_fits(worker, context)
