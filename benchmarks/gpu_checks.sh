@@ -161,7 +161,7 @@ case "${1:-tests}" in
   rank-spec)  # EAGLE3 over several GPUs: each config of RANK_CONFIGS (default the MoE pair
     # attn_dp2_moe_ep2 and attn_tp2_moe_tp2) served plain and as its _eagle3 variant (dummy
     # drafter) by benchmarks/run_config.sh (triton attention, GYRFALCON_STEP_TIMES=1, at each
-    # concurrency of RS_CONC (16), RS_PROMPTS prompts (default 2 x concurrency; RS_PER_C sets
+    # concurrency of RS_CONC (16; RS_SPEC_ONLY=1: the _eagle3 variant alone), RS_PROMPTS prompts (default 2 x concurrency; RS_PER_C sets
     # the multiple) of 1024 in / RS_OUT (256) out), which checks that every page came back on
     # every rank; then the spec step's device cost against the plain step's on every rank
     # (gyrfalcon.bench.rank_steps). Sent back as rank_spec.tgz. The 4-GPU runs (issue of
@@ -171,14 +171,15 @@ case "${1:-tests}" in
     export GYRFALCON_STEP_TIMES=1 DEVICE_KIND=$KIND CONFIG_ARGS="--attention-backend triton"
     RS=$OUT/rank_spec; mkdir -p "$RS"
     for C in ${RANK_CONFIGS:-attn_dp2_moe_ep2 attn_tp2_moe_tp2}; do
-      for V in "$C" "${C}_eagle3"; do
+      VARIANTS="$C ${C}_eagle3"; [ "${RS_SPEC_ONLY:-0}" = 1 ] && VARIANTS="${C}_eagle3"
+      for V in $VARIANTS; do
         CONCURRENCIES=${RS_CONC:-16} PROMPTS_PER_CONCURRENCY=${RS_PER_C:-2} \
           NUM_PROMPTS=${RS_PROMPTS:-} OUTPUT_LEN=${RS_OUT:-256} PORT=8100 \
           bash benchmarks/run_config.sh "configs/$V.sh" "$RS" 2>&1 \
           | grep -aE "^\| $V |pages after|error|Error" | tail -8
         grep -aE "rank [0-9]: [0-9]+ steps" "$RS/${V}_${KIND}_server.log" | cut -c1-400
       done
-      python3 -m gyrfalcon.bench.rank_steps --plain "$RS/${C}_${KIND}_server.log" \
+      [ -f "$RS/${C}_${KIND}_server.log" ] && python3 -m gyrfalcon.bench.rank_steps --plain "$RS/${C}_${KIND}_server.log" \
         --spec "$RS/${C}_eagle3_${KIND}_server.log" --name "${C}_c${RS_CONC// /-}" \
         --device-kind "$KIND" --commit "$GYRFALCON_COMMIT" --output-json "$RS/${C}_spec_step.json"
     done
