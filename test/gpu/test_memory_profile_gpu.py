@@ -4,6 +4,8 @@ sized after it leaves that much free even where --mem-fraction asks for nearly a
 the device; the warm-up's last check (the same steps beside the real KV cache and
 graphs) passes, and the worker then serves."""
 
+import gc
+
 import pytest
 import torch
 
@@ -25,6 +27,8 @@ def test_kv_cache_leaves_the_largest_step_room(tmp_path, arch):
 
     from gyrfalcon.bench.synthetic_tokenizer import make_synthetic_tokenizer
 
+    gc.collect()  # NOTE: the last case's worker and its KV cache go first
+    torch.cuda.empty_cache()
     model, tok = str(tmp_path / "m"), str(tmp_path / "tok")
     extra = {"moe_intermediate_size": 64} if arch == "qwen3-moe" else {}
     make_tiny_hf_model(model, arch, num_attention_heads=4, hidden_size=256, **extra)

@@ -46,6 +46,7 @@ def kv_budget_bytes(args: ServerArgs, device: torch.device, step_peak: int = 0) 
     if args.kv_cache_memory is not None:
         return parse_size(args.kv_cache_memory)
     if device.type == "cuda":
+        torch.cuda.empty_cache()  # NOTE: blocks torch holds but no tensor uses count as free
         free, total = torch.cuda.mem_get_info(device)
         budget, capped = kv_budget(total, free, args.mem_fraction, step_peak)
         gib = 1 << 30

@@ -104,6 +104,27 @@ def top_k_lowest_ids(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     return vals.gather(1, order), ids.gather(1, order)
 
 
+def raw_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Of the model's raw distribution (log_softmax of logits [n, vocab] in float32):
+    each row's logprob of token_ids[row] [n] and its top k (`top_k_lowest_ids`) ->
+    (chosen [n], top ids [n, k], top logprobs [n, k]). A few rows at a time
+    (`prompt_logprob_rows`): no float32 copy of every row's logits at once. No host sync."""
+    n, vocab = logits.shape
+    step = prompt_logprob_rows(vocab)
+    chosen, ids, lps = [], [], []
+    for s in range(0, n, step):
+        lp = torch.log_softmax(logits[s : s + step], dim=-1, dtype=torch.float32)  # [c, vocab]
+        chosen.append(lp.gather(1, token_ids[s : s + step, None]).squeeze(1))
+        top_lp, top_ids = top_k_lowest_ids(lp, k)
+        ids.append(top_ids)
+        lps.append(top_lp)
+    if len(chosen) == 1:
+        return chosen[0], ids[0], lps[0]
+    return torch.cat(chosen), torch.cat(ids), torch.cat(lps)
+
+
 def prompt_logprob_rows(vocab: int) -> int:
     """Prompt positions scored at once: their logits stay within a bounded size whatever
     the chunk's length (the callers compute logits this many rows at a time too)."""

@@ -35,8 +35,8 @@ from gyrfalcon.worker.logit_adjust import LogitAdjust, apply_logit_adjust, build
 from gyrfalcon.worker.logprobs import (
     SampleOutput,
     prompt_logprobs,
+    raw_logprobs,
     to_position_logprobs,
-    top_k_lowest_ids,
 )
 from gyrfalcon.worker.penalties import (
     PenaltyTensors,
@@ -369,7 +369,5 @@ def sample(
                 token_ids = torch.where(batch.greedy, argmax_rows(penalized, kernels), token_ids)
     if batch.max_logprobs is None:
         return SampleOutput(token_ids, None, None, None)
-    all_lp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [bs, vocab]
-    chosen = all_lp.gather(1, token_ids[:, None]).squeeze(1)  # [bs]
-    top_lp, top_ids = top_k_lowest_ids(all_lp, batch.max_logprobs)  # [bs, k] each, descending
+    chosen, top_ids, top_lp = raw_logprobs(logits, token_ids, batch.max_logprobs)
     return SampleOutput(token_ids, chosen, top_ids, top_lp)

@@ -126,7 +126,7 @@ def _argmax(probs: torch.Tensor, kernels: KernelPolicy) -> torch.Tensor:
 
 def rejection_sample(
     target_probs: torch.Tensor,
-    draft_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
     draft_ids: torch.Tensor,
     batch: SamplingBatch,
     kernels: KernelPolicy = DEFAULT_KERNELS,
@@ -137,28 +137,38 @@ def rejection_sample(
     target_probs: [bs, k + 1, V] float32, p_j = `sampling_probs` of the target's
         verify logits at position j (greedy rows use only its argmax);
     draft_probs: [bs, k, V] float32, q_j: the distribution d_{j+1} was drawn from,
-        over the target vocabulary (one-hot for a greedy drafter);
+        over the target vocabulary; None: a greedy drafter, q_j = one-hot(d_{j+1}),
+        never materialized (then q(d) = 1, and max(0, p - q) is p with d zeroed, as
+        p <= 1: the same values, bit for bit, as passing the one-hot tensor);
     draft_ids: [bs, k] int64; batch: the step's `SamplingBatch` of the bs requests
         (greedy rows, generators). k >= 1. See the module docstring for the draws;
     num_drafts: [bs] int64 drafts of each row, <= k (None: k each).
     """
     bs, k1, vocab = target_probs.shape
     k = k1 - 1
-    assert k >= 1 and draft_probs.shape == (bs, k, vocab) and draft_ids.shape == (bs, k)
+    assert k >= 1 and draft_ids.shape == (bs, k)
+    assert draft_probs is None or draft_probs.shape == (bs, k, vocab)
     assert batch.batch_size == bs, (batch.batch_size, bs)
     if batch.all_greedy:
         return greedy_verify(_argmax(target_probs, kernels), draft_ids, num_drafts)
     u = row_draws(batch, k, target_probs.device, torch.Tensor.uniform_)  # [bs, k]
     p_d = target_probs[:, :k].gather(2, draft_ids[..., None]).squeeze(2)  # [bs, k]
-    q_d = draft_probs.gather(2, draft_ids[..., None]).squeeze(2)  # [bs, k]
+    if draft_probs is None:
+        q_d = torch.ones_like(p_d)
+    else:
+        q_d = draft_probs.gather(2, draft_ids[..., None]).squeeze(2)  # [bs, k]
     # u < p / q without dividing; NOTE: q(d) == 0 (impossible for a drawn d) accepts iff p(d) > 0.
     accept_len = _accept_len(u * q_d < p_d, num_drafts)  # [bs]
     at = accept_len[:, None, None].expand(bs, 1, vocab)  # [bs, 1, V]
     p_a = target_probs.gather(1, at).squeeze(1)  # [bs, V]
-    q_a = draft_probs.gather(1, at.clamp(max=k - 1)).squeeze(1)  # [bs, V]
     drafts = k if num_drafts is None else num_drafts
-    q_a = q_a * (accept_len < drafts)[:, None]  # bonus position: q := 0, so r = p_a
-    resid = (p_a - q_a).clamp_min_(0.0)  # [bs, V]
+    rejected = (accept_len < drafts)[:, None]  # [bs, 1]; bonus position: q := 0, so r = p_a
+    if draft_probs is None:
+        d_a = draft_ids.gather(1, accept_len.clamp(max=k - 1)[:, None])  # [bs, 1]
+        resid = torch.where(rejected, p_a.scatter(1, d_a, 0.0), p_a)  # [bs, V]
+    else:
+        q_a = draft_probs.gather(1, at.clamp(max=k - 1)).squeeze(1)  # [bs, V]
+        resid = (p_a - q_a * rejected).clamp_min_(0.0)  # [bs, V]
     # NOTE: max(0, p - q) == 0 everywhere only when p == q (a rejection there needs
     # p(d) == q(d) == 0): then draw from p.
     resid = torch.where(resid.sum(dim=1, keepdim=True) > 0, resid, p_a)

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from gyrfalcon.kernels.dispatch import KernelPolicy
-from gyrfalcon.worker.logprobs import SampleOutput, top_k_lowest_ids
+from gyrfalcon.worker.logprobs import SampleOutput, raw_logprobs
 from gyrfalcon.worker.sampler import (
     RequestSamplingState,
+    SamplingBatch,
     apply_penalties,
     argmax_rows,
     prepare,
@@ -69,6 +70,35 @@ class VerifyIndex:
     num_drafts_t: torch.Tensor  # [S] d_i
 
 
+PROBS_CHUNK_ELEMS = 1 << 24  # logit rows x vocab whose sampling probabilities are made at once
+
+
+def probs_in_chunks(
+    logits: torch.Tensor,
+    batch: SamplingBatch,
+    states: list[RequestSamplingState],
+    generated: list[int],
+    after: list[list[int]] | None,
+    kernels: KernelPolicy,
+) -> torch.Tensor:
+    """`sampling_probs` of logits [n, vocab] (`batch` = `prepare` of `states`,
+    `generated`, `after`, row for row), made PROBS_CHUNK_ELEMS // vocab rows at a time
+    into one float32 tensor where there are more rows: the float32 copies the sampler
+    makes (penalized, tempered, sorted, ...) then hold a chunk each, not every row's.
+    A row's probabilities depend on that row alone (`prepare` of a chunk's rows gives
+    them the same sampling), so the chunks change no value."""
+    n, vocab = logits.shape
+    rows = max(1, PROBS_CHUNK_ELEMS // vocab)
+    if n <= rows:
+        return sampling_probs(logits, batch, kernels)
+    out = torch.empty(n, vocab, dtype=torch.float32, device=logits.device)
+    for s in range(0, n, rows):
+        e = min(n, s + rows)
+        part = prepare(states[s:e], vocab, logits.device, generated[s:e], after and after[s:e])
+        out[s:e] = sampling_probs(logits[s:e], part, kernels)
+    return out
+
+
 def verify_sample(
     logits: torch.Tensor,
     argmax: torch.Tensor | None,
@@ -105,16 +135,15 @@ def verify_sample(
             top = argmax_rows(apply_penalties(padded, batch) if not plain else padded, kernels)
         acc = greedy_verify(top.view(s, k1), drafts, idx.num_drafts_t)
     else:
-        p = sampling_probs(padded, batch, kernels).view(s, k1, vocab_size)
-        q = torch.zeros(s, k1 - 1, vocab_size, device=device)
-        q.scatter_(2, drafts[..., None], 1.0)  # the drafter proposes greedily
+        p = probs_in_chunks(padded, batch, expanded, generated, after, kernels)
+        p = p.view(s, k1, vocab_size)
         rows = prepare(states, vocab_size, device, num_generated, masks=False)  # draws only
-        acc = rejection_sample(p, q, drafts, rows, kernels, idx.num_drafts_t)
+        # NOTE: q None: the drafter proposes greedily (one-hot q, never materialized)
+        acc = rejection_sample(p, None, drafts, rows, kernels, idx.num_drafts_t)
     chosen_ids = acc.token_ids.view(-1)[idx.emitted]  # [N]
     asked = [st.params.logprobs for st in states if st.params.logprobs is not None]
     if not asked:
         return acc, SampleOutput(chosen_ids, None, None, None)
-    all_lp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [N, vocab]
-    chosen = all_lp.gather(1, chosen_ids.clamp_min(0)[:, None]).squeeze(1)
-    top_lp, top_ids = top_k_lowest_ids(all_lp, min(max(asked), vocab_size))
+    k = min(max(asked), vocab_size)
+    chosen, top_ids, top_lp = raw_logprobs(logits, chosen_ids.clamp_min(0), k)
     return acc, SampleOutput(chosen_ids, chosen, top_ids, top_lp)

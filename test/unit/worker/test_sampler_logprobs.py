@@ -161,3 +161,18 @@ def test_prompt_and_sample_logprobs_top_entry_is_the_greedy_token_on_ties():
     assert out.top_ids is not None and out.top_ids.tolist() == [[4, 9], [4, 9]]
     plp = prompt_logprobs(logits, torch.tensor([9, 12]), k=3)
     assert [[t.token_id for t in p.top] for p in plp] == [[4, 9, 0], [4, 9, 12]]
+
+
+def test_logprobs_of_many_rows_come_a_few_rows_at_a_time_with_the_same_values(monkeypatch):
+    """Sampled logprobs of many rows are scored a few rows at a time (a float32 copy of
+    every row's logits at once is rows x vocab floats): the same values and order."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(11, 40, generator=gen) * 3
+    ids = torch.randint(0, 40, (11,), generator=gen)
+    whole = logprobs_module.raw_logprobs(logits, ids, 4)
+    monkeypatch.setattr(logprobs_module, "_PROMPT_LOGPROBS_CHUNK_ELEMS", 3 * 40)  # 3 rows
+    chunked = logprobs_module.raw_logprobs(logits, ids, 4)
+    for a, b in zip(chunked, whole):
+        assert torch.equal(a, b)
+    ref = torch.log_softmax(logits, dim=-1)
+    torch.testing.assert_close(chunked[0], ref.gather(1, ids[:, None]).squeeze(1))

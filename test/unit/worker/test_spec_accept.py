@@ -378,3 +378,28 @@ def test_rows_with_fewer_drafts_stop_there_and_draw_the_bonus_from_that_position
     acc = greedy_verify(target, torch.tensor([[4, 5], [4, 5]]), torch.tensor([1, 0]))
     assert acc.accept_len.tolist() == [1, 0]
     assert acc.token_ids.tolist() == [[4, 5, EMIT_PAD], [4, EMIT_PAD, EMIT_PAD]]
+
+
+def test_a_greedy_drafter_needs_no_draft_distribution():
+    """draft_probs None (the engine's drafter proposes greedily): the very tokens and
+    draws of passing its one-hot distribution, with seeded, unseeded and greedy rows
+    and rows of fewer drafts, without a [bs, k, V] tensor."""
+    vocab, k = 11, 3
+    params = [SAMPLED, SamplingParams(temperature=0.8, seed=9), GREEDY, SamplingParams(seed=2)]
+    gen = torch.Generator().manual_seed(4)
+    for step in range(20):
+        p, _, drafts = random_case(gen, len(params), k, vocab)
+        one_hot = torch.nn.functional.one_hot(drafts, vocab).float()
+        num_drafts = torch.tensor([3, 1, 2, 0]) if step % 2 else None
+        out = []
+        for q in (one_hot, None):
+            states = [RequestSamplingState.create(x, [0], CPU) for x in params]
+            with torch.random.fork_rng():
+                torch.manual_seed(step)
+                out.append(
+                    rejection_sample(
+                        p, q, drafts, prepare(states, vocab, CPU), num_drafts=num_drafts
+                    )
+                )
+        assert torch.equal(out[0].accept_len, out[1].accept_len)
+        assert torch.equal(out[0].token_ids, out[1].token_ids)
