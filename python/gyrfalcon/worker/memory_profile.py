@@ -52,30 +52,35 @@ def run_profile_steps(worker: StepWorker, context_len: int) -> None:
 
 def step_peak_bytes(worker: StepWorker, context_len: int) -> int:
     """Bytes the largest steps allocate at peak on `worker`'s CUDA device, beyond what is
-    resident (weights). Call before `init_kv_cache`: it allocates a KV cache of
-    PROFILE_PAGES pages (the drafter's too) and frees it again."""
+    resident (weights); 0 on other devices, where the steps run unmeasured. Call before
+    `init_kv_cache`: it allocates a KV cache of PROFILE_PAGES pages (the drafter's too),
+    runs the steps eagerly (no graphs yet) and frees the cache again."""
     dev = worker.device
-    assert dev.type == "cuda", "measures CUDA memory"
+    cuda = dev.type == "cuda"
     ex, drafter = worker.executor, worker.drafter
     assert ex.kv_cache is None, "measure before the KV cache is allocated"
     ex.alloc_kv_cache(PROFILE_PAGES)
     if drafter is not None:
         drafter.init_kv_cache(PROFILE_PAGES, worker.args.kv_dtype(ex.dtype))
     worker.max_model_len = context_len
-    torch.cuda.synchronize(dev)
-    torch.cuda.reset_peak_memory_stats(dev)
-    base = torch.cuda.memory_allocated(dev)
+    base = 0
+    if cuda:
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
     try:
         run_profile_steps(worker, context_len)
+        if not cuda:
+            return 0
         torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_allocated(dev) - base
+        return torch.cuda.max_memory_allocated(dev) - base
     finally:
         ex.kv_cache = None
         if drafter is not None:
             drafter.kv_cache = None
         worker.max_model_len = 0
-        torch.cuda.empty_cache()
-    return peak
+        if cuda:
+            torch.cuda.empty_cache()
 
 
 def check_largest_step_fits(worker: StepWorker, context_len: int) -> None:

@@ -8,7 +8,11 @@ import torch
 from gyrfalcon.ipc.contract import DUMMY_PAGE
 from gyrfalcon.ipc.messages import ForwardMode, SamplingParams
 from gyrfalcon.worker.kv_sizing import SLACK_BYTES, kv_budget
-from gyrfalcon.worker.memory_profile import check_largest_step_fits, run_profile_steps
+from gyrfalcon.worker.memory_profile import (
+    check_largest_step_fits,
+    run_profile_steps,
+    step_peak_bytes,
+)
 from gyrfalcon.worker.warmup import profile_batches, profile_rows
 
 GIB = 1 << 30
@@ -110,3 +114,42 @@ def test_a_largest_step_that_does_not_fit_fails_with_what_to_change(tiny_model_d
         RuntimeError, match="does not fit beside the KV cache: lower --mem-fraction"
     ):
         check_largest_step_fits(worker, context)
+
+
+def test_the_measuring_run_goes_before_the_kv_cache_and_leaves_nothing(tmp_path):
+    """What KV sizing runs first (CUDA measures it; here it runs unmeasured): the
+    profile's steps, drafter included, eagerly on a cache of two pages, before any graph
+    or fused step exists; then the cache is gone and the worker sizes and starts as
+    usual, answering like a worker that never measured."""
+    from spec_util import make_pair
+
+    from gyrfalcon.config.model_config import ModelConfig
+    from gyrfalcon.config.server_args import ServerArgs
+    from gyrfalcon.worker.step_worker import StepWorker
+
+    target, draft = make_pair(tmp_path)
+    args = ServerArgs(
+        model=target, device="cpu", dtype="float32", page_size=4, num_kv_pages=64,
+        speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
+        speculative_num_steps=3, max_num_batched_tokens=40, max_num_seqs=5,
+        chunked_prefill_size=16, static_graph_replay=True,
+    ).resolved()  # fmt: skip
+    cfg = ModelConfig.from_dir(target)
+    outputs = []
+    for measure in (True, False):
+        w = StepWorker(args, cfg, target)
+        if measure:
+            assert step_peak_bytes(w, 200) == 0  # not measured on the CPU
+            assert w.executor.kv_cache is None and w.drafter.kv_cache is None
+            assert w.executor.graphs is None and w.fused is None
+            assert not w.requests and not w.pending and w.max_model_len == 0
+        w.init_kv_cache(64, 200)
+        w.warm_up(200)
+        batches = profile_batches(4, 40, 5, 16, 200, 3)  # any steps: the profile's own
+        torch.manual_seed(0)  # NOTE: their rows sample unseeded
+        got = []
+        for i, rb in enumerate(batches):
+            w.submit_batch(i, rb)
+            got.append([r.token_ids for r in w.take().rows])
+        outputs.append(got)
+    assert outputs[0] == outputs[1]
