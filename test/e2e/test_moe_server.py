@@ -2,8 +2,9 @@
 split every way: MoE-TP (`--tp-size 2`), expert parallelism inside a TP group
 (`--tp-size 2 --ep-size 2`) and DP attention with expert parallelism across the DP
 groups (`--dp-size 2 --ep-size 2`: each group attends over its own requests, an idle
-one runs dummy rows into the experts' collectives) answer a greedy batch exactly
-like the one-rank server, logprobs included, nothing leaked on any rank."""
+one runs dummy rows into the experts' collectives), and TP groups inside DP groups over
+four ranks, answer a greedy batch exactly like the one-rank server, logprobs included,
+nothing leaked on any rank."""
 
 import pytest
 from conftest import make_tiny_hf_model
@@ -72,13 +73,13 @@ def test_two_ranks_answer_like_one(moe, one_rank, tmp_path, flags):
         assert all(graph_forwards(log, rank) > 0 for rank in (0, 1)), log[-3000:]
 
 
-def eagle3_flags(moe, tmp_path) -> list[str]:
-    """EAGLE3 (a tiny random drafter: mostly 0 accepted) over DP 2 + EP 2."""
+def eagle3_flags(moe, tmp_path, layout=("--dp-size", "2", "--ep-size", "2")) -> list[str]:
+    """EAGLE3 (a tiny random drafter: mostly 0 accepted) over `layout` (DP 2 + EP 2)."""
     from spec_util import make_drafter_for
 
     draft = make_drafter_for(moe[0], str(tmp_path / "draft"))
     return [
-        "--dp-size", "2", "--ep-size", "2", "--speculative-algorithm", "EAGLE3",
+        *layout, "--speculative-algorithm", "EAGLE3",
         "--speculative-draft-model-path", draft, "--speculative-num-steps", "2",
     ]  # fmt: skip
 
@@ -127,6 +128,30 @@ def test_eagle3_over_dp_groups_replays_agreed_verify_graphs(
         steps = step_kinds(log, rank)
         assert all(steps.get(k, 0) > 0 for k in kinds), (rank, steps, log[-3000:])
         assert graph_forwards(log, rank) > 0, log[-3000:]  # the idle rank's dummy rows too
+
+
+@pytest.mark.parametrize("spec", [False, True], ids=["plain", "eagle3"])
+def test_tp_groups_inside_dp_groups_with_the_experts_over_all_four_ranks(
+    moe, one_rank, tmp_path, spec
+):
+    """`--tp-size 2 --dp-size 2 --ep-size 4` (4 gloo ranks): each DP group's attention
+    split over its 2 TP ranks, every expert whole on one of the 4 ranks, under static
+    graph replay. Plain: the one-rank server's tokens and logprobs. EAGLE3 (a random
+    drafter): its text, every rank in fused spec steps. Nothing leaked."""
+    layout = ("--tp-size", "2", "--dp-size", "2", "--ep-size", "4")
+    flags = [*(eagle3_flags(moe, tmp_path, layout) if spec else layout), "--static-graph-replay"]
+    got, info, log, texts = serve_batch(moe, tmp_path, *flags, logprobs=not spec)
+    want, _, _, want_texts = one_rank
+    assert "rank 3: MoE experts split expert parallel over 4 ranks" in log
+    assert texts == want_texts
+    if not spec:
+        for (tokens, lps), (want_tokens, want_lps) in zip(got, want):
+            assert tokens == want_tokens
+            assert lps == pytest.approx(want_lps, abs=1e-4)
+    assert info["integrity_ok"] and info["num_free_pages"] == info["num_total_pages"], info
+    kind = "fused" if spec else "graph"
+    for rank in range(4):
+        assert step_kinds(log, rank).get(kind, 0) > 0, (rank, log[-3000:])
 
 
 def test_a_rank_killed_mid_decode_takes_the_dp_ep_server_down(moe, tmp_path):
