@@ -54,7 +54,7 @@ def build_worker(
     kv_dtype = args.kv_dtype(executor.dtype)
     step_peak = 0
     if worker.device.type == "cuda" and args.num_kv_pages is None and args.kv_cache_memory is None:
-        step_peak = step_peak_bytes(worker, profile_context(args, cfg))
+        step_peak = worker.step_peak = step_peak_bytes(worker, profile_context(args, cfg))
         logger.info("rank %d: the largest step takes %.2f GiB", rank, step_peak / (1 << 30))
     pages = num_kv_pages(args, cfg, kv_dtype, worker.device, tp_size, draft, step_peak)
     context = max_model_len(args, cfg, pages)

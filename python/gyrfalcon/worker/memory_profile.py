@@ -85,15 +85,25 @@ def step_peak_bytes(worker: StepWorker, context_len: int) -> int:
 
 def check_largest_step_fits(worker: StepWorker, context_len: int) -> None:
     """The warm-up's last step: the profile's steps beside the real KV cache and graphs.
-    Raises RuntimeError (what to change) where they do not fit."""
+    Raises RuntimeError (what to change) where they do not fit: before running them
+    where the free memory is already short of the measured peak (`worker.step_peak`;
+    a rank that stops there runs no collective the others could wait in), else where
+    they run out of memory."""
+    args = worker.args
+    what = f"the largest step ({args.max_num_batched_tokens} tokens, {args.max_num_seqs} rows)"
+    fix = "lower --mem-fraction, --kv-cache-memory or --num-kv-pages, or --max-num-batched-tokens"
+    if worker.step_peak:
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(worker.device)
+        if free < worker.step_peak:
+            gib = 1 << 30
+            raise RuntimeError(
+                f"{what} needs {worker.step_peak / gib:.2f} GiB; {free / gib:.2f} GiB are "
+                f"free beside the KV cache and graphs: {fix}"
+            )
     try:
         run_profile_steps(worker, context_len)
     except torch.OutOfMemoryError as e:
-        args = worker.args
-        raise RuntimeError(
-            f"the largest step ({args.max_num_batched_tokens} tokens, {args.max_num_seqs} "
-            "rows) does not fit beside the KV cache: lower --mem-fraction, "
-            "--kv-cache-memory or --num-kv-pages, or --max-num-batched-tokens"
-        ) from e
+        raise RuntimeError(f"{what} does not fit beside the KV cache: {fix}") from e
     finally:
         torch.cuda.empty_cache()

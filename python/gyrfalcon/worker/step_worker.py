@@ -114,6 +114,7 @@ class StepWorker:
         self.requests = RequestTable(self.device, eos, self.num_draft, grammars)
         self.pending: deque[PendingStep] = deque()
         self.max_model_len = 0
+        self.step_peak = 0  # the largest step's activation bytes where measured (CUDA)
         self.fused: FusedSpecStep | None = None  # the whole greedy spec step in one graph
         # where the DP ranks' collectives span the DP groups, the plan's agreed graph
         # size (`StepPlan.graph_rows`; 0: eager, as in warm-up) and tokens per row

@@ -114,6 +114,11 @@ def test_a_largest_step_that_does_not_fit_fails_with_what_to_change(tiny_model_d
         RuntimeError, match="does not fit beside the KV cache: lower --mem-fraction"
     ):
         check_largest_step_fits(worker, context)
+    # where the measured peak is known and more than is free, it says so before running
+    worker.step_peak = 3 * GIB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda _: (GIB, 80 * GIB))
+    with pytest.raises(RuntimeError, match=r"needs 3.00 GiB; 1.00 GiB are free .* lower --mem"):
+        check_largest_step_fits(worker, context)
 
 
 def test_the_measuring_run_goes_before_the_kv_cache_and_leaves_nothing(tmp_path):
