@@ -24,9 +24,9 @@ from gyrfalcon.kernels.dispatch import KernelPolicy
 from gyrfalcon.worker.logprobs import SampleOutput, raw_logprobs
 from gyrfalcon.worker.sampler import (
     RequestSamplingState,
-    SamplingBatch,
     apply_penalties,
     argmax_rows,
+    is_greedy,
     prepare,
     sampling_probs,
 )
@@ -75,21 +75,21 @@ PROBS_CHUNK_ELEMS = 1 << 24  # logit rows x vocab whose sampling probabilities a
 
 def probs_in_chunks(
     logits: torch.Tensor,
-    batch: SamplingBatch,
     states: list[RequestSamplingState],
     generated: list[int],
     after: list[list[int]] | None,
     kernels: KernelPolicy,
 ) -> torch.Tensor:
-    """`sampling_probs` of logits [n, vocab] (`batch` = `prepare` of `states`,
-    `generated`, `after`, row for row), made PROBS_CHUNK_ELEMS // vocab rows at a time
-    into one float32 tensor where there are more rows: the float32 copies the sampler
-    makes (penalized, tempered, sorted, ...) then hold a chunk each, not every row's.
-    A row's probabilities depend on that row alone (`prepare` of a chunk's rows gives
-    them the same sampling), so the chunks change no value."""
+    """`sampling_probs` of logits [n, vocab] for row i's `states[i]`, `generated[i]`,
+    `after[i]` (`prepare`'s arguments), made PROBS_CHUNK_ELEMS // vocab rows at a time
+    (each chunk with its own `prepare`) into one float32 tensor where there are more
+    rows: the float32 copies the sampler makes (penalized, tempered, sorted, ...) then
+    hold a chunk each, not every row's. A row's probabilities depend on that row alone,
+    so the chunks change no value."""
     n, vocab = logits.shape
     rows = max(1, PROBS_CHUNK_ELEMS // vocab)
     if n <= rows:
+        batch = prepare(states, vocab, logits.device, generated, after)
         return sampling_probs(logits, batch, kernels)
     out = torch.empty(n, vocab, dtype=torch.float32, device=logits.device)
     for s in range(0, n, rows):
@@ -126,16 +126,16 @@ def verify_sample(
     if any(st.grammar is not None for st in states):
         host = drafts.tolist()  # NOTE: a host sync, in steps with a grammar row only
         after = [host[i][: min(m, d)] for i, d in enumerate(idx.num_drafts) for m in range(k1)]
-    batch = prepare(expanded, vocab_size, device, generated, after)
-    plain = batch.penalties is None and batch.adjust is None
-    if batch.all_greedy:
+    if all(is_greedy(st.params) for st in states):
+        batch = prepare(expanded, vocab_size, device, generated, after)
+        plain = batch.penalties is None and batch.adjust is None
         if plain and argmax is not None:
             top = argmax if full else argmax[idx.padded]
         else:
             top = argmax_rows(apply_penalties(padded, batch) if not plain else padded, kernels)
         acc = greedy_verify(top.view(s, k1), drafts, idx.num_drafts_t)
     else:
-        p = probs_in_chunks(padded, batch, expanded, generated, after, kernels)
+        p = probs_in_chunks(padded, expanded, generated, after, kernels)
         p = p.view(s, k1, vocab_size)
         rows = prepare(states, vocab_size, device, num_generated, masks=False)  # draws only
         # NOTE: q None: the drafter proposes greedily (one-hot q, never materialized)

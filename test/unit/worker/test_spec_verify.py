@@ -30,7 +30,7 @@ def test_probabilities_made_in_chunks_equal_the_whole_batchs(monkeypatch):
     batch = prepare(expanded, vocab, CPU, generated)
     whole = sampling_probs(logits, batch, DEFAULT_KERNELS)
     monkeypatch.setattr(spec_verify, "PROBS_CHUNK_ELEMS", 3 * vocab)  # 3 rows a chunk
-    chunked = spec_verify.probs_in_chunks(logits, batch, expanded, generated, None, DEFAULT_KERNELS)
+    chunked = spec_verify.probs_in_chunks(logits, expanded, generated, None, DEFAULT_KERNELS)
     assert chunked.shape == whole.shape and chunked.dtype == torch.float32
     torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-6)
     assert (chunked[:k1].sum(-1) == 1).all() and (chunked[:k1] > 0).sum(-1).eq(1).all()  # greedy
