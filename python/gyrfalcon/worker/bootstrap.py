@@ -59,5 +59,5 @@ def build_worker(
     pages = num_kv_pages(args, cfg, kv_dtype, worker.device, tp_size, draft, step_peak)
     context = max_model_len(args, cfg, pages)
     worker.init_kv_cache(pages, context)
-    worker.warm_up(context)
-    return worker, context
+    worker.warm_up(context)  # NOTE: may shrink the cache, and the context with it
+    return worker, worker.max_model_len

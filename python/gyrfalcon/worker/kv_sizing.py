@@ -59,6 +59,38 @@ def kv_budget_bytes(args: ServerArgs, device: torch.device, step_peak: int = 0) 
     return min(parse_size(args.max_cpu_kv_memory), int(available_cpu_memory() * args.mem_fraction))
 
 
+def kv_page_bytes(
+    args: ServerArgs,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    tp_size: int,
+    draft: ModelConfig | None = None,
+) -> int:
+    """Bytes of one KV page on one rank of a TP group of tp_size: the target's layers,
+    and the drafter's (`draft`), whose own page comes with every target page."""
+    per_page = 0
+    for c in (cfg,) if draft is None else (cfg, draft):
+        _, kv_heads = local_heads(c.num_heads, c.num_kv_heads, tp_size)
+        per_page += KVCache.bytes_per_page(
+            c.num_layers, args.page_size, kv_heads, c.head_dim, dtype
+        )
+    return per_page
+
+
+def pages_for_shortfall(pages: int, short: int, per_page: int) -> int:
+    """The page count that frees at least `short` bytes from a KV cache of `pages` pages
+    of `per_page` bytes each. Raises where fewer than 2 pages (the dummy page and one)
+    would be left."""
+    assert short > 0 and per_page > 0, (short, per_page)
+    left = pages - -(-short // per_page)
+    if left < 2:
+        raise RuntimeError(
+            f"the largest step leaves no room for a KV cache: {short / (1 << 30):.2f} GiB short "
+            f"with {pages} pages; lower --max-num-batched-tokens or --max-num-seqs"
+        )
+    return left
+
+
 def num_kv_pages(
     args: ServerArgs,
     cfg: ModelConfig,
@@ -74,12 +106,7 @@ def num_kv_pages(
     activation bytes, kept free (`kv_budget`)."""
     if args.num_kv_pages is not None:
         return args.num_kv_pages
-    per_page = 0
-    for c in (cfg,) if draft is None else (cfg, draft):
-        _, kv_heads = local_heads(c.num_heads, c.num_kv_heads, tp_size)
-        per_page += KVCache.bytes_per_page(
-            c.num_layers, args.page_size, kv_heads, c.head_dim, dtype
-        )
+    per_page = kv_page_bytes(args, cfg, dtype, tp_size, draft)
     pages = kv_budget_bytes(args, device, step_peak) // per_page
     if pages < 2:
         raise RuntimeError(

@@ -7,10 +7,18 @@ gathers the tokens of every DP group (dp x --max-num-batched-tokens of them), an
 EAGLE3 every row of a VERIFY step scores k + 1 tokens over the whole vocabulary. So
 before sizing, every rank runs the worst-case steps (`warmup.profile_batches`, through
 the same path as the scheduler's) eagerly on a KV cache of two pages, and the memory
-they allocate at peak stays free beside the KV cache (`kv_sizing.kv_budget`). The
-warm-up runs them once more beside the real KV cache and graphs (`run_profile_steps`):
-a server whose largest step does not fit fails at start-up with a clear message, not
-at its first burst of requests.
+they reserve at peak (torch's reserved memory: the blocks the caching allocator took
+from the device, fragmentation included) stays free beside the KV cache
+(`kv_sizing.kv_budget`), with SLACK_BYTES for the graphs to come.
+
+The graphs and NCCL take memory only once they are captured, beside the sized cache,
+and how much depends on the model, the ranks and the capture sizes. So after the capture
+and the warm-up the worker measures again (`memory_shortfall`): where less than the
+peak (and FIT_MARGIN_BYTES) is free, it shrinks the KV cache by the shortfall and
+captures again (`StepWorker.fit_kv_cache`). Last, the warm-up runs the steps once more
+beside the real KV cache and graphs (`check_largest_step_fits`): a server whose largest
+step does not fit fails at start-up with a clear message, not at its first burst of
+requests.
 
 On the CPU nothing is measured (torch keeps no peak there and KV sizing has its own
 cap); the steps themselves run on any device, which is how the CPU tests cover them.
@@ -18,11 +26,13 @@ cap); the steps themselves run on any device, which is how the CPU tests cover t
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import TYPE_CHECKING
 
 import torch
 
+from gyrfalcon.worker.kv_sizing import kv_page_bytes, max_model_len, pages_for_shortfall
 from gyrfalcon.worker.warmup import profile_batches
 
 if TYPE_CHECKING:
@@ -31,6 +41,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PROFILE_PAGES = 2  # the dummy page and one more: the profile's rows use the dummy page only
+FIT_MARGIN_BYTES = 256 << 20  # free beyond the measured peak once graphs are captured
 
 
 def run_profile_steps(worker: StepWorker, context_len: int) -> None:
@@ -51,8 +62,9 @@ def run_profile_steps(worker: StepWorker, context_len: int) -> None:
 
 
 def step_peak_bytes(worker: StepWorker, context_len: int) -> int:
-    """Bytes the largest steps allocate at peak on `worker`'s CUDA device, beyond what is
-    resident (weights); 0 on other devices, where the steps run unmeasured. Call before
+    """Bytes the largest steps take from `worker`'s CUDA device at peak (torch's reserved
+    memory), beyond what is resident (weights); 0 on other devices, where the steps run
+    unmeasured. Call before
     `init_kv_cache`: it allocates a KV cache of PROFILE_PAGES pages (the drafter's too),
     runs the steps eagerly (no graphs yet) and frees the cache again."""
     dev = worker.device
@@ -66,14 +78,17 @@ def step_peak_bytes(worker: StepWorker, context_len: int) -> int:
     base = 0
     if cuda:
         torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
-        base = torch.cuda.memory_allocated(dev)
+        base = torch.cuda.memory_reserved(dev)
     try:
         run_profile_steps(worker, context_len)
         if not cuda:
             return 0
         torch.cuda.synchronize(dev)
-        return torch.cuda.max_memory_allocated(dev) - base
+        # NOTE: reserved, not allocated: the blocks a step's pattern of frees leaves
+        # unusable for its larger allocations are device memory it needs all the same
+        return torch.cuda.max_memory_reserved(dev) - base
     finally:
         ex.kv_cache = None
         if drafter is not None:
@@ -81,6 +96,57 @@ def step_peak_bytes(worker: StepWorker, context_len: int) -> int:
         worker.max_model_len = 0
         if cuda:
             torch.cuda.empty_cache()
+
+
+def memory_shortfall(worker: StepWorker) -> int:
+    """Bytes by which the device memory free now (beside the KV cache, the graphs and
+    whatever else is resident) falls short of the largest step's measured peak and
+    FIT_MARGIN_BYTES; 0 where it does not, or where nothing was measured."""
+    if not worker.step_peak:
+        return 0
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(worker.device)
+    return max(0, worker.step_peak + FIT_MARGIN_BYTES - free)
+
+
+def agreed_shortfall(worker: StepWorker) -> int:
+    """The largest `memory_shortfall` of the ranks `worker` shares collectives with (its
+    MoE group: the TP group, or every rank under DP attention with experts split over
+    the DP groups), so that they all capture again or none does."""
+    short = memory_shortfall(worker)
+    group, _ = worker.executor.ctx.parallel.moe_group
+    if group.tp_size == 1:
+        return short
+    mine = torch.tensor([short], dtype=torch.int64, device=worker.device)
+    return int(group.all_gather(mine).max())
+
+
+def fit_kv_cache(worker: StepWorker, short: int | None = None) -> None:
+    """Where the graphs and the warm-up left less free than the largest step needs on
+    any rank (`agreed_shortfall`, or `short` bytes as given), shrink the KV cache by
+    the shortfall and capture its graphs again, once: the graphs take about the same
+    again, so the shortfall comes out of the cache. Nothing may be in flight."""
+    short = agreed_shortfall(worker) if short is None else short
+    if not short:
+        return
+    ex, drafter, args = worker.executor, worker.drafter, worker.args
+    assert ex.kv_cache is not None, "fit an allocated KV cache"
+    draft = drafter.cfg.layer if drafter is not None else None
+    per_page = kv_page_bytes(
+        args, worker.cfg, args.kv_dtype(ex.dtype), ex.ctx.parallel.tp_size, draft
+    )
+    old = ex.kv_cache.num_pages
+    pages = pages_for_shortfall(old, short, per_page)
+    logger.info(
+        "KV cache %d -> %d pages: the graphs left %.2f GiB less free than the largest "
+        "step needs", old, pages, short / (1 << 30),
+    )  # fmt: skip
+    context = min(worker.max_model_len, max_model_len(args, worker.cfg, pages))
+    worker.release_kv_cache()
+    gc.collect()  # NOTE: graphs and caches go with their last reference
+    if worker.device.type == "cuda":
+        torch.cuda.empty_cache()
+    worker.init_kv_cache(pages, context)
 
 
 def check_largest_step_fits(worker: StepWorker, context_len: int) -> None:
@@ -92,15 +158,14 @@ def check_largest_step_fits(worker: StepWorker, context_len: int) -> None:
     args = worker.args
     what = f"the largest step ({args.max_num_batched_tokens} tokens, {args.max_num_seqs} rows)"
     fix = "lower --mem-fraction, --kv-cache-memory or --num-kv-pages, or --max-num-batched-tokens"
-    if worker.step_peak:
-        torch.cuda.empty_cache()
-        free, _ = torch.cuda.mem_get_info(worker.device)
-        if free < worker.step_peak:
-            gib = 1 << 30
-            raise RuntimeError(
-                f"{what} needs {worker.step_peak / gib:.2f} GiB; {free / gib:.2f} GiB are "
-                f"free beside the KV cache and graphs: {fix}"
-            )
+    short = memory_shortfall(worker)
+    if short:
+        gib = 1 << 30
+        need = worker.step_peak + FIT_MARGIN_BYTES
+        raise RuntimeError(
+            f"{what} needs {need / gib:.2f} GiB; {(need - short) / gib:.2f} GiB are "
+            f"free beside the KV cache and graphs: {fix}"
+        )
     try:
         run_profile_steps(worker, context_len)
     except torch.OutOfMemoryError as e:

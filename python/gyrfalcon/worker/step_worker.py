@@ -53,7 +53,7 @@ from gyrfalcon.worker.drafter import Drafter, DraftRound
 from gyrfalcon.worker.executor import ModelExecutor
 from gyrfalcon.worker.grammar_state import WorkerGrammars, warm_up_masks
 from gyrfalcon.worker.logprobs import HostCopy, SampleOutput, prompt_logprob_rows
-from gyrfalcon.worker.memory_profile import check_largest_step_fits
+from gyrfalcon.worker.memory_profile import check_largest_step_fits, fit_kv_cache
 from gyrfalcon.worker.pending_step import PendingStep
 from gyrfalcon.worker.request_table import MIN_SLOTS, RequestTable, WorkerRequest
 from gyrfalcon.worker.sampler import (
@@ -146,15 +146,26 @@ class StepWorker:
             self.drafter.init_kv_cache(num_pages, self.args.kv_dtype(self.executor.dtype))
             # NOTE: DP ranks that agree on graphs replay it at the plan's size (`_fuses`)
             if self.floats_rows and self.args.graph_mode() is not None:
-                self.requests.reserve(
-                    max(MIN_SLOTS, RESERVED_SLOTS_PER_SEQ * self.args.max_num_seqs)
-                )
+                if self.requests.scratch is None:  # NOTE: kept when the cache is resized
+                    self.requests.reserve(
+                        max(MIN_SLOTS, RESERVED_SLOTS_PER_SEQ * self.args.max_num_seqs)
+                    )
                 max_bs = self.executor.graph_max_bs
                 self.fused = FusedSpecStep(self.executor, self.drafter, self.requests, max_bs)
                 extra.append(self.fused.spec())
         self.executor.init_kv_cache(num_pages, max_model_len, verify, extra)
         if self.drafter is not None:
             self.drafter.setup_graphs(max_model_len)
+
+    def release_kv_cache(self) -> None:
+        """Drop the KV caches and every graph over them (before `init_kv_cache` with
+        another page count; nothing may be in flight and no request held)."""
+        assert not self.pending and not len(self.requests), "release with requests held"
+        ex = self.executor
+        ex.graphs = ex.piecewise = ex.kv_cache = None
+        if self.drafter is not None:
+            self.drafter.graphs = self.drafter.static = self.drafter.kv_cache = None
+        self.fused = None
 
     # ------------------------------------------------------------ execution
 
@@ -229,7 +240,8 @@ class StepWorker:
         if self.device.type == "cuda":
             self.executor.warm_up_kernels(self.args.max_num_seqs)
             warm_up_masks(self.cfg.vocab_size, self.device)
-            check_largest_step_fits(self, context_len)
+            fit_kv_cache(self)
+            check_largest_step_fits(self, self.max_model_len)
             self.compiles.install()
 
     def _run_dummy_row(self) -> None:

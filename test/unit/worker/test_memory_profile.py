@@ -7,9 +7,12 @@ import torch
 
 from gyrfalcon.ipc.contract import DUMMY_PAGE
 from gyrfalcon.ipc.messages import ForwardMode, SamplingParams
-from gyrfalcon.worker.kv_sizing import SLACK_BYTES, kv_budget
+from gyrfalcon.worker.kv_sizing import SLACK_BYTES, kv_budget, kv_page_bytes, pages_for_shortfall
 from gyrfalcon.worker.memory_profile import (
+    FIT_MARGIN_BYTES,
+    agreed_shortfall,
     check_largest_step_fits,
+    fit_kv_cache,
     run_profile_steps,
     step_peak_bytes,
 )
@@ -115,8 +118,9 @@ def test_a_largest_step_that_does_not_fit_fails_with_what_to_change(tiny_model_d
     ):
         check_largest_step_fits(worker, context)
     # where the measured peak is known and more than is free, it says so before running
-    worker.step_peak = 3 * GIB
+    worker.step_peak = 3 * GIB - FIT_MARGIN_BYTES
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda _: (GIB, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     with pytest.raises(RuntimeError, match=r"needs 3.00 GiB; 1.00 GiB are free .* lower --mem"):
         check_largest_step_fits(worker, context)
 
@@ -157,4 +161,94 @@ def test_the_measuring_run_goes_before_the_kv_cache_and_leaves_nothing(tmp_path)
             w.submit_batch(i, rb)
             got.append([r.token_ids for r in w.take().rows])
         outputs.append(got)
+    assert outputs[0] == outputs[1]
+
+
+def test_a_shortfall_comes_out_of_the_kv_cache_in_whole_pages():
+    assert pages_for_shortfall(100, 250, 100) == 97  # 2.5 pages short: 3 pages go
+    assert pages_for_shortfall(100, 300, 100) == 97
+    assert pages_for_shortfall(3, 1, 100) == 2  # the dummy page and one
+    with pytest.raises(RuntimeError, match="no room for a KV cache.*--max-num-batched-tokens"):
+        pages_for_shortfall(3, 101, 100)
+
+
+def test_ranks_that_share_collectives_agree_on_the_largest_shortfall(monkeypatch):
+    """Every rank of the MoE group captures again or none does: a rank that captured
+    alone would wait in its graphs' collectives for ranks that never come."""
+    from types import SimpleNamespace
+
+    from parallel_util import ThreadGroup, ThreadGroupMember, run_ranks
+
+    from gyrfalcon.forward.parallel import ParallelContext
+    from gyrfalcon.worker import memory_profile
+
+    monkeypatch.setattr(memory_profile, "memory_shortfall", lambda w: w.step_peak)
+    group = ThreadGroup(2)
+    mine = [0, 5 * GIB]  # rank 1 is short, rank 0 is not
+
+    def rank(r: int) -> int:
+        ctx = SimpleNamespace(parallel=ParallelContext(r, 2, ThreadGroupMember(group, r)))
+        worker = SimpleNamespace(
+            step_peak=mine[r], device=torch.device("cpu"), executor=SimpleNamespace(ctx=ctx)
+        )
+        return agreed_shortfall(worker)
+
+    assert run_ranks(rank, 2) == [5 * GIB, 5 * GIB]
+
+
+def test_a_shortfall_shrinks_the_cache_and_captures_again(tmp_path):
+    """Where the graphs leave less free than the largest step needs, the cache gives up
+    the shortfall in whole pages (the drafter's with the target's), the old caches and
+    graphs are gone, new ones are captured over the smaller cache, and the worker answers
+    like one sized that small from the start."""
+    import gc
+    import weakref
+
+    from spec_util import make_pair
+
+    from gyrfalcon.config.model_config import ModelConfig
+    from gyrfalcon.config.server_args import ServerArgs
+    from gyrfalcon.worker.step_worker import StepWorker
+
+    target, draft = make_pair(tmp_path)
+    args = ServerArgs(
+        model=target, device="cpu", dtype="float32", page_size=4, num_kv_pages=64,
+        speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
+        speculative_num_steps=3, max_num_batched_tokens=40, max_num_seqs=5,
+        chunked_prefill_size=16, static_graph_replay=True,
+    ).resolved()  # fmt: skip
+    cfg = ModelConfig.from_dir(target)
+    batches = profile_batches(4, 40, 5, 16, 200, 3)
+
+    def answers(w: StepWorker) -> list:
+        for kv in (w.executor.kv_cache, w.drafter.kv_cache):  # NOTE: the rows' only page
+            dummy = slice(DUMMY_PAGE * kv.page_size, (DUMMY_PAGE + 1) * kv.page_size)
+            kv.k[:, dummy] = 0
+            kv.v[:, dummy] = 0
+        torch.manual_seed(0)  # NOTE: the profile's rows sample unseeded
+        got = []
+        for i, rb in enumerate(batches):
+            w.submit_batch(i, rb)
+            got.append([r.token_ids for r in w.take().rows])
+        return got
+
+    outputs = []
+    for pages in (64, 53):
+        w = StepWorker(args, cfg, target)
+        w.init_kv_cache(pages, 200)
+        w.warm_up(200)
+        if pages == 64:
+            ex, drafter = w.executor, w.drafter
+            old = [weakref.ref(x) for x in (ex.kv_cache, drafter.kv_cache, ex.graphs, w.fused)]
+            per_page = kv_page_bytes(args, cfg, ex.dtype, 1, drafter.cfg.layer)
+            fit_kv_cache(w, short=10 * per_page + 1)  # 10 pages and a byte: 11 pages go
+            gc.collect()
+            assert all(r() is None for r in old), "an old cache or graph is still referenced"
+            assert ex.kv_cache.num_pages == drafter.kv_cache.num_pages == 53
+            assert ex.graphs.kv_cache is ex.kv_cache and drafter.graphs.kv_cache is drafter.kv_cache
+            assert w.fused is not None
+            assert w.max_model_len == 200  # 52 usable pages of 4 still hold the context
+            fit_kv_cache(w, short=0)  # nothing short: nothing changes
+            assert ex.kv_cache.num_pages == 53
+        outputs.append(answers(w))
     assert outputs[0] == outputs[1]
