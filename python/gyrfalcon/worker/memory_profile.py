@@ -121,32 +121,39 @@ def agreed_shortfall(worker: StepWorker) -> int:
     return int(group.all_gather(mine).max())
 
 
+FIT_ROUNDS = 3  # captures after the first at most: each measures what is short anew
+
+
 def fit_kv_cache(worker: StepWorker, short: int | None = None) -> None:
     """Where the graphs and the warm-up left less free than the largest step needs on
-    any rank (`agreed_shortfall`, or `short` bytes as given), shrink the KV cache by
-    the shortfall and capture its graphs again, once: the graphs take about the same
-    again, so the shortfall comes out of the cache. Nothing may be in flight."""
-    short = agreed_shortfall(worker) if short is None else short
-    if not short:
-        return
+    any rank (`agreed_shortfall`, or `short` bytes as given for the first round),
+    shrink the KV cache by the shortfall and capture its graphs again; measure again,
+    up to FIT_ROUNDS times (a new capture takes about what the old one gave back, a
+    little more where NCCL or cuBLAS keep what the first took). Nothing may be in
+    flight; `check_largest_step_fits` judges what is left."""
     ex, drafter, args = worker.executor, worker.drafter, worker.args
-    assert ex.kv_cache is not None, "fit an allocated KV cache"
     draft = drafter.cfg.layer if drafter is not None else None
     per_page = kv_page_bytes(
         args, worker.cfg, args.kv_dtype(ex.dtype), ex.ctx.parallel.tp_size, draft
     )
-    old = ex.kv_cache.num_pages
-    pages = pages_for_shortfall(old, short, per_page)
-    logger.info(
-        "KV cache %d -> %d pages: the graphs left %.2f GiB less free than the largest "
-        "step needs", old, pages, short / (1 << 30),
-    )  # fmt: skip
-    context = min(worker.max_model_len, max_model_len(args, worker.cfg, pages))
-    worker.release_kv_cache()
-    gc.collect()  # NOTE: graphs and caches go with their last reference
-    if worker.device.type == "cuda":
-        torch.cuda.empty_cache()
-    worker.init_kv_cache(pages, context)
+    for _ in range(FIT_ROUNDS):
+        short = agreed_shortfall(worker) if short is None else short
+        if not short:
+            return
+        assert ex.kv_cache is not None, "fit an allocated KV cache"
+        old = ex.kv_cache.num_pages
+        pages = pages_for_shortfall(old, short, per_page)
+        logger.info(
+            "KV cache %d -> %d pages: the graphs left %.2f GiB less free than the largest "
+            "step needs", old, pages, short / (1 << 30),
+        )  # fmt: skip
+        context = min(worker.max_model_len, max_model_len(args, worker.cfg, pages))
+        worker.release_kv_cache()
+        gc.collect()  # NOTE: graphs and caches go with their last reference
+        if worker.device.type == "cuda":
+            torch.cuda.empty_cache()
+        worker.init_kv_cache(pages, context)
+        short = None
 
 
 def check_largest_step_fits(worker: StepWorker, context_len: int) -> None:
