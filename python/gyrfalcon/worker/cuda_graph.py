@@ -26,6 +26,7 @@ padding and index paths without a GPU.
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import time
@@ -76,6 +77,14 @@ class GraphSpec:
     @property
     def name(self) -> tuple[ForwardMode, str]:
         return self.mode, self.variant
+
+
+@functools.cache
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one side stream every capture on `device` runs on. NOTE: torch keeps a cuBLAS
+    workspace for every stream that ran a matmul, for good; a new stream per capture
+    would leave one more behind each time the graphs are captured again."""
+    return torch.cuda.Stream(device)
 
 
 def capture_batch_sizes(max_bs: int, explicit: list[int] | None = None) -> list[int]:
@@ -321,7 +330,7 @@ class GraphRunner:
     def _capture_all(self) -> None:
         t0 = time.perf_counter()
         pool = None
-        stream = torch.cuda.Stream(self.device)
+        stream = capture_stream(self.device)
         for key in tqdm(self.keys, desc="Capturing CUDA graphs", unit="graph"):
             forward = self.specs[key.mode, key.variant].forward
             batch = self._prepare(key, self.buf.fill(None, key))

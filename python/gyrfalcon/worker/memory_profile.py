@@ -14,8 +14,8 @@ from the device, fragmentation included) stays free beside the KV cache
 The graphs and NCCL take memory only once they are captured, beside the sized cache,
 and how much depends on the model, the ranks and the capture sizes. So after the capture
 and the warm-up the worker measures again (`memory_shortfall`): where less than the
-peak (and FIT_MARGIN_BYTES) is free, it shrinks the KV cache by the shortfall and
-captures again (`StepWorker.fit_kv_cache`). Last, the warm-up runs the steps once more
+peak and twice FIT_MARGIN_BYTES is free, it shrinks the KV cache by the shortfall and
+captures again (`fit_kv_cache`). Last, the warm-up runs the steps once more
 beside the real KV cache and graphs (`check_largest_step_fits`): a server whose largest
 step does not fit fails at start-up with a clear message, not at its first burst of
 requests.
@@ -98,22 +98,22 @@ def step_peak_bytes(worker: StepWorker, context_len: int) -> int:
             torch.cuda.empty_cache()
 
 
-def memory_shortfall(worker: StepWorker) -> int:
+def memory_shortfall(worker: StepWorker, margin: int = FIT_MARGIN_BYTES) -> int:
     """Bytes by which the device memory free now (beside the KV cache, the graphs and
     whatever else is resident) falls short of the largest step's measured peak and
-    FIT_MARGIN_BYTES; 0 where it does not, or where nothing was measured."""
+    `margin`; 0 where it does not, or where nothing was measured."""
     if not worker.step_peak:
         return 0
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(worker.device)
-    return max(0, worker.step_peak + FIT_MARGIN_BYTES - free)
+    return max(0, worker.step_peak + margin - free)
 
 
 def agreed_shortfall(worker: StepWorker) -> int:
     """The largest `memory_shortfall` of the ranks `worker` shares collectives with (its
     MoE group: the TP group, or every rank under DP attention with experts split over
     the DP groups), so that they all capture again or none does."""
-    short = memory_shortfall(worker)
+    short = memory_shortfall(worker, 2 * FIT_MARGIN_BYTES)  # NOTE: the check asks for 1
     group, _ = worker.executor.ctx.parallel.moe_group
     if group.tp_size == 1:
         return short

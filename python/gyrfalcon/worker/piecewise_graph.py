@@ -45,7 +45,7 @@ from gyrfalcon.forward.metadata import BatchTensors
 from gyrfalcon.ipc.contract import DUMMY_PAGE
 from gyrfalcon.ipc.messages import ForwardMode
 from gyrfalcon.layers.attention.base import AttentionBackend
-from gyrfalcon.worker.cuda_graph import padded_batch_size
+from gyrfalcon.worker.cuda_graph import capture_stream, padded_batch_size
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ class PiecewiseGraphs:
         )  # fmt: skip
 
     def _capture_all(self) -> None:
-        stream = torch.cuda.Stream(self.device)
+        stream = capture_stream(self.device)
         self._pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
             self._fill(None, size)

@@ -182,7 +182,7 @@ def test_ranks_that_share_collectives_agree_on_the_largest_shortfall(monkeypatch
     from gyrfalcon.forward.parallel import ParallelContext
     from gyrfalcon.worker import memory_profile
 
-    monkeypatch.setattr(memory_profile, "memory_shortfall", lambda w: w.step_peak)
+    monkeypatch.setattr(memory_profile, "memory_shortfall", lambda w, margin=0: w.step_peak)
     group = ThreadGroup(2)
     mine = [0, 5 * GIB]  # rank 1 is short, rank 0 is not
 
