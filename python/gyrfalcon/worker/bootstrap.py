@@ -52,11 +52,18 @@ def build_worker(
     tp_size = executor.ctx.parallel.tp_size
     draft = worker.drafter.cfg.layer if worker.drafter else None
     kv_dtype = args.kv_dtype(executor.dtype)
-    step_peak = 0
+    step_peak, resident = 0, None
     if worker.device.type == "cuda" and args.num_kv_pages is None and args.kv_cache_memory is None:
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(worker.device)
+        resident = total - free  # NOTE: before the measuring run: --mem-fraction's share
         step_peak = worker.step_peak = step_peak_bytes(worker, profile_context(args, cfg))
-        logger.info("rank %d: the largest step takes %.2f GiB", rank, step_peak / (1 << 30))
-    pages = num_kv_pages(args, cfg, kv_dtype, worker.device, tp_size, draft, step_peak)
+        left = total - torch.cuda.mem_get_info(worker.device)[0] - resident
+        logger.info(
+            "rank %d: the largest step takes %.2f GiB; %.2f GiB stayed resident after it",
+            rank, step_peak / (1 << 30), left / (1 << 30),
+        )  # fmt: skip
+    pages = num_kv_pages(args, cfg, kv_dtype, worker.device, tp_size, draft, step_peak, resident)
     context = max_model_len(args, cfg, pages)
     worker.init_kv_cache(pages, context)
     worker.warm_up(context)  # NOTE: may shrink the cache, and the context with it

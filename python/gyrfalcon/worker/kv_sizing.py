@@ -29,12 +29,18 @@ def available_cpu_memory() -> int:
 SLACK_BYTES = 1 << 30  # kept free beyond a measured step peak: graph pools, fragmentation
 
 
-def kv_budget(total: int, free: int, fraction: float, step_peak: int = 0) -> tuple[int, bool]:
+def kv_budget(
+    total: int, free: int, fraction: float, step_peak: int = 0, resident: int | None = None
+) -> tuple[int, bool]:
     """(bytes for the KV cache on a device of `total` bytes with `free` free now, whether
     the largest step capped them): weights and KV together get `fraction` of the device,
     and where the largest step's activations were measured (`step_peak` > 0:
-    memory_profile.py) they and SLACK_BYTES stay free beside the KV cache."""
-    used = total - free  # weights and everything else already resident
+    memory_profile.py) they and SLACK_BYTES stay free beside the KV cache. `resident`:
+    the bytes in use before that measurement (weights, the CUDA context); what the
+    measuring run left resident (kernels, workspaces, buffers grown to the largest step)
+    comes out of the rest of the device, as it would at the first large step, not out
+    of the fraction; default: all in use now."""
+    used = total - free if resident is None else resident
     by_fraction = int(total * fraction) - used
     if step_peak <= 0:
         return max(0, by_fraction), False
@@ -42,13 +48,15 @@ def kv_budget(total: int, free: int, fraction: float, step_peak: int = 0) -> tup
     return max(0, min(by_fraction, beside_step)), beside_step < by_fraction
 
 
-def kv_budget_bytes(args: ServerArgs, device: torch.device, step_peak: int = 0) -> int:
+def kv_budget_bytes(
+    args: ServerArgs, device: torch.device, step_peak: int = 0, resident: int | None = None
+) -> int:
     if args.kv_cache_memory is not None:
         return parse_size(args.kv_cache_memory)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # NOTE: blocks torch holds but no tensor uses count as free
         free, total = torch.cuda.mem_get_info(device)
-        budget, capped = kv_budget(total, free, args.mem_fraction, step_peak)
+        budget, capped = kv_budget(total, free, args.mem_fraction, step_peak, resident)
         gib = 1 << 30
         if capped:
             logger.info(
@@ -99,15 +107,17 @@ def num_kv_pages(
     tp_size: int,
     draft: ModelConfig | None = None,
     step_peak: int = 0,
+    resident: int | None = None,
 ) -> int:
     """Pages including the reserved dummy page, for one rank of a TP group of tp_size
     (a page holds that rank's KV heads only). draft: the drafter's layers, whose own
     pages come with every target page (drafter.py). step_peak: the largest step's
-    activation bytes, kept free (`kv_budget`)."""
+    activation bytes, kept free, and resident: the bytes in use before they were
+    measured (`kv_budget`)."""
     if args.num_kv_pages is not None:
         return args.num_kv_pages
     per_page = kv_page_bytes(args, cfg, dtype, tp_size, draft)
-    pages = kv_budget_bytes(args, device, step_peak) // per_page
+    pages = kv_budget_bytes(args, device, step_peak, resident) // per_page
     if pages < 2:
         raise RuntimeError(
             f"KV cache budget too small: one page needs {per_page} bytes; "

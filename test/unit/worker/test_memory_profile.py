@@ -70,6 +70,11 @@ def test_kv_budget_keeps_the_largest_step_free():
     budget, capped = kv_budget(total, free, 0.85, 16 * GIB)
     assert capped and budget == free - 16 * GIB - SLACK_BYTES
     assert kv_budget(total, free, 0.85, 70 * GIB) == (0, True)
+    # 2 GiB more came to stay in the measuring run (20 GiB resident before it): the
+    # fraction still counts from the 20, while the step's room counts from what is free
+    assert kv_budget(total, free - 2 * GIB, 0.85, 2 * GIB, 20 * GIB) == (48 * GIB, False)
+    budget, capped = kv_budget(total, free - 2 * GIB, 0.85, 12 * GIB, 20 * GIB)
+    assert capped and budget == free - 2 * GIB - 12 * GIB - SLACK_BYTES
 
 
 @pytest.mark.parametrize("with_drafter", [False, True])
