@@ -110,10 +110,15 @@ def memory_shortfall(worker: StepWorker, margin: int = FIT_MARGIN_BYTES) -> int:
 
 
 def agreed_shortfall(worker: StepWorker) -> int:
-    """The largest `memory_shortfall` of the ranks `worker` shares collectives with (its
-    MoE group: the TP group, or every rank under DP attention with experts split over
-    the DP groups), so that they all capture again or none does."""
-    short = memory_shortfall(worker, 2 * FIT_MARGIN_BYTES)  # NOTE: the check asks for 1
+    """What to give up, agreed by the ranks `worker` shares collectives with (its MoE
+    group: the TP group, or every rank under DP attention with experts split over the
+    DP groups), so that they all capture again or none does: the largest of their
+    shortfalls against twice FIT_MARGIN_BYTES, counting only ranks short of the check's
+    one margin (a capture again may keep a little more than the last gave back: the
+    second margin absorbs it, rather than another round)."""
+    short = 0
+    if memory_shortfall(worker):
+        short = memory_shortfall(worker, 2 * FIT_MARGIN_BYTES)
     group, _ = worker.executor.ctx.parallel.moe_group
     if group.tp_size == 1:
         return short

@@ -257,3 +257,27 @@ def test_a_shortfall_shrinks_the_cache_and_captures_again(tmp_path):
             assert ex.kv_cache.num_pages == 53
         outputs.append(answers(w))
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize(
+    "free_beyond_peak, want",
+    [
+        (3 * FIT_MARGIN_BYTES, 0),  # room for the check and more: nothing to give up
+        (FIT_MARGIN_BYTES + 1, 0),  # the check passes: no capture again for a few MiB
+        (FIT_MARGIN_BYTES - 1, FIT_MARGIN_BYTES + 1),  # short: give up up to twice the margin
+        (-GIB, GIB + 2 * FIT_MARGIN_BYTES),
+    ],
+)
+def test_a_rank_captures_again_only_where_the_check_would_fail(monkeypatch, free_beyond_peak, want):
+    from types import SimpleNamespace
+
+    from gyrfalcon.forward.parallel import SINGLE_RANK
+
+    peak = 4 * GIB
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda _: (peak + free_beyond_peak, 80 * GIB))
+    ctx = SimpleNamespace(parallel=SINGLE_RANK)
+    worker = SimpleNamespace(
+        step_peak=peak, device=torch.device("cpu"), executor=SimpleNamespace(ctx=ctx)
+    )
+    assert agreed_shortfall(worker) == want
