@@ -30,6 +30,11 @@
 #           weights) with host profiles of the first batch size. BENCH_SPEC=0 / STEP=0 skip
 #           either half (STEP_8B=0: the SmolLM2 shape only); SPEC_FLAGS go to both servers;
 #           their logs come back in spec_logs/. The profiles hold the kernels of 20 steps too.
+#   ab-decode: decode tokens/s of this tree against older ones, in turns on one machine
+#           (host-bound steps vary ~10% run to run, so one run of each says little): the
+#           trees `git archive` put in .ab/<commit>/ (carry .ab; `benchmarks/ab_trees.sh
+#           COMMIT...` makes them), AB_ROUNDS (5) turns of bench_decode.py at AB_BS (1) on
+#           AB_MODEL (the SmolLM2 shape, dummy), then each tree's median; JSONs in $OUT/ab/.
 #   multiturn: the multi-turn chat benchmark with and without prefix caching (8B shape);
 #   structured: structured output's decode cost (SmolLM2 staged, batch 64) and its GPU tests;
 #   PYTEST_K selects tests (pytest -k), e.g. "not flashinfer_matches_torch_ref" skips the
@@ -197,6 +202,31 @@ case "${1:-tests}" in
       --device-kind "$KIND" --output-json "$OUT/structured_llama8b_dummy_bs${SO_BS:-64}.json" ${SO_FLAGS:-} 2>&1 | tail -8
     [ "${SO_TESTS:-1}" = 1 ] && python3 -m pytest -m gpu test/gpu/test_structured_gpu.py -q -p no:cacheprovider -rA \
       > "$OUT/gpu_tests_structured.log" 2>&1; echo "pytest exit $?"; tail -8 "$OUT/gpu_tests_structured.log" ;;
+  ab-decode)
+    AB=$OUT/ab; mkdir -p "$AB"
+    MODEL_DIR=${AB_MODEL:-benchmarks/models/smollm2-135m}
+    for r in $(seq 1 "${AB_ROUNDS:-5}"); do
+      for tree in . .ab/*; do
+        name=$([ "$tree" = . ] && echo "$GYRFALCON_COMMIT" || basename "$tree")
+        # NOTE: the models come from this tree, the code from `tree`
+        GYRFALCON_COMMIT=$name PYTHONPATH=$tree/python:/tmp/site python3 "$tree/benchmarks/bench_decode.py" \
+          --device-kind "$KIND" --model "$MODEL_DIR" --load-format dummy \
+          --batch-sizes "${AB_BS:-1}" --steps 256 --output-json "$AB/${name}_r$r.json" 2>&1 \
+          | tail -1 | sed "s/^/$name round $r: /"
+      done
+    done
+    python3 - "$AB" <<'PY'
+import glob, json, statistics, sys
+runs = {}
+for f in sorted(glob.glob(f"{sys.argv[1]}/*_r*.json")):
+    name = f.rsplit("/", 1)[1].rsplit("_r", 1)[0]
+    for row in json.load(open(f))["rows"]:
+        runs.setdefault((name, row["batch_size"]), []).append(row["tok_s"])
+for (name, bs), tok in sorted(runs.items()):
+    print(f"{name} batch {bs}: median {statistics.median(tok):.1f} tok/s over {len(tok)} runs "
+          f"(min {min(tok):.1f}, max {max(tok):.1f})")
+PY
+    ;;
   multiturn)  # prefix caching: benchmarks/bench_multiturn.py (shared 1024-token system
     # prompt, 4 turns, 64 conversations at once) on the 8B shape, with the cache and without
     # NOTE: MT_RUNS=cache: runs the cached server alone
