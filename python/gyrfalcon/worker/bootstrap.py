@@ -15,7 +15,7 @@ from gyrfalcon.forward.distributed import init_tensor_parallel
 from gyrfalcon.forward.parallel import SINGLE_RANK
 from gyrfalcon.ipc.contract import RankLayout
 from gyrfalcon.worker.kv_sizing import max_model_len, num_kv_pages, profile_context
-from gyrfalcon.worker.memory_profile import step_peak_bytes
+from gyrfalcon.worker.memory_profile import measure_largest_step
 from gyrfalcon.worker.step_worker import StepWorker, rank_device
 
 logger = logging.getLogger(__name__)
@@ -54,15 +54,8 @@ def build_worker(
     kv_dtype = args.kv_dtype(executor.dtype)
     step_peak, resident = 0, None
     if worker.device.type == "cuda" and args.num_kv_pages is None and args.kv_cache_memory is None:
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(worker.device)
-        resident = total - free  # NOTE: before the measuring run: --mem-fraction's share
-        step_peak = worker.step_peak = step_peak_bytes(worker, profile_context(args, cfg))
-        left = total - torch.cuda.mem_get_info(worker.device)[0] - resident
-        logger.info(
-            "rank %d: the largest step takes %.2f GiB; %.2f GiB stayed resident after it",
-            rank, step_peak / (1 << 30), left / (1 << 30),
-        )  # fmt: skip
+        step_peak, resident = measure_largest_step(worker, profile_context(args, cfg))
+        logger.info("rank %d: the largest step takes %.2f GiB", rank, step_peak / (1 << 30))
     pages = num_kv_pages(args, cfg, kv_dtype, worker.device, tp_size, draft, step_peak, resident)
     context = max_model_len(args, cfg, pages)
     worker.init_kv_cache(pages, context)

@@ -98,6 +98,28 @@ def step_peak_bytes(worker: StepWorker, context_len: int) -> int:
             torch.cuda.empty_cache()
 
 
+def measure_largest_step(worker: StepWorker, context_len: int) -> tuple[int, int]:
+    """(`step_peak_bytes` on CUDA, kept as `worker.step_peak`; the device bytes in use
+    before it ran: what `--mem-fraction` counts from). Logs what the run left in use
+    after it, by where it lies: tensors still referenced, blocks torch could not give
+    back (a segment stays while any tensor in it lives), memory outside torch (kernels
+    loaded, library workspaces)."""
+    dev = worker.device
+    torch.cuda.empty_cache()
+    free0, total = torch.cuda.mem_get_info(dev)
+    alloc0, res0 = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev)
+    worker.step_peak = step_peak_bytes(worker, context_len)
+    free1, _ = torch.cuda.mem_get_info(dev)  # NOTE: after the run's own empty_cache
+    alloc1, res1 = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev)
+    gib = 1 << 30
+    logger.info(
+        "the measuring run left %.2f GiB in use: %.2f GiB of tensors, %.2f GiB cached "
+        "beside them, %.2f GiB outside torch", (free0 - free1) / gib, (alloc1 - alloc0) / gib,
+        (res1 - alloc1 - res0 + alloc0) / gib, (free0 - free1 - res1 + res0) / gib,
+    )  # fmt: skip
+    return worker.step_peak, total - free0
+
+
 def memory_shortfall(worker: StepWorker, margin: int = FIT_MARGIN_BYTES) -> int:
     """Bytes by which the device memory free now (beside the KV cache, the graphs and
     whatever else is resident) falls short of the largest step's measured peak and

@@ -281,3 +281,31 @@ def test_a_rank_captures_again_only_where_the_check_would_fail(monkeypatch, free
         step_peak=peak, device=torch.device("cpu"), executor=SimpleNamespace(ctx=ctx)
     )
     assert agreed_shortfall(worker) == want
+
+
+def test_the_measuring_run_reports_what_it_left_in_use(monkeypatch, caplog):
+    """What `--mem-fraction` counts from is what was in use before the run; what the run
+    left behind is logged by where it lies (tensors, torch's cache, outside torch)."""
+    from types import SimpleNamespace
+
+    from gyrfalcon.worker import memory_profile
+
+    state = {"free": 60 * GIB, "alloc": 16 * GIB, "res": 16 * GIB}
+
+    def run(worker, context_len):  # leaves 1 GiB of tensors, 0.5 cached, 0.25 elsewhere
+        state.update(free=state["free"] - int(1.75 * GIB), alloc=17 * GIB, res=int(17.5 * GIB))
+        return 5 * GIB
+
+    monkeypatch.setattr(memory_profile, "step_peak_bytes", run)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda _: (state["free"], 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda _: state["alloc"])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda _: state["res"])
+    worker = SimpleNamespace(device=torch.device("cpu"), step_peak=0)
+    with caplog.at_level("INFO", logger="gyrfalcon.worker.memory_profile"):
+        assert memory_profile.measure_largest_step(worker, 100) == (5 * GIB, 20 * GIB)
+    assert worker.step_peak == 5 * GIB
+    assert (
+        "left 1.75 GiB in use: 1.00 GiB of tensors, 0.50 GiB cached beside them, "
+        "0.25 GiB outside torch" in caplog.text
+    )
