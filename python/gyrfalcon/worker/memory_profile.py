@@ -64,9 +64,9 @@ def run_profile_steps(worker: StepWorker, context_len: int) -> None:
 def step_peak_bytes(worker: StepWorker, context_len: int) -> int:
     """Bytes the largest steps take from `worker`'s CUDA device at peak (torch's reserved
     memory), beyond what is resident (weights); 0 on other devices, where the steps run
-    unmeasured. Call before
-    `init_kv_cache`: it allocates a KV cache of PROFILE_PAGES pages (the drafter's too),
-    runs the steps eagerly (no graphs yet) and frees the cache again."""
+    unmeasured. Call before `init_kv_cache`: it allocates a KV cache of PROFILE_PAGES
+    pages (the drafter's too), runs the steps eagerly (no graphs yet) and frees the
+    cache again."""
     dev = worker.device
     cuda = dev.type == "cuda"
     ex, drafter = worker.executor, worker.drafter
