@@ -130,16 +130,13 @@ def test_a_largest_step_that_does_not_fit_fails_with_what_to_change(tiny_model_d
         check_largest_step_fits(worker, context)
 
 
-def test_the_measuring_run_goes_before_the_kv_cache_and_leaves_nothing(tmp_path):
-    """What KV sizing runs first (CUDA measures it; here it runs unmeasured): the
-    profile's steps, drafter included, eagerly on a cache of two pages, before any graph
-    or fused step exists; then the cache is gone and the worker sizes and starts as
-    usual, answering like a worker that never measured."""
+def eagle3_pair(tmp_path):
+    """(target dir, resolved args, target config) of a tiny EAGLE3 pair (k = 3) on the
+    CPU under static graph replay, with profile budgets of 40 tokens over 5 rows."""
     from spec_util import make_pair
 
     from gyrfalcon.config.model_config import ModelConfig
     from gyrfalcon.config.server_args import ServerArgs
-    from gyrfalcon.worker.step_worker import StepWorker
 
     target, draft = make_pair(tmp_path)
     args = ServerArgs(
@@ -148,7 +145,17 @@ def test_the_measuring_run_goes_before_the_kv_cache_and_leaves_nothing(tmp_path)
         speculative_num_steps=3, max_num_batched_tokens=40, max_num_seqs=5,
         chunked_prefill_size=16, static_graph_replay=True,
     ).resolved()  # fmt: skip
-    cfg = ModelConfig.from_dir(target)
+    return target, args, ModelConfig.from_dir(target)
+
+
+def test_the_measuring_run_goes_before_the_kv_cache_and_leaves_nothing(tmp_path):
+    """What KV sizing runs first (CUDA measures it; here it runs unmeasured): the
+    profile's steps, drafter included, eagerly on a cache of two pages, before any graph
+    or fused step exists; then the cache is gone and the worker sizes and starts as
+    usual, answering like a worker that never measured."""
+    from gyrfalcon.worker.step_worker import StepWorker
+
+    target, args, cfg = eagle3_pair(tmp_path)
     outputs = []
     for measure in (True, False):
         w = StepWorker(args, cfg, target)
@@ -209,20 +216,9 @@ def test_a_shortfall_shrinks_the_cache_and_captures_again(tmp_path):
     import gc
     import weakref
 
-    from spec_util import make_pair
-
-    from gyrfalcon.config.model_config import ModelConfig
-    from gyrfalcon.config.server_args import ServerArgs
     from gyrfalcon.worker.step_worker import StepWorker
 
-    target, draft = make_pair(tmp_path)
-    args = ServerArgs(
-        model=target, device="cpu", dtype="float32", page_size=4, num_kv_pages=64,
-        speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
-        speculative_num_steps=3, max_num_batched_tokens=40, max_num_seqs=5,
-        chunked_prefill_size=16, static_graph_replay=True,
-    ).resolved()  # fmt: skip
-    cfg = ModelConfig.from_dir(target)
+    target, args, cfg = eagle3_pair(tmp_path)
     batches = profile_batches(4, 40, 5, 16, 200, 3)
 
     def answers(w: StepWorker) -> list:
