@@ -132,12 +132,15 @@ case "${1:-tests}" in
     done
     kill -TERM $SERVER; wait $SERVER; echo "server exit $?" ;;
   ranks)  # several GPUs: the 8B shape on triton (no flashinfer build per rank) at tp 1 and
-    # 2, batch-1 decode (1024 in / 256 out, concurrency 1); then dp 2 against one GPU on the
-    # random 1024 / 512 set at concurrency 256 (NUM_DP prompts, default 512); RANKS_TP=0 or
-    # RANKS_DP=0 skips either part
+    # 2 (one-shot all-reduce, then NCCL only), batch-1 decode (1024 in / 256 out,
+    # concurrency 1); then dp 2 against one GPU on the random 1024 / 512 set at
+    # concurrency 256 (NUM_DP prompts, default 512); RANKS_TP=0 or RANKS_DP=0 skips either
+    # part
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     TP_RUNS=() DP_RUNS=()  # NOTE: arrays: each "name:flags" is one word
-    [ "${RANKS_TP:-1}" = 1 ] && TP_RUNS=("tp1:--tp-size 1" "tp2:--tp-size 2")
+    # NOTE: tp2nccl: every all-reduce through NCCL (--disable-custom-all-reduce)
+    [ "${RANKS_TP:-1}" = 1 ] && TP_RUNS=("tp1:--tp-size 1" "tp2:--tp-size 2"
+      "tp2nccl:--tp-size 2 --disable-custom-all-reduce")
     [ "${RANKS_DP:-1}" = 1 ] && DP_RUNS=("dp1:--dp-size 1" "dp2:--dp-size 2")
     for R in "${TP_RUNS[@]}"; do
       SERVER_FLAGS="--attention-backend triton ${R#*:}" start_server "${R%%:*}"

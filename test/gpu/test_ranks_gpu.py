@@ -78,7 +78,11 @@ def one_gpu(tiny, tmp_path_factory):
     return serve_batch(tiny, tmp_path_factory.mktemp("one"), "one", "--attention-backend", "triton")
 
 
-@pytest.mark.parametrize("flags", [["--tp-size", N], ["--dp-size", N]], ids=[f"tp{N}", f"dp{N}"])
+@pytest.mark.parametrize(
+    "flags",
+    [["--tp-size", N], ["--tp-size", N, "--disable-custom-all-reduce"], ["--dp-size", N]],
+    ids=[f"tp{N}", f"tp{N}-nccl", f"dp{N}"],
+)
 def test_gpu_ranks_answer_like_one(tiny, one_gpu, tmp_path, flags):
     got, info = serve_batch(tiny, tmp_path, "ranks", "--attention-backend", "triton", *flags)
     want, _ = one_gpu
@@ -86,6 +90,9 @@ def test_gpu_ranks_answer_like_one(tiny, one_gpu, tmp_path, flags):
         assert tokens == want_tokens
         assert lps == pytest.approx(want_lps, abs=1e-3)
     assert info["integrity_ok"] and info["num_free_pages"] == info["num_total_pages"], info
+    # the TP group's small sums went through the one-shot kernel unless turned off
+    one_shot = "one-shot all-reduce" in (tmp_path / "ranks.log").read_text()
+    assert one_shot == (flags == ["--tp-size", N])
 
 
 def test_bf16_tp_on_the_default_backends_serves_and_leaks_nothing(tiny, tmp_path):

@@ -276,6 +276,13 @@ class ServerArgs:
         default=20.0,
         metadata={"help": "seconds a rank waits in a collective before it fails"},
     )
+    disable_custom_all_reduce: bool = field(
+        default=False,
+        metadata={
+            "help": "TP all-reduces all through NCCL (default on CUDA: small ones in one "
+            "Triton launch over symmetric memory)"
+        },
+    )
     # speculative decoding (SGLang's flag names)
     speculative_algorithm: str | None = field(
         default=None,

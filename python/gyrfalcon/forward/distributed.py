@@ -16,6 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from gyrfalcon.forward.one_shot import OneShotAllReduce, one_shot_for
 from gyrfalcon.forward.parallel import ParallelContext
 
 # NOTE: torch 2.13 deprecates all_gather_into_tensor for all_gather_single (the same
@@ -25,15 +26,21 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 class GroupCommunicator:
     """The collectives of one TP group (`forward/parallel.Communicator`) over a
-    torch.distributed process group of `size` ranks."""
+    torch.distributed process group of `size` ranks; small all-reduces through
+    `one_shot` when given (`forward/one_shot.py`), the rest through the group."""
 
-    def __init__(self, group: dist.ProcessGroup, size: int):
-        self.group, self.size = group, size
+    def __init__(
+        self, group: dist.ProcessGroup, size: int, one_shot: OneShotAllReduce | None = None
+    ):
+        self.group, self.size, self.one_shot = group, size, one_shot
         # every rank brings the same number of rows (`ParallelContext.rows_agreed`)
         self.equal_rows = False
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the group, in x's storage (x must be contiguous)."""
+        # NOTE: every rank decides alike: the same shapes and dtype on every rank
+        if self.one_shot is not None and self.one_shot.fits(x):
+            return self.one_shot(x)
         dist.all_reduce(x, group=self.group)
         return x
 
@@ -83,6 +90,8 @@ def init_tensor_parallel(
     device: torch.device,
     timeout: timedelta,
     ep_size: int = 1,
+    custom_all_reduce: bool = False,
+    pdl: bool = True,
 ) -> ParallelContext:
     """Join the default process group as `rank` of `world_size` through `init_addr`
     ("tcp://host:port", rank 0's store), build every TP group of `tp_size`
@@ -91,7 +100,10 @@ def init_tensor_parallel(
     or over every rank of the world when `ep_size` is world_size and the world holds
     several DP groups (DP attention: `ParallelContext.expert`, the world group).
     Every rank calls it with the same arguments but its rank; `timeout` bounds the
-    rendezvous and every collective. `destroy_distributed` undoes it."""
+    rendezvous and every collective. `custom_all_reduce`: the TP group's small
+    all-reduces go through one Triton launch over symmetric memory on CUDA
+    (`forward/one_shot.py`; `pdl`: it may launch with programmatic dependent launch).
+    `destroy_distributed` undoes it."""
     if not init_addr.startswith("tcp://"):
         raise ValueError(f"init address {init_addr!r} is not tcp://host:port")
     if tp_size < 1 or world_size % tp_size:
@@ -134,7 +146,8 @@ def init_tensor_parallel(
         if rank in ranks:
             mine = group
     assert mine is not None
-    comm = GroupCommunicator(mine, tp_size)
+    one_shot = one_shot_for(mine, device, pdl) if custom_all_reduce else None
+    comm = GroupCommunicator(mine, tp_size, one_shot)
     return ParallelContext(rank % tp_size, tp_size, comm, 1 if dp_attention else ep_size, expert)
 
 

@@ -41,7 +41,7 @@ def build_worker(
         timeout = timedelta(seconds=args.dist_timeout)
         parallel = init_tensor_parallel(
             rank, layout.world_size, layout.tp_size, args.dist_init_addr, device, timeout,
-            args.ep_size,
+            args.ep_size, not args.disable_custom_all_reduce, not args.disable_pdl,
         )  # fmt: skip
         if cfg.num_experts:
             how = "expert parallel" if args.ep_size > 1 else "MoE-TP"

@@ -1,0 +1,116 @@
+"""What one TP all-reduce costs inside a CUDA graph: NCCL against the one-shot Triton
+kernel over symmetric memory (`forward/one_shot.py`), on every GPU of this machine.
+
+Each graph holds CALLS repetitions of a PDL-launched RMSNorm over [rows, hidden] bf16
+followed by the all-reduce of its output, as a TP decode step interleaves its kernels
+and sums; a graph of the norms alone is the baseline subtracted. Rank 0 prints a table
+and writes JSON:
+
+    python benchmarks/bench_all_reduce.py --device-kind nvidia-h100-x2 --output-json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+try:
+    import gyrfalcon  # noqa: F401
+except ImportError:  # running from a checkout without an installed package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+
+CALLS = 64
+
+
+def time_graph(step, device, replays: int) -> float:
+    """Mean microseconds of one replay of a graph of `step`."""
+    for _ in range(2):
+        step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(10):
+        graph.replay()
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) * 1000 / replays
+
+
+def rank_main(rank: int, world: int, port: int, ns: argparse.Namespace) -> None:
+    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    from gyrfalcon.forward.distributed import GroupCommunicator, init_tensor_parallel
+    from gyrfalcon.kernels.norm import rmsnorm
+
+    device = torch.device("cuda", rank)
+    parallel = init_tensor_parallel(
+        rank, world, world, f"tcp://127.0.0.1:{port}", device, timedelta(seconds=60),
+        custom_all_reduce=True,
+    )  # fmt: skip
+    one_shot = parallel.comm
+    nccl = GroupCommunicator(one_shot.group, world)  # the same group, NCCL only
+    rows_out = []
+    for rows in ns.rows:
+        x = torch.randn(rows, ns.hidden, dtype=torch.bfloat16, device=device)
+        w = torch.ones(ns.hidden, dtype=torch.bfloat16, device=device)
+
+        def step(comm=None, x=x, w=w):
+            for _ in range(CALLS):
+                h = rmsnorm(x, w, 1e-6)
+                if comm is not None:
+                    comm.all_reduce(h)
+
+        norms = time_graph(step, device, ns.replays)
+        row = {"rows": rows, "bytes": rows * ns.hidden * 2, "norm_us": norms / CALLS}
+        for name, comm in (("nccl", nccl), ("one_shot", one_shot)):
+            if name == "one_shot" and not comm.one_shot.fits(x):
+                continue
+            total = time_graph(lambda c=comm: step(c), device, ns.replays)
+            row[f"{name}_us"] = (total - norms) / CALLS
+        rows_out.append(row)
+    if rank == 0:
+        print(f"{'rows':>5} {'KiB':>6} {'norm us':>8} {'NCCL us':>8} {'one-shot us':>12}")
+        for r in rows_out:
+            one = f"{r['one_shot_us']:12.2f}" if "one_shot_us" in r else f"{'-':>12}"
+            kib = r["bytes"] / 1024
+            print(f"{r['rows']:5d} {kib:6.0f} {r['norm_us']:8.2f} {r['nccl_us']:8.2f} {one}")
+        if ns.output_json:
+            from gyrfalcon.bench.provenance import git_commit
+
+            out = {
+                "bench": "all_reduce", "device_kind": ns.device_kind, "commit": git_commit(),
+                "world": world, "hidden": ns.hidden, "calls_per_graph": CALLS, "rows": rows_out,
+            }  # fmt: skip
+            with open(ns.output_json, "w") as f:
+                json.dump(out, f, indent=1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--device-kind", required=True)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32])
+    ap.add_argument("--replays", type=int, default=200)
+    ap.add_argument("--output-json", default=None)
+    ns = ap.parse_args()
+    from gyrfalcon.utils import free_port
+
+    world = torch.cuda.device_count()
+    mp.spawn(rank_main, args=(world, free_port(), ns), nprocs=world, join=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""The TP group's small all-reduces in one Triton launch over symmetric memory (CUDA).
+
+A TP decode step all-reduces two activations a layer of a few KiB each. NCCL spends
+~15 us on each, and its kernel ends the chain of programmatic dependent launches: the
+kernels on both sides of it start cold. `kernels/all_reduce.py` is a one-shot sum in
+one PDL launch; this module gives it what every rank must share: a data buffer and a
+flag area each rank's peers can address (torch's symmetric memory, NVLink P2P, no
+multicast), zeroed on every rank before first use.
+
+Larger tensors (prefill chunks, big batches) stay with NCCL: the one-shot reads every
+peer's whole tensor. `--disable-custom-all-reduce` turns it off; `available` says
+whether this machine's torch and GPUs support it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def available(device: torch.device) -> bool:
+    """Whether symmetric memory can be used on this device (CUDA, torch with symm_mem)."""
+    if device.type != "cuda":
+        return False
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class OneShotAllReduce:
+    """The one-shot sum over `group` of contiguous tensors of `DTYPES` up to `half_elems`
+    elements. Every rank of the group builds it at the same point (the rendezvous is
+    collective)."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, pdl: bool):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        # NOTE: triton imported here, not with this module: the CPU tests set the
+        # interpreter up before their first triton import
+        from gyrfalcon.kernels import all_reduce
+
+        self.kernel, self.pdl = all_reduce.one_shot_all_reduce, pdl
+        self.half_elems = all_reduce.MAX_PROGRAMS * all_reduce.CHUNK  # the largest it sums
+        largest = max(d.itemsize for d in DTYPES)
+        # two halves (consecutive calls alternate) of the largest dtype
+        self.data = symm_mem.empty(2 * self.half_elems * largest, dtype=torch.uint8, device=device)
+        flags = all_reduce.MAX_PROGRAMS * group.size()
+        self.flags = symm_mem.empty(flags, dtype=torch.int64, device=device)
+        self.flags.zero_()
+        self.uses = torch.zeros(all_reduce.MAX_PROGRAMS, dtype=torch.int64, device=device)
+        data = symm_mem.rendezvous(self.data, group.group_name)
+        flags = symm_mem.rendezvous(self.flags, group.group_name)
+        self.rank = data.rank
+        self.buf_ptrs = torch.tensor(data.buffer_ptrs, dtype=torch.int64, device=device)
+        self.flag_ptrs = torch.tensor(flags.buffer_ptrs, dtype=torch.int64, device=device)
+        torch.cuda.synchronize(device)
+        dist.barrier(group=group)  # NOTE: every rank's flags are zero before any call
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return x.dtype in DTYPES and 0 < x.numel() <= self.half_elems and x.is_contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the group, written into x (`fits`)."""
+        return self.kernel(
+            x, x, self.buf_ptrs, self.flag_ptrs, self.uses, self.rank, self.half_elems,
+            pdl=self.pdl,
+        )  # fmt: skip
+
+
+def one_shot_for(
+    group: dist.ProcessGroup, device: torch.device, pdl: bool
+) -> OneShotAllReduce | None:
+    """A `OneShotAllReduce` for the group where the device supports it, else None (the
+    caller stays with NCCL). Collective over the group: every rank calls it alike."""
+    if not available(device):
+        return None
+    one_shot = OneShotAllReduce(group, device, pdl)
+    logger.info("one-shot all-reduce (Triton, symmetric memory) for tensors up to %d elements",
+                one_shot.half_elems)  # fmt: skip
+    return one_shot
