@@ -1,0 +1,75 @@
+"""What each rank of test/gpu/test_all_reduce_gpu.py runs (spawned ranks import it by
+name, so it lives beside the other test helpers, not in the test module)."""
+
+import os
+from datetime import timedelta
+
+import torch
+
+
+def addend(rank: int, n: int, dtype: torch.dtype, seed: int, device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    return torch.randn(n, generator=g).to(dtype).to(device)
+
+
+def rank_order_sum(world: int, n: int, dtype: torch.dtype, seed: int, device) -> torch.Tensor:
+    acc = torch.zeros(n, dtype=torch.float32, device=device)
+    for r in range(world):
+        acc += addend(r, n, dtype, seed, device).float()
+    return acc.to(dtype)
+
+
+def rank_checks_one_shot(rank: int, world: int, init_addr: str, out_dir: str) -> None:
+    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    from gyrfalcon.forward.distributed import init_tensor_parallel
+    from gyrfalcon.kernels.norm import rmsnorm
+
+    device = torch.device("cuda", rank)
+    parallel = init_tensor_parallel(
+        rank, world, world, init_addr, device, timedelta(seconds=60), custom_all_reduce=True
+    )
+    comm = parallel.comm
+    assert comm.one_shot is not None, "symmetric memory is available on these GPUs"
+    largest = comm.one_shot.half_elems
+    seed = 0
+    for dtype in (torch.bfloat16, torch.float32):
+        for n in (1, 4095, 4096, 16 * 4096 + 3, largest, largest + 1):
+            seed += 1
+            x = addend(rank, n, dtype, seed, device)
+            assert comm.one_shot.fits(x) == (n <= largest)
+            got = parallel.all_reduce(x)
+            want = rank_order_sum(world, n, dtype, seed, device)
+            if n <= largest:
+                assert torch.equal(got, want), (dtype, n)
+            else:  # NOTE: NCCL's order of summation is its own
+                torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    # in a graph: 24 sums a replay, each between PDL-launched norms, as in a decode step
+    hidden, calls = 4096, 24
+    weight = torch.ones(hidden, dtype=torch.bfloat16, device=device)
+    static_in = torch.zeros(calls, 2, hidden, dtype=torch.bfloat16, device=device)
+    static_out = torch.zeros_like(static_in)
+
+    def step():
+        for i in range(calls):
+            h = rmsnorm(static_in[i], weight, 1e-6)
+            static_out[i] = parallel.all_reduce(h)
+
+    for _ in range(2):  # warm-up: Triton builds, eagerly
+        step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for replay in range(30):
+        seed += 1
+        static_in.copy_(
+            addend(rank, calls * 2 * hidden, torch.bfloat16, seed, device).view(static_in.shape)
+        )
+        graph.replay()
+        torch.cuda.synchronize(device)
+        # every rank's normed input, summed in rank order
+        acc = torch.zeros(calls, 2, hidden, dtype=torch.float32, device=device)
+        for r in range(world):
+            x_r = addend(r, calls * 2 * hidden, torch.bfloat16, seed, device).view(calls, 2, hidden)
+            acc += torch.stack([rmsnorm(x_r[i], weight, 1e-6) for i in range(calls)]).float()
+        assert torch.equal(static_out, acc.to(torch.bfloat16)), f"replay {replay}"
+    torch.save({"ok": True}, os.path.join(out_dir, f"rank{rank}.pt"))
