@@ -143,11 +143,14 @@ case "${1:-tests}" in
       "tp2nccl:--tp-size 2 --disable-custom-all-reduce")
     [ "${RANKS_DP:-1}" = 1 ] && DP_RUNS=("dp1:--dp-size 1" "dp2:--dp-size 2")
     for R in "${TP_RUNS[@]}"; do
+      # NOTE: KPROF=FIRST:COUNT: every rank's kernels over those plans (profiling.KernelWindow)
+      [ -n "${KPROF:-}" ] && export GYRFALCON_KERNEL_PROFILE="$OUT/kprof/${R%%:*}:$KPROF"
       SERVER_FLAGS="--attention-backend triton ${R#*:}" start_server "${R%%:*}"
       serve_bench "decode_${R%%:*}" --num-prompts 8 --random-input-len 1024 \
         --random-output-len 256 --random-range-ratio 1 --ignore-eos --max-concurrency 1 --seed 3
       kill -TERM $SERVER; wait $SERVER; echo "server exit $?"
     done
+    [ -d "$OUT/kprof" ] && tar czf "$OUT/kprof.tgz" -C "$OUT" kprof && rm -rf "$OUT/kprof"
     for R in "${DP_RUNS[@]}"; do
       SERVER_FLAGS="--attention-backend triton ${R#*:}" start_server "${R%%:*}"
       serve_bench "c256_${R%%:*}" --num-prompts ${NUM_DP:-512} --random-input-len 1024 \

@@ -55,3 +55,59 @@ def process_profile(name: str) -> contextlib.AbstractContextManager[None]:
     path = os.path.join(root, f"{name}.txt")
     logger.info("host profile of this process goes to %s at its end", path)
     return host_profile(path, f"host profile of {name} (pid {os.getpid()})")
+
+
+KERNEL_PROFILE_ENV = "GYRFALCON_KERNEL_PROFILE"  # DIR[:FIRST:COUNT] (plans, from 1)
+
+
+class KernelWindow:
+    """The device's kernels over a window of a served worker's plans (torch.profiler,
+    CUDA graph replays included), for `GYRFALCON_KERNEL_PROFILE=DIR[:FIRST:COUNT]`:
+    plans FIRST .. FIRST + COUNT - 1 (default 300 and 100) of process `name`, written
+    to `DIR/kernels_<name>.txt` by total device time once the window closes. What a
+    served step's device time goes to, on every rank (`bench_*.py --profile-dir` see
+    only the in-process engine's one rank). Does nothing when the variable is unset."""
+
+    def __init__(self, name: str, spec: str | None = None):
+        spec = os.environ.get(KERNEL_PROFILE_ENV) if spec is None else spec
+        self.name, self.plans, self.prof = name, 0, None
+        self.root = None
+        if not spec:
+            return
+        root, _, window = spec.partition(":")
+        first, _, count = window.partition(":")
+        self.root, self.first = root, int(first or 300)
+        self.last = self.first + int(count or 100) - 1
+
+    def plan(self, device) -> None:
+        """Before the next plan is submitted: opens or closes the window (after waiting
+        for `device`, a torch.device: the window holds whole steps)."""
+        if self.root is None:
+            return
+        import torch
+
+        def sync() -> None:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        self.plans += 1
+        if self.plans == self.first:
+            from torch.profiler import ProfilerActivity, profile
+
+            sync()
+            self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            self.prof.__enter__()
+        elif self.plans == self.last + 1 and self.prof is not None:
+            sync()
+            self.prof.__exit__(None, None, None)
+            table = self.prof.key_averages().table(
+                sort_by="cuda_time_total", row_limit=60, max_name_column_width=80
+            )
+            os.makedirs(self.root, exist_ok=True)
+            path = os.path.join(self.root, f"kernels_{self.name}.txt")
+            with open(path, "w") as f:
+                f.write(f"{self.name}: plans {self.first} .. {self.last}\n{table}\n")
+            logger.info(
+                "kernel profile of plans %d .. %d written to %s", self.first, self.last, path
+            )
+            self.prof = None

@@ -21,7 +21,7 @@ from gyrfalcon.forward.distributed import destroy_distributed
 from gyrfalcon.ipc.contract import RankLayout
 from gyrfalcon.ipc.messages import SchedulerToWorker, Shutdown, StepPlan, WorkerError, WorkerReady
 from gyrfalcon.ipc.sockets import Channel, WorkerEndpoints
-from gyrfalcon.profiling import process_profile
+from gyrfalcon.profiling import KernelWindow, process_profile
 from gyrfalcon.utils import ChildStop, set_torch_threads, setup_child
 from gyrfalcon.worker.bootstrap import build_worker
 
@@ -79,13 +79,18 @@ def _serve(
     )
     stop.serving()
     try:
-        _run_plans(runner, inbox, outbox, stop, reports)
+        _run_plans(runner, inbox, outbox, stop, reports, KernelWindow(f"worker{rank}"))
     finally:  # NOTE: however it stops (Shutdown, the stop flag, its parent gone)
         logger.info("rank %d: %s", rank, runner.summary())
 
 
 def _run_plans(
-    runner: StepWorker, inbox: Channel, outbox: Channel, stop: ChildStop, reports: bool
+    runner: StepWorker,
+    inbox: Channel,
+    outbox: Channel,
+    stop: ChildStop,
+    reports: bool,
+    kernels: KernelWindow,
 ) -> None:
     """Run plans as they come and send results as they are in, until stopped."""
     while not stop.requested:
@@ -111,4 +116,5 @@ def _run_plans(
             return
         assert isinstance(msg, StepPlan)
         runner.stats.idle(False)
+        kernels.plan(runner.device)
         runner.submit(msg)
