@@ -22,7 +22,7 @@ def rank_order_sum(world: int, n: int, dtype: torch.dtype, seed: int, device) ->
 def rank_checks_one_shot(rank: int, world: int, init_addr: str, out_dir: str) -> None:
     os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
     from gyrfalcon.forward.distributed import init_tensor_parallel
-    from gyrfalcon.kernels.norm import rmsnorm
+    from gyrfalcon.kernels.norm import fused_add_rmsnorm, rmsnorm
 
     device = torch.device("cuda", rank)
     parallel = init_tensor_parallel(
@@ -43,16 +43,40 @@ def rank_checks_one_shot(rank: int, world: int, init_addr: str, out_dir: str) ->
                 assert torch.equal(got, want), (dtype, n)
             else:  # NOTE: NCCL's order of summation is its own
                 torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
-    # in a graph: 24 sums a replay, each between PDL-launched norms, as in a decode step
-    hidden, calls = 4096, 24
-    weight = torch.ones(hidden, dtype=torch.bfloat16, device=device)
+    # the sum fused with the add + RMSNorm after it: what the sum, then the norm kernel give
+    hidden = 4096
+    g = torch.Generator().manual_seed(7)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=g)).to(torch.bfloat16).to(device)
+    for rows in (1, 5, 16):
+        seed += 1
+        x = addend(rank, rows * hidden, torch.bfloat16, seed, device).view(rows, hidden)
+        res = addend(world, rows * hidden, torch.bfloat16, seed, device).view(rows, hidden)
+        want = fused_add_rmsnorm(
+            rank_order_sum(world, rows * hidden, torch.bfloat16, seed, device).view(rows, hidden),
+            res.clone(), weight, 1e-6,
+        )  # fmt: skip
+        got = parallel.reduce_add_rmsnorm(x, res, weight, 1e-6)
+        assert got is not None and got[0] is x and got[1] is res, rows
+        assert torch.equal(res, want[1]) and torch.equal(x, want[0]), rows
+    big = torch.zeros(17, hidden, dtype=torch.bfloat16, device=device)
+    assert parallel.reduce_add_rmsnorm(big, big.clone(), weight, 1e-6) is None  # > MAX_ROWS
+    # in a graph: 24 sums a replay, each between PDL-launched norms, as in a decode step,
+    # and after each a fused sum + add + norm of another addend
+    calls = 24
     static_in = torch.zeros(calls, 2, hidden, dtype=torch.bfloat16, device=device)
     static_out = torch.zeros_like(static_in)
+    static_res = torch.zeros_like(static_in)  # each call's residual before it
+    res_out = torch.zeros_like(static_in)
+    norm_out = torch.zeros_like(static_in)
+    ones = torch.ones(hidden, dtype=torch.bfloat16, device=device)
 
     def step():
         for i in range(calls):
-            h = rmsnorm(static_in[i], weight, 1e-6)
+            h = rmsnorm(static_in[i], ones, 1e-6)
             static_out[i] = parallel.all_reduce(h)
+            res_out[i] = static_res[i]
+            normed, _ = parallel.reduce_add_rmsnorm(h * 0.5, res_out[i], weight, 1e-6)
+            norm_out[i] = normed
 
     for _ in range(2):  # warm-up: Triton builds, eagerly
         step()
@@ -61,15 +85,26 @@ def rank_checks_one_shot(rank: int, world: int, init_addr: str, out_dir: str) ->
         step()
     for replay in range(30):
         seed += 1
-        static_in.copy_(
-            addend(rank, calls * 2 * hidden, torch.bfloat16, seed, device).view(static_in.shape)
+        shape = static_in.shape
+        static_in.copy_(addend(rank, calls * 2 * hidden, torch.bfloat16, seed, device).view(shape))
+        static_res.copy_(
+            addend(world, calls * 2 * hidden, torch.bfloat16, seed, device).view(shape)
         )
         graph.replay()
         torch.cuda.synchronize(device)
         # every rank's normed input, summed in rank order
-        acc = torch.zeros(calls, 2, hidden, dtype=torch.float32, device=device)
+        acc = torch.zeros(shape, dtype=torch.float32, device=device)
+        half = torch.zeros(shape, dtype=torch.float32, device=device)
         for r in range(world):
-            x_r = addend(r, calls * 2 * hidden, torch.bfloat16, seed, device).view(calls, 2, hidden)
-            acc += torch.stack([rmsnorm(x_r[i], weight, 1e-6) for i in range(calls)]).float()
+            x_r = addend(r, calls * 2 * hidden, torch.bfloat16, seed, device).view(shape)
+            normed_r = torch.stack([rmsnorm(x_r[i], ones, 1e-6) for i in range(calls)])
+            acc += normed_r.float()
+            half += (normed_r * 0.5).float()
         assert torch.equal(static_out, acc.to(torch.bfloat16)), f"replay {replay}"
+        for i in range(calls):
+            want = fused_add_rmsnorm(
+                half[i].to(torch.bfloat16), static_res[i].clone(), weight, 1e-6, inplace=False
+            )
+            assert torch.equal(res_out[i], want[1]), (replay, i)
+            assert torch.equal(norm_out[i], want[0]), (replay, i)
     torch.save({"ok": True}, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -44,6 +44,15 @@ class GroupCommunicator:
         dist.all_reduce(x, group=self.group)
         return x
 
+    def all_reduce_add_rmsnorm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The sum over the group fused with the residual add and RMSNorm after it
+        (`ParallelContext.reduce_add_rmsnorm`), or None without a one-shot kernel for x."""
+        if self.one_shot is None:
+            return None
+        return self.one_shot.add_rmsnorm(x, residual, weight, eps)
+
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., n] of every rank concatenated in rank order: [..., size * n]."""
         assert x.dim() >= 1, "all_gather concatenates along the last dim"

@@ -35,32 +35,48 @@ def available(device: torch.device) -> bool:
     return True
 
 
-class OneShotAllReduce:
-    """The one-shot sum over `group` of contiguous tensors of `DTYPES` up to `half_elems`
-    elements. Every rank of the group builds it at the same point (the rendezvous is
-    collective)."""
+class _Exchange:
+    """One kernel's shared state over the group: a data buffer of two halves and a flag
+    area every rank can address, and this rank's counts of calls per program."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, pdl: bool):
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, half_elems: int):
         import torch.distributed._symmetric_memory as symm_mem
 
-        # NOTE: triton imported here, not with this module: the CPU tests set the
-        # interpreter up before their first triton import
-        from gyrfalcon.kernels import all_reduce
+        from gyrfalcon.kernels.all_reduce import MAX_PROGRAMS
 
-        self.kernel, self.pdl = all_reduce.one_shot_all_reduce, pdl
-        self.half_elems = all_reduce.MAX_PROGRAMS * all_reduce.CHUNK  # the largest it sums
         largest = max(d.itemsize for d in DTYPES)
         # two halves (consecutive calls alternate) of the largest dtype
-        self.data = symm_mem.empty(2 * self.half_elems * largest, dtype=torch.uint8, device=device)
-        flags = all_reduce.MAX_PROGRAMS * group.size()
-        self.flags = symm_mem.empty(flags, dtype=torch.int64, device=device)
+        self.data = symm_mem.empty(2 * half_elems * largest, dtype=torch.uint8, device=device)
+        self.flags = symm_mem.empty(MAX_PROGRAMS * group.size(), dtype=torch.int64, device=device)
         self.flags.zero_()
-        self.uses = torch.zeros(all_reduce.MAX_PROGRAMS, dtype=torch.int64, device=device)
+        self.uses = torch.zeros(MAX_PROGRAMS, dtype=torch.int64, device=device)
         data = symm_mem.rendezvous(self.data, group.group_name)
         flags = symm_mem.rendezvous(self.flags, group.group_name)
         self.rank = data.rank
         self.buf_ptrs = torch.tensor(data.buffer_ptrs, dtype=torch.int64, device=device)
         self.flag_ptrs = torch.tensor(flags.buffer_ptrs, dtype=torch.int64, device=device)
+
+    def args(self) -> tuple:
+        return self.buf_ptrs, self.flag_ptrs, self.uses, self.rank
+
+
+class OneShotAllReduce:
+    """The one-shot sum over `group` of contiguous tensors of `DTYPES` up to `half_elems`
+    elements, and the same sum fused with the residual add and RMSNorm after it for
+    decode-sized rows (`add_rmsnorm`). Every rank of the group builds it at the same
+    point (the rendezvous is collective)."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, pdl: bool):
+        # NOTE: triton imported here, not with this module: the CPU tests set the
+        # interpreter up before their first triton import
+        from gyrfalcon.kernels import all_reduce
+
+        self.kernels, self.pdl = all_reduce, pdl
+        self.half_elems = all_reduce.MAX_PROGRAMS * all_reduce.CHUNK  # the largest it sums
+        # NOTE: each kernel its own state: a program's part must sit at one place in
+        # every call that advances its count (kernels/all_reduce.py)
+        self.sum = _Exchange(group, device, self.half_elems)
+        self.norm = _Exchange(group, device, self.half_elems)
         torch.cuda.synchronize(device)
         dist.barrier(group=group)  # NOTE: every rank's flags are zero before any call
 
@@ -69,8 +85,20 @@ class OneShotAllReduce:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the group, written into x (`fits`)."""
-        return self.kernel(
-            x, x, self.buf_ptrs, self.flag_ptrs, self.uses, self.rank, self.half_elems,
+        return self.kernels.one_shot_all_reduce(
+            x, x, *self.sum.args(), self.half_elems, pdl=self.pdl
+        )
+
+    def add_rmsnorm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rmsnorm(s + residual), s + residual) in place (x, residual) where s is the
+        sum of x over the group, in one launch; None where the kernel does not take x
+        (the caller sums, then adds and norms). Every rank decides alike."""
+        if x.dtype not in DTYPES or not self.kernels.add_rmsnorm_fits(x, self.half_elems):
+            return None
+        return self.kernels.one_shot_add_rmsnorm(
+            x, residual, weight, eps, *self.norm.args(), self.half_elems,
             pdl=self.pdl,
         )  # fmt: skip
 

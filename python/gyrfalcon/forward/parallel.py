@@ -197,6 +197,18 @@ class ParallelContext:
             return x
         return self._comm("all-reduce").all_reduce(x)
 
+    def reduce_add_rmsnorm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rmsnorm(s + residual), s + residual), in place in (x, residual), where s is
+        the sum of x over the TP group, in one fused step where the communicator has one
+        for x (`all_reduce_add_rmsnorm`, an optional method); None otherwise (the caller
+        reduces, then adds and norms)."""
+        if self.tp_size == 1:
+            return None
+        fused = getattr(self._comm("all-reduce"), "all_reduce_add_rmsnorm", None)
+        return None if fused is None else fused(x, residual, weight, eps)
+
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., n] of every TP rank concatenated in rank order: [..., tp * n]; x itself
         at tp_size 1."""

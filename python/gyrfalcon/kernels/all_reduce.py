@@ -32,10 +32,59 @@ import triton
 import triton.language as tl
 
 from gyrfalcon.kernels.device import launch_pdl
+from gyrfalcon.kernels.norm import norm_launch_params
 from gyrfalcon.kernels.pdl import pdl_gate
 
 CHUNK = 2048  # elements per program
 MAX_PROGRAMS = 64  # programs of one call at most (every one resident: < the SM count)
+# the fused sum + add + RMSNorm: one program per row, row r's part at r * ROW_STRIDE
+MAX_ROWS = 16
+ROW_STRIDE = MAX_PROGRAMS * CHUNK // MAX_ROWS  # the widest row it takes
+
+
+@triton.jit
+def _exchange_sum(
+    x,  # [BLOCK] this program's part of this rank's addend
+    offs,  # [BLOCK] where it goes in a buffer half
+    mask,
+    buf_ptrs,
+    flag_ptrs,
+    use_ptr,
+    rank,
+    half_elems,
+    WORLD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Steps 1-4 of the module docstring for program `program_id(0)`: the float32 sum
+    over the ranks, in rank order, of what each rank's same program brought."""
+    pid = tl.program_id(0)
+    ety = x.dtype
+    use = tl.load(use_ptr + pid) + 1
+    half = (use % 2) * half_elems
+    mine = tl.load(buf_ptrs + rank).to(tl.pointer_type(ety))
+    tl.store(mine + half + offs, x, mask=mask)
+    tl.debug_barrier()  # NOTE: the whole part written before the flag goes out
+    slot = pid * WORLD
+    for p in tl.static_range(WORLD):
+        if p != rank:
+            peer_flags = tl.load(flag_ptrs + p).to(tl.pointer_type(tl.int64))
+            tl.atomic_xchg(peer_flags + slot + rank, use, sem="release", scope="sys")
+    my_flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int64))
+    for p in tl.static_range(WORLD):
+        if p != rank:
+            while tl.atomic_add(my_flags + slot + p, 0, sem="acquire", scope="sys") < use:
+                pass
+    tl.debug_barrier()  # NOTE: no thread reads a peer's part before its flag was seen
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for p in tl.static_range(WORLD):
+        if p == rank:
+            acc += x.to(tl.float32)
+        else:
+            src = tl.load(buf_ptrs + p).to(tl.pointer_type(ety))
+            # NOTE: volatile: the same addresses held another call's part two uses ago
+            acc += tl.load(src + half + offs, mask=mask, other=0.0, volatile=True).to(tl.float32)
+    tl.store(use_ptr + pid, use)
+    return acc
 
 
 @triton.jit
@@ -53,37 +102,51 @@ def _one_shot_all_reduce_kernel(
     PDL: tl.constexpr,
 ):
     pdl_gate(PDL)
-    pid = tl.program_id(0)
-    offs = pid * CHUNK + tl.arange(0, CHUNK)
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     mask = offs < n
-    ety = x_ptr.dtype.element_ty
-    use = tl.load(use_ptr + pid) + 1
-    half = (use % 2) * half_elems
     x = tl.load(x_ptr + offs, mask=mask)
-    mine = tl.load(buf_ptrs + rank).to(tl.pointer_type(ety))
-    tl.store(mine + half + offs, x, mask=mask)
-    tl.debug_barrier()  # NOTE: the whole chunk written before the flag goes out
-    slot = pid * WORLD
-    for p in tl.static_range(WORLD):
-        if p != rank:
-            peer_flags = tl.load(flag_ptrs + p).to(tl.pointer_type(tl.int64))
-            tl.atomic_xchg(peer_flags + slot + rank, use, sem="release", scope="sys")
-    my_flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int64))
-    for p in tl.static_range(WORLD):
-        if p != rank:
-            while tl.atomic_add(my_flags + slot + p, 0, sem="acquire", scope="sys") < use:
-                pass
-    tl.debug_barrier()  # NOTE: no thread reads a peer's chunk before its flag was seen
-    acc = tl.zeros([CHUNK], dtype=tl.float32)
-    for p in tl.static_range(WORLD):
-        if p == rank:
-            acc += x.to(tl.float32)
-        else:
-            src = tl.load(buf_ptrs + p).to(tl.pointer_type(ety))
-            # NOTE: volatile: the same addresses held another call's chunk two uses ago
-            acc += tl.load(src + half + offs, mask=mask, other=0.0, volatile=True).to(tl.float32)
-    tl.store(out_ptr + offs, acc.to(ety), mask=mask)
-    tl.store(use_ptr + pid, use)
+    acc = _exchange_sum(
+        x, offs, mask, buf_ptrs, flag_ptrs, use_ptr, rank, half_elems, WORLD, CHUNK
+    )  # fmt: skip
+    tl.store(out_ptr + offs, acc.to(x.dtype), mask=mask)
+
+
+@triton.jit
+def _one_shot_add_rmsnorm_kernel(
+    x_ptr,  # [M, H] this rank's addend; the normalized rows are written here
+    res_ptr,  # [M, H] the residual stream: read, then the new stream written
+    w_ptr,  # [H] the norm's weight
+    buf_ptrs,
+    flag_ptrs,
+    use_ptr,
+    H,
+    eps,
+    rank,
+    half_elems,
+    WORLD: tl.constexpr,
+    ROW_STRIDE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_gate(PDL)
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    dtype = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * H + cols, mask=mask, other=0.0)
+    acc = _exchange_sum(
+        x, row * ROW_STRIDE + cols, mask, buf_ptrs, flag_ptrs, use_ptr, rank, half_elems,
+        WORLD, BLOCK,
+    )  # fmt: skip
+    # NOTE: from here the numerics of kernels/norm.fused_add_rmsnorm on the rounded sum
+    r = tl.load(res_ptr + row * H + cols, mask=mask, other=0.0)
+    h = (acc.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)
+    tl.store(res_ptr + row * H + cols, h, mask=mask)
+    hf = h.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / H + eps)
+    normed = (hf * rstd).to(dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(x_ptr + row * H + cols, (w * normed).to(dtype), mask=mask)
 
 
 def programs_for(numel: int) -> int:
@@ -121,3 +184,52 @@ def one_shot_all_reduce(
         WORLD=world, CHUNK=CHUNK, PDL=launch, num_warps=4, launch_pdl=launch,
     )  # fmt: skip
     return out
+
+
+def add_rmsnorm_fits(x: torch.Tensor, half_elems: int) -> bool:
+    """Whether `one_shot_add_rmsnorm` takes x: [M, H] contiguous, M <= MAX_ROWS,
+    H <= ROW_STRIDE, within a buffer half."""
+    return (
+        x.dim() == 2
+        and 1 <= x.shape[0] <= MAX_ROWS
+        and x.shape[1] <= ROW_STRIDE
+        and MAX_ROWS * ROW_STRIDE <= half_elems
+        and x.is_contiguous()
+    )
+
+
+def one_shot_add_rmsnorm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    buf_ptrs: torch.Tensor,
+    flag_ptrs: torch.Tensor,
+    uses: torch.Tensor,
+    rank: int,
+    half_elems: int,
+    *,
+    pdl: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(s + residual), s + residual) where s is the sum over the ranks of x
+    [M, H] (`add_rmsnorm_fits`), rounded to x's dtype as `one_shot_all_reduce` gives
+    it: the numbers of that sum followed by `kernels/norm.fused_add_rmsnorm`, in one
+    launch. In place: the normalized rows go to x, the new residual stream to
+    residual; both are returned. The buffers, flags and counts are this kernel's own
+    (not `one_shot_all_reduce`'s: a program's part must sit at one place in every
+    call that shares its count), laid out as there."""
+    assert add_rmsnorm_fits(x, half_elems), (x.shape, half_elems)
+    assert residual.shape == x.shape and residual.dtype == x.dtype and residual.is_contiguous()
+    m, hidden = x.shape
+    assert weight.shape == (hidden,) and weight.is_contiguous()
+    world = buf_ptrs.numel()
+    assert flag_ptrs.numel() == world and 0 <= rank < world and uses.numel() >= m
+    block, chunks, warps = norm_launch_params(hidden, None)
+    assert chunks == 1, hidden
+    launch = launch_pdl(x, pdl)
+    _one_shot_add_rmsnorm_kernel[(m,)](
+        x, residual, weight, buf_ptrs, flag_ptrs, uses, hidden, eps, rank, half_elems,
+        WORLD=world, ROW_STRIDE=ROW_STRIDE, BLOCK=block, PDL=launch, num_warps=warps,
+        launch_pdl=launch,
+    )  # fmt: skip
+    return x, residual

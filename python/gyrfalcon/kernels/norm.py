@@ -94,7 +94,7 @@ def _rmsnorm_kernel(
             tl.store(o_row + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch_params(hidden: int, block_size: int | None) -> tuple[int, int, int]:
+def norm_launch_params(hidden: int, block_size: int | None) -> tuple[int, int, int]:
     """(BLOCK, NUM_CHUNKS, num_warps) for a row of `hidden` elements."""
     if block_size is None:
         p2 = triton.next_power_of_2(hidden)
@@ -136,7 +136,7 @@ def rmsnorm(
     if x.numel() == 0:
         return out
     x3, o3 = _as_3d(x), _as_3d(out)
-    block, chunks, warps = _launch_params(hidden, block_size)
+    block, chunks, warps = norm_launch_params(hidden, block_size)
     launch = launch_pdl(x, pdl)
     grid = (x3.shape[0], x3.shape[1])
     _rmsnorm_kernel[grid](
@@ -178,7 +178,7 @@ def fused_add_rmsnorm(
         out, res_out = torch.empty_like(x), torch.empty_like(residual)
     if x.numel() == 0:
         return out, res_out
-    block, chunks, warps = _launch_params(hidden, block_size)
+    block, chunks, warps = norm_launch_params(hidden, block_size)
     launch = launch_pdl(x, pdl)
     # NOTE: in place, each program reads its whole row (x and residual) before the
     # stores that overwrite it in the single-pass path; in the chunked path it only

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gyrfalcon.forward.parallel import ParallelContext
 from gyrfalcon.kernels.dispatch import KernelPolicy
 from gyrfalcon.layers.activation import silu_and_mul
 from gyrfalcon.layers.context import LayerContext
@@ -77,11 +78,18 @@ class ColumnParallelLinear(nn.Module):
         return linear(x, self.weight, self.bias, self.kernels)
 
     def forward_normed(
-        self, h: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm: RMSNorm,
+        partial_of: ParallelContext | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(forward(norm(h + residual)), h + residual); residual None means h alone is
         normalized and is the residual. One launch for a batch-1 decode row of a small
-        model on CUDA (`norm_skinny_linear`); the norm, then forward, otherwise."""
+        model on CUDA (`norm_skinny_linear`); the norm, then forward, otherwise.
+        partial_of: h is a partial sum over that TP group (`RMSNorm.add_and_norm`)."""
+        if partial_of is not None and (residual is None or self.kernels.use_norm_skinny_gemm(h)):
+            h, partial_of = partial_of.all_reduce(h), None
         if self.bias is None and self.kernels.use_norm_skinny_gemm(h):
             from gyrfalcon.kernels.gemv import norm_skinny_linear
 
@@ -90,7 +98,7 @@ class ColumnParallelLinear(nn.Module):
             )
         if residual is None:
             return self(norm(h)), h
-        x, residual = norm.add_and_norm(h, residual)
+        x, residual = norm.add_and_norm(h, residual, partial_of)
         return self(x), residual
 
 
@@ -136,12 +144,14 @@ class RowParallelLinear(nn.Module):
         assert name == "weight" and shard_id is None
         self.weight.data.copy_(loaded.narrow(1, self.in_start, self.local_in))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, local_in] -> [T, output_size], reduced over TP
-        return self.parallel.all_reduce(linear(x, self.weight, None, self.kernels))
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """x: [T, local_in] -> [T, output_size], reduced over TP; with reduce=False this
+        rank's partial product (the caller sums it: `RMSNorm.add_and_norm`'s partial_of)."""
+        partial = linear(x, self.weight, None, self.kernels)
+        return self.parallel.all_reduce(partial) if reduce else partial
 
-    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """forward(silu_and_mul(gate_up)); one kernel for a single row on CUDA."""
+    def forward_silu_mul(self, gate_up: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """forward(silu_and_mul(gate_up), reduce); one kernel for a single row on CUDA."""
         if self.kernels.use_skinny_gemm(gate_up):
             from gyrfalcon.kernels.gemv import FUSED_SILU_MUL_MAX_M, skinny_linear
 
@@ -149,5 +159,5 @@ class RowParallelLinear(nn.Module):
                 partial = skinny_linear(
                     gate_up, self.weight, act_silu_mul=True, pdl=self.kernels.pdl
                 )
-                return self.parallel.all_reduce(partial)
-        return self(silu_and_mul(gate_up, self.kernels))
+                return self.parallel.all_reduce(partial) if reduce else partial
+        return self(silu_and_mul(gate_up, self.kernels), reduce)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gyrfalcon.forward.parallel import ParallelContext
 from gyrfalcon.layers.context import LayerContext
 
 
@@ -27,9 +28,17 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
     def add_and_norm(
-        self, x: torch.Tensor, residual: torch.Tensor
+        self, x: torch.Tensor, residual: torch.Tensor, partial_of: ParallelContext | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual); fused and in place on CUDA."""
+        """(norm(x + residual), x + residual); fused and in place on CUDA. partial_of: x
+        is a partial sum over that TP group, summed here first, with the add and norm in
+        the same kernel where the group's communicator has one for x (like its
+        all-reduce, whatever the kernel policy: `ParallelContext.reduce_add_rmsnorm`)."""
+        if partial_of is not None:
+            fused = partial_of.reduce_add_rmsnorm(x, residual, self.weight, self.eps)
+            if fused is not None:
+                return fused
+            x = partial_of.all_reduce(x)
         if self.kernels.use_fused(x):
             from gyrfalcon.kernels.norm import fused_add_rmsnorm
 

@@ -17,6 +17,7 @@ from torch import nn
 from gyrfalcon.config.draft_config import default_aux_layers as eagle3_aux_layers
 from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.forward.batch import ForwardBatch
+from gyrfalcon.forward.parallel import ParallelContext
 from gyrfalcon.layers.context import LayerContext
 from gyrfalcon.layers.embedding import LMHead, VocabEmbedding
 from gyrfalcon.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -65,11 +66,11 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ctx) if cfg.qk_norm else None
 
     def forward(
-        self, positions: torch.Tensor, qkv: torch.Tensor, batch: ForwardBatch
+        self, positions: torch.Tensor, qkv: torch.Tensor, batch: ForwardBatch, reduce: bool = True
     ) -> torch.Tensor:
         """Attention from the qkv projection (the decoder layer runs qkv_proj, with the
         input norm folded in where it pays): [T, q + 2 kv] of this rank's heads ->
-        [T, hidden], reduced over TP by o_proj."""
+        [T, hidden], reduced over TP by o_proj (reduce=False: this rank's part)."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -86,7 +87,7 @@ class LlamaAttention(nn.Module):
             cache, loc = batch.kv_cache, batch.out_cache_loc
             self.rotary.forward_and_store(positions, q, k, v, cache.k[layer], cache.v[layer], loc)
             out = backend.attend(q, layer, batch)
-        return self.o_proj(out)
+        return self.o_proj(out, reduce)
 
 
 class LlamaMLP(nn.Module):
@@ -130,17 +131,43 @@ class LlamaDecoderLayer(nn.Module):
         output still matches HF exactly on CPU; on CUDA add+norm is one kernel, folded
         into the next projection for a batch-1 row of a small model (forward_normed).
         """
-        attn = self.self_attn
-        qkv, residual = attn.qkv_proj.forward_normed(h, residual, self.input_layernorm)
-        return self.mlp_out(attn(positions, qkv, batch), residual)
+        h, residual, _ = self.forward_deferred(positions, h, residual, batch, None, None)
+        return h, residual
 
-    def mlp_out(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The MLP's output delta and the residual stream, from the attention's x."""
+    def forward_deferred(
+        self,
+        positions: torch.Tensor,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        h_partial: ParallelContext | None,
+        defer: ParallelContext | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, ParallelContext | None]:
+        """`forward` with the TP sums moved into the add+norm after them, where one
+        kernel sums, adds and normalizes (`RMSNorm.add_and_norm`'s partial_of).
+        h_partial: h is a partial sum over that group. defer: the TP group whose sums
+        may be left to the next add+norm: the attention's output always (this layer's
+        post-attention norm sums it), the MLP's where it is dense. Returns (h,
+        residual, the group the returned h is a partial sum over, or None)."""
+        attn = self.self_attn
+        qkv, residual = attn.qkv_proj.forward_normed(h, residual, self.input_layernorm, h_partial)
+        x = attn(positions, qkv, batch, reduce=defer is None)
+        return self.mlp_out(x, residual, defer, defer)
+
+    def mlp_out(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        x_partial: ParallelContext | None,
+        defer: ParallelContext | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, ParallelContext | None]:
+        """(the MLP's output delta, the residual stream, the group that delta is a partial
+        sum over or None) from the attention's x (x_partial, defer: `forward_deferred`)."""
         mlp = self.mlp
         gate_up, residual = mlp.gate_up_proj.forward_normed(
-            x, residual, self.post_attention_layernorm
+            x, residual, self.post_attention_layernorm, x_partial
         )
-        return mlp.down_proj.forward_silu_mul(gate_up), residual
+        return mlp.down_proj.forward_silu_mul(gate_up, reduce=defer is None), residual, defer
 
 
 class LlamaForCausalLM(nn.Module):
@@ -163,6 +190,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx)
         tied = self.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, ctx, tied)
+        # NOTE: over TP, each sum of a layer's output moves into the add+norm after it
+        self.defer = ctx.parallel if ctx.parallel.tp_size > 1 else None
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states after the final norm: [T, hidden]."""
@@ -191,11 +220,16 @@ class LlamaForCausalLM(nn.Module):
         h = self.embed(batch.input_ids)
         residual: torch.Tensor | None = None
         captured: dict[int, torch.Tensor] = {}
+        partial: ParallelContext | None = None  # the TP group h is a partial sum over
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
+                if partial is not None:
+                    h, partial = partial.all_reduce(h), None
                 captured[i] = h.clone() if residual is None else h + residual
-            h, residual = layer(batch.positions, h, residual, batch)
-        hidden = self.norm.add_and_norm(h, residual)[0]
+            h, residual, partial = layer.forward_deferred(
+                batch.positions, h, residual, batch, partial, self.defer
+            )
+        hidden = self.norm.add_and_norm(h, residual, partial)[0]
         return hidden, [captured[i] for i in aux_layers]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

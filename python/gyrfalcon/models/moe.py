@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from gyrfalcon.config.model_config import ModelConfig
+from gyrfalcon.forward.parallel import ParallelContext
 from gyrfalcon.layers.context import LayerContext
 from gyrfalcon.layers.moe import MoeExperts, SparseMoeBlock
 from gyrfalcon.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
@@ -42,11 +43,17 @@ class MoeDecoderLayer(LlamaDecoderLayer):
             ctx,
         )
 
-    def mlp_out(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def mlp_out(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        x_partial: ParallelContext | None,
+        defer: ParallelContext | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, ParallelContext | None]:
         if isinstance(self.mlp, LlamaMLP):
-            return super().mlp_out(x, residual)
-        x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
-        return self.mlp(x), residual
+            return super().mlp_out(x, residual, x_partial, defer)
+        x, residual = self.post_attention_layernorm.add_and_norm(x, residual, x_partial)
+        return self.mlp(x), residual, None  # NOTE: the sparse block sums its own output
 
 
 class MoeForCausalLM(LlamaForCausalLM):

@@ -20,9 +20,14 @@ import torch  # noqa: E402
 from gyrfalcon.kernels.all_reduce import (  # noqa: E402
     CHUNK,
     MAX_PROGRAMS,
+    MAX_ROWS,
+    ROW_STRIDE,
+    add_rmsnorm_fits,
+    one_shot_add_rmsnorm,
     one_shot_all_reduce,
     programs_for,
 )
+from gyrfalcon.kernels.norm import fused_add_rmsnorm  # noqa: E402
 
 HALF = 4 * CHUNK  # the tests' largest tensor
 
@@ -30,9 +35,9 @@ HALF = 4 * CHUNK  # the tests' largest tensor
 class Ranks:
     """The buffers, flags and call counts of `world` simulated ranks."""
 
-    def __init__(self, world: int, dtype: torch.dtype):
-        self.world, self.dtype = world, dtype
-        self.data = [torch.full((2 * HALF,), float("nan"), dtype=dtype) for _ in range(world)]
+    def __init__(self, world: int, dtype: torch.dtype, half: int = HALF):
+        self.world, self.dtype, self.half = world, dtype, half
+        self.data = [torch.full((2 * half,), float("nan"), dtype=dtype) for _ in range(world)]
         self.flags = [torch.zeros(MAX_PROGRAMS * world, dtype=torch.int64) for _ in range(world)]
         self.uses = [torch.zeros(MAX_PROGRAMS, dtype=torch.int64) for _ in range(world)]
         self.buf_ptrs = torch.tensor([t.data_ptr() for t in self.data], dtype=torch.int64)
@@ -41,10 +46,16 @@ class Ranks:
     def arrive(self, p: int, x: torch.Tensor, waiting: int) -> None:
         """Rank p's first two steps for its next call: its chunks in its buffer half,
         its flags in rank `waiting`'s slots."""
-        for b in range(programs_for(x.numel())):
+        n = x.numel()
+        chunks = [(b, b * CHUNK, x[b * CHUNK : (b + 1) * CHUNK]) for b in range(programs_for(n))]
+        self.arrive_parts(p, chunks, waiting)
+
+    def arrive_parts(self, p: int, parts: list, waiting: int) -> None:
+        """`arrive` for parts (program, place in a buffer half, values)."""
+        for b, at, values in parts:
             use = int(self.uses[p][b]) + 1
-            lo, hi = b * CHUNK, min((b + 1) * CHUNK, x.numel())
-            self.data[p][(use % 2) * HALF + lo : (use % 2) * HALF + hi] = x[lo:hi]
+            start = (use % 2) * self.half + at
+            self.data[p][start : start + values.numel()] = values
             self.flags[waiting][b * self.world + p] = use
 
     def all_reduce(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -55,7 +66,7 @@ class Ranks:
                 self.arrive(p, xs[p], waiting=r)
             out = torch.empty_like(xs[r])
             one_shot_all_reduce(
-                xs[r], out, self.buf_ptrs, self.flag_ptrs, self.uses[r], r, HALF
+                xs[r], out, self.buf_ptrs, self.flag_ptrs, self.uses[r], r, self.half
             )  # fmt: skip
             outs.append(out)
         return outs
@@ -153,3 +164,48 @@ def test_in_place_and_shape_checks():
     with pytest.raises(AssertionError):  # larger than a buffer half
         big = torch.zeros(HALF + 1, dtype=torch.bfloat16)
         one_shot_all_reduce(big, big, ranks.buf_ptrs, ranks.flag_ptrs, ranks.uses[0], 0, HALF)
+
+
+def rows_of(x: torch.Tensor) -> list:
+    """The fused kernel's parts: row r is program r, at r * ROW_STRIDE."""
+    return [(r, r * ROW_STRIDE, x[r]) for r in range(x.shape[0])]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("shape", [(1, 64), (3, 100), (MAX_ROWS, 48)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sum_add_rmsnorm_equals_the_sum_then_fused_add_rmsnorm(world, shape, dtype):
+    """The fused kernel gives, bit for bit, what the one-shot sum followed by
+    kernels/norm.fused_add_rmsnorm gives, on every rank, in place; two calls in a
+    row (both buffer halves)."""
+    half = MAX_ROWS * ROW_STRIDE
+    ranks = Ranks(world, dtype, half)
+    g = torch.Generator().manual_seed(world * 100 + shape[0])
+    weight = (1 + 0.1 * torch.randn(shape[1], generator=g)).to(dtype)
+    for call in range(2):
+        xs = [torch.randn(shape, generator=g).to(dtype) for _ in range(world)]
+        residual = torch.randn(shape, generator=g).to(dtype)
+        want_sum = reference([x.flatten() for x in xs]).to(dtype).view(shape)
+        want = fused_add_rmsnorm(want_sum.clone(), residual.clone(), weight, 1e-6)
+        for r in range(world):
+            for p in range(r + 1, world):
+                ranks.arrive_parts(p, rows_of(xs[p]), waiting=r)
+            x, res = xs[r].clone(), residual.clone()
+            got = one_shot_add_rmsnorm(
+                x, res, weight, 1e-6, ranks.buf_ptrs, ranks.flag_ptrs, ranks.uses[r], r, half
+            )  # fmt: skip
+            assert got[0] is x and got[1] is res
+            if dtype == torch.float32:
+                assert torch.equal(res, want[1]) and torch.equal(x, want[0]), (call, r)
+            else:  # NOTE: the interpreter truncates the sum's rounding (module docstring)
+                torch.testing.assert_close(res, want[1], atol=0.05, rtol=0.02)
+                torch.testing.assert_close(x, want[0], atol=0.05, rtol=0.02)
+
+
+def test_what_the_fused_kernel_takes():
+    half = MAX_ROWS * ROW_STRIDE
+    assert add_rmsnorm_fits(torch.zeros(MAX_ROWS, ROW_STRIDE), half)
+    assert not add_rmsnorm_fits(torch.zeros(MAX_ROWS + 1, 16), half)  # too many rows
+    assert not add_rmsnorm_fits(torch.zeros(2, ROW_STRIDE + 1), half)  # too wide
+    assert not add_rmsnorm_fits(torch.zeros(4, 32)[:, :16], half)  # not contiguous
+    assert not add_rmsnorm_fits(torch.zeros(2, 16), half - 1)  # rows do not fit a half

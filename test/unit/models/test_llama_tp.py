@@ -78,3 +78,62 @@ def test_each_rank_loads_its_heads_of_the_checkpoint(llama8_dir, load_llama):
         rows = slice(r * inter, (r + 1) * inter)
         assert torch.equal(layer.mlp.gate_up_proj.weight, torch.cat([gate[rows], up[rows]]))
         assert torch.equal(layer.mlp.down_proj.weight, down[:, rows])
+
+
+class FusingMember:
+    """A thread rank's communicator that also sums, adds and normalizes in one call
+    (as the one-shot kernel does on GPUs), in torch: the sum as `all_reduce` gives it,
+    then RMSNorm's reference math, in place. Counts its fused calls."""
+
+    def __init__(self, member):
+        self.member, self.fused = member, 0
+        self.equal_rows = False
+
+    def all_reduce(self, x):
+        return self.member.all_reduce(x)
+
+    def all_gather(self, x):
+        return self.member.all_gather(x)
+
+    def all_gather_rows(self, x):
+        return self.member.all_gather_rows(x)
+
+    def all_reduce_add_rmsnorm(self, x, residual, weight, eps):
+        self.fused += 1
+        h = self.all_reduce(x) + residual
+        hf = h.float()
+        normed = weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+        residual.copy_(h)
+        return x.copy_(normed), residual
+
+
+def test_sums_fused_into_the_next_add_and_norm_give_the_same_bits(
+    llama8_dir, load_llama, prefill_batch
+):
+    """Over TP the layers leave their output sums to the add+norm after them: with a
+    communicator that fuses sum + add + norm, every such norm takes the fused call
+    (2 per layer: post-attention, next input or final; none where an EAGLE3 aux state
+    is captured, which needs the summed stream) and the hidden states, logits and aux
+    states are the same bits as with sums in the layers."""
+    tp = 2
+    outs = {}
+    for name, wrap in (("plain", lambda m: m), ("fusing", FusingMember)):
+        group = ThreadGroup(tp)
+        comms = [wrap(group.member(r)) for r in range(tp)]
+        ctxs = [LayerContext(parallel=ParallelContext(r, tp, comms[r])) for r in range(tp)]
+        models = [load_llama(llama8_dir, ctx) for ctx in ctxs]
+        batches = [prefill_batch(m, PROMPTS, ctx) for m, ctx in zip(models, ctxs)]
+        layers = len(models[0].layers)
+        aux = (1, layers - 1)
+
+        def rank(r: int, models=models, batches=batches, aux=aux):
+            hidden, captured = models[r].forward_aux(batches[r], aux)
+            return hidden, models[r].compute_logits(hidden), captured
+
+        outs[name] = run_ranks(rank, tp)
+        if name == "fusing":
+            # aux at layer i: the sum entering layer i is done alone (layers 1 and L - 1)
+            assert [c.fused for c in comms] == [2 * layers - len(aux)] * tp
+    for (h, logits, cap), (h2, logits2, cap2) in zip(outs["plain"], outs["fusing"]):
+        assert torch.equal(h, h2) and torch.equal(logits, logits2)
+        assert all(torch.equal(a, b) for a, b in zip(cap, cap2))
