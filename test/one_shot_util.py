@@ -73,9 +73,10 @@ def rank_checks_one_shot(rank: int, world: int, init_addr: str, out_dir: str) ->
     def step():
         for i in range(calls):
             h = rmsnorm(static_in[i], ones, 1e-6)
+            g = h * 0.5  # NOTE: before the all-reduce, which sums in place
             static_out[i] = parallel.all_reduce(h)
             res_out[i] = static_res[i]
-            normed, _ = parallel.reduce_add_rmsnorm(h * 0.5, res_out[i], weight, 1e-6)
+            normed, _ = parallel.reduce_add_rmsnorm(g, res_out[i], weight, 1e-6)
             norm_out[i] = normed
 
     for _ in range(2):  # warm-up: Triton builds, eagerly
