@@ -58,25 +58,25 @@ def rank_main(rank: int, world: int, port: int, ns: argparse.Namespace) -> None:
         rank, world, world, f"tcp://127.0.0.1:{port}", device, timedelta(seconds=60),
         custom_all_reduce=True,
     )  # fmt: skip
-    one_shot = parallel.comm
-    nccl = GroupCommunicator(one_shot.group, world)  # the same group, NCCL only
+    one_shot = parallel.comm.one_shot  # the kernel itself, whatever the size
+    nccl = GroupCommunicator(parallel.comm.group, world)  # the same group, NCCL only
     rows_out = []
     for rows in ns.rows:
         x = torch.randn(rows, ns.hidden, dtype=torch.bfloat16, device=device)
         w = torch.ones(ns.hidden, dtype=torch.bfloat16, device=device)
 
-        def step(comm=None, x=x, w=w):
+        def step(reduce=None, x=x, w=w):
             for _ in range(CALLS):
                 h = rmsnorm(x, w, 1e-6)
-                if comm is not None:
-                    comm.all_reduce(h)
+                if reduce is not None:
+                    reduce(h)
 
         norms = time_graph(step, device, ns.replays)
         row = {"rows": rows, "bytes": rows * ns.hidden * 2, "norm_us": norms / CALLS}
-        for name, comm in (("nccl", nccl), ("one_shot", one_shot)):
-            if name == "one_shot" and not comm.one_shot.fits(x):
+        for name, reduce in (("nccl", nccl.all_reduce), ("one_shot", one_shot)):
+            if name == "one_shot" and not one_shot.fits(x):
                 continue
-            total = time_graph(lambda c=comm: step(c), device, ns.replays)
+            total = time_graph(lambda f=reduce: step(f), device, ns.replays)
             row[f"{name}_us"] = (total - norms) / CALLS
         rows_out.append(row)
     if rank == 0:

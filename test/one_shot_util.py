@@ -28,6 +28,8 @@ def rank_checks_one_shot(rank: int, world: int, init_addr: str, out_dir: str) ->
     parallel = init_tensor_parallel(
         rank, world, world, init_addr, device, timedelta(seconds=60), custom_all_reduce=True
     )
+    from gyrfalcon.forward.distributed import FUSED_MAX_ROWS, ONE_SHOT_MAX_BYTES
+
     comm = parallel.comm
     assert comm.one_shot is not None, "symmetric memory is available on these GPUs"
     largest = comm.one_shot.half_elems
@@ -35,11 +37,16 @@ def rank_checks_one_shot(rank: int, world: int, init_addr: str, out_dir: str) ->
     for dtype in (torch.bfloat16, torch.float32):
         for n in (1, 4095, 4096, 16 * 4096 + 3, largest, largest + 1):
             seed += 1
+            want = rank_order_sum(world, n, dtype, seed, device)
+            # the kernel itself, up to the largest it takes
             x = addend(rank, n, dtype, seed, device)
             assert comm.one_shot.fits(x) == (n <= largest)
-            got = parallel.all_reduce(x)
-            want = rank_order_sum(world, n, dtype, seed, device)
             if n <= largest:
+                assert torch.equal(comm.one_shot(x), want), (dtype, n)
+            # through the communicator: the kernel up to ONE_SHOT_MAX_BYTES, NCCL above
+            x = addend(rank, n, dtype, seed, device)
+            got = parallel.all_reduce(x)
+            if n * dtype.itemsize <= ONE_SHOT_MAX_BYTES:
                 assert torch.equal(got, want), (dtype, n)
             else:  # NOTE: NCCL's order of summation is its own
                 torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
@@ -55,11 +62,13 @@ def rank_checks_one_shot(rank: int, world: int, init_addr: str, out_dir: str) ->
             rank_order_sum(world, rows * hidden, torch.bfloat16, seed, device).view(rows, hidden),
             res.clone(), weight, 1e-6,
         )  # fmt: skip
-        got = parallel.reduce_add_rmsnorm(x, res, weight, 1e-6)
+        if rows > FUSED_MAX_ROWS:  # NOTE: the communicator leaves those to NCCL + the norm
+            assert parallel.reduce_add_rmsnorm(x.clone(), res.clone(), weight, 1e-6) is None
+        got = comm.one_shot.add_rmsnorm(x, res, weight, 1e-6)
         assert got is not None and got[0] is x and got[1] is res, rows
         assert torch.equal(res, want[1]) and torch.equal(x, want[0]), rows
     big = torch.zeros(17, hidden, dtype=torch.bfloat16, device=device)
-    assert parallel.reduce_add_rmsnorm(big, big.clone(), weight, 1e-6) is None  # > MAX_ROWS
+    assert comm.one_shot.add_rmsnorm(big, big.clone(), weight, 1e-6) is None  # > MAX_ROWS
     # in a graph: 24 sums a replay, each between PDL-launched norms, as in a decode step,
     # and after each a fused sum + add + norm of another addend
     calls = 24

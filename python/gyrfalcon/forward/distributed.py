@@ -23,6 +23,14 @@ from gyrfalcon.forward.parallel import ParallelContext
 # call); the GPU machine's torch 2.11 may have only the former.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
+# NOTE: where the one-shot kernels beat NCCL (benchmarks/bench_all_reduce.py on two H100s,
+# inside graphs: 6.1 against 6.7 us at 8 KiB, 7.3 against 7.0 at 32 KiB, 8.6 against 7.4
+# at 128 KiB: it pulls every peer's part over NVLink): sums up to ONE_SHOT_MAX_BYTES; the
+# sum fused with the add + RMSNorm after it (which saves the norm's own launch) up to
+# FUSED_MAX_ROWS rows
+ONE_SHOT_MAX_BYTES = 16 << 10
+FUSED_MAX_ROWS = 4
+
 
 class GroupCommunicator:
     """The collectives of one TP group (`forward/parallel.Communicator`) over a
@@ -39,8 +47,10 @@ class GroupCommunicator:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the group, in x's storage (x must be contiguous)."""
         # NOTE: every rank decides alike: the same shapes and dtype on every rank
-        if self.one_shot is not None and self.one_shot.fits(x):
-            return self.one_shot(x)
+        one_shot = self.one_shot
+        if one_shot is not None and x.numel() * x.element_size() <= ONE_SHOT_MAX_BYTES:
+            if one_shot.fits(x):
+                return one_shot(x)
         dist.all_reduce(x, group=self.group)
         return x
 
@@ -49,7 +59,7 @@ class GroupCommunicator:
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The sum over the group fused with the residual add and RMSNorm after it
         (`ParallelContext.reduce_add_rmsnorm`), or None without a one-shot kernel for x."""
-        if self.one_shot is None:
+        if self.one_shot is None or x.dim() != 2 or x.shape[0] > FUSED_MAX_ROWS:
             return None
         return self.one_shot.add_rmsnorm(x, residual, weight, eps)
 
