@@ -48,6 +48,7 @@ from gyrfalcon.kernels.gemv import GemvConfig, gemv_config, skinny_linear  # noq
 # name: (hidden, intermediate, q heads, kv heads, head dim)
 MODELS = {
     "llama-3.1-8b": (4096, 14336, 32, 8, 128),
+    "llama-3.1-8b-tp2": (4096, 7168, 16, 4, 128),  # one rank's share at tp 2
     "smollm2-135m": (576, 1536, 9, 3, 64),
 }
 ROTATE_BYTES = 100 << 20  # distinct weight bytes a graph cycles through (> L2)
