@@ -42,3 +42,12 @@ def check_nodes(nnodes: int, node_rank: int, world_size: int, dist_init_addr: st
         )
     if dist_init_addr is not None:
         parse_init_addr(dist_init_addr)
+
+
+def tp_groups_within_nodes(world_size: int, tp_size: int, nnodes: int) -> bool:
+    """Whether every TP group's ranks run on one node. Groups are tp_size consecutive
+    ranks from a multiple of tp_size, and node n runs the k = world / nnodes ranks from
+    n k, so each group stays on one node exactly when tp_size divides k. Memory that
+    peers read directly (the one-shot all-reduce) needs that."""
+    ranks_per_node = world_size // nnodes
+    return ranks_per_node % tp_size == 0

@@ -10,6 +10,7 @@ from datetime import timedelta
 import torch
 
 from gyrfalcon.config.model_config import ModelConfig
+from gyrfalcon.config.nodes import tp_groups_within_nodes
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.forward.distributed import init_tensor_parallel
 from gyrfalcon.forward.parallel import SINGLE_RANK
@@ -39,9 +40,13 @@ def build_worker(
     if args.joins_process_groups():  # NOTE: else DP groups share no collective
         assert args.dist_init_addr is not None, "the launcher sets --dist-init-addr"
         timeout = timedelta(seconds=args.dist_timeout)
+        # NOTE: the one-shot all-reduce reads peers' memory: only within one node
+        one_shot = not args.disable_custom_all_reduce and tp_groups_within_nodes(
+            layout.world_size, layout.tp_size, args.nnodes
+        )
         parallel = init_tensor_parallel(
             rank, layout.world_size, layout.tp_size, args.dist_init_addr, device, timeout,
-            args.ep_size, not args.disable_custom_all_reduce, not args.disable_pdl,
+            args.ep_size, one_shot, not args.disable_pdl,
         )  # fmt: skip
         if cfg.num_experts:
             how = "expert parallel" if args.ep_size > 1 else "MoE-TP"
