@@ -46,7 +46,13 @@ from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.forward.batch import ForwardBatch
 from gyrfalcon.forward.kv_cache import KVCache
-from gyrfalcon.forward.metadata import BatchTensors, advanced_rows
+from gyrfalcon.forward.metadata import (
+    BatchTensors,
+    advanced_rows,
+    aligned_token_rows,
+    build_batch_tensors,
+    shift_rows,
+)
 from gyrfalcon.ipc.messages import ForwardMode
 from gyrfalcon.layers.attention.registry import backend_class, create_backends
 from gyrfalcon.layers.context import LayerContext
@@ -55,6 +61,7 @@ from gyrfalcon.models.registry import build_draft_model
 from gyrfalcon.worker.cuda_graph import GraphRunner, GraphSpec, padded_batch_size
 from gyrfalcon.worker.sampler import argmax_rows
 from gyrfalcon.worker.spec_accept import last_accepted_indices
+from gyrfalcon.worker.step_layout import StepLayout
 
 logger = logging.getLogger(__name__)
 
@@ -294,3 +301,49 @@ class Drafter:
             st.last_pos[bs:padded].zero_()
         (flat,) = graphs.run(ForwardMode.DRAFT_EXTEND, rnd.ext)
         return flat.view(bs, k1)[:, : self.k]
+
+    def draft_step(
+        self,
+        layout: StepLayout,
+        bt: BatchTensors,
+        emitted: torch.Tensor | None,
+        accept_len: torch.Tensor | None,
+        next_ids: torch.Tensor,
+        aux: torch.Tensor | None,
+        floating: tuple[torch.Tensor, torch.Tensor] | None,
+        shared: list[torch.Tensor] | None,
+        draft_tokens: torch.Tensor,
+    ) -> None:
+        """The round over a target step's drafting rows (`draft`): layout and bt are the
+        step's, emitted / accept_len its sampled ids, next_ids the next prompt tokens of
+        drafted chunks, aux the target's aux hidden states; floating: the floating rows'
+        shifts and their tokens' rows (as in the step's batch); shared: the round's index
+        lists when every row drafts, its extend batch then being the step's batch (moved
+        already) with ids of its own. The drafts go to draft_tokens (the request table's)."""
+        ps = self.page_size
+        if shared is not None:
+            rows = aligned_token_rows(bt.token_rows)  # the drafter's ids go in [0]
+            ext = dataclasses.replace(
+                bt, input_ids=rows[0], positions=rows[1], out_cache_loc=rows[2],
+                token_rows=rows, extra=shared,
+            )  # fmt: skip
+            fields = shared
+        else:
+            ext = build_batch_tensors(
+                layout.ext_rows,
+                ps,
+                self.device,
+                extra=layout.draft_lists() + layout.float_ext_lists(),
+            )
+            *fields, fl_rows_t, fl_tokens_t = ext.extra
+            if floating is not None:
+                shift, token_rows = floating
+                shift_rows(ext, fl_rows_t, shift, fl_tokens_t, token_rows, ps)
+        rnd = DraftRound(ext, *fields, layout.anchor_pos_cpu, layout.last_pos_cpu, layout.uniform)
+        s = layout.num_emitted // layout.width
+        if emitted is None:  # NOTE: no sampling rows: the chunks' ids only
+            emitted = bt.input_ids.new_zeros(0)
+        if accept_len is None:
+            accept_len = bt.input_ids.new_zeros(s)
+        ids = torch.cat([bt.input_ids, emitted.reshape(-1).clamp_min(0), next_ids])
+        self.draft(rnd, ids, aux, accept_len, draft_tokens)

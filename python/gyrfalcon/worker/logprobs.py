@@ -6,11 +6,17 @@ logits in float32 (no penalties, no temperature).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from gyrfalcon.ipc.messages import PositionLogprobs, TokenLogprob
+from gyrfalcon.forward.host_copy import upload
+from gyrfalcon.ipc.messages import PositionLogprobs, RowResult, ScheduledRow, TokenLogprob
+
+if TYPE_CHECKING:
+    from gyrfalcon.worker.request_table import WorkerRequest
 
 # prompt_logprobs works on at most this many logits at a time (bounds its float32 copies).
 _PROMPT_LOGPROBS_CHUNK_ELEMS = 1 << 24
@@ -156,3 +162,35 @@ def prompt_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, k: int) -> lis
             top = [TokenLogprob(token_id=i, logprob=x) for i, x in zip(t_ids, t_lps)]
             result.append(PositionLogprobs(token_id=tok, logprob=c_lp, top=top, rank=c_rank))
     return result
+
+
+def fill_prompt_logprobs(
+    rows: Sequence[ScheduledRow],
+    reqs: Sequence[WorkerRequest],
+    hidden: torch.Tensor,
+    q_starts: Sequence[int],
+    results: Sequence[RowResult],
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    vocab: int,
+    device: torch.device,
+) -> None:
+    """The logprob of each prompt token given its prefix, into results[i].prompt_logprobs
+    for the rows whose requests asked; hidden: the step's [T, H] (row i's tokens from
+    q_starts[i]), their logits computed a slice at a time."""
+    for i, (row, req) in enumerate(zip(rows, reqs)):
+        k = req.sampling.params.prompt_logprobs
+        if k is None:
+            continue
+        # positions p in [start, end) predict the prompt token at p + 1
+        end = min(row.start + len(row.input_ids), len(req.prompt_ids) - 1)
+        if end <= row.start:
+            continue
+        first = q_starts[i]
+        next_ids = upload(req.prompt_ids[row.start + 1 : end + 1], torch.int64, device)
+        # NOTE: logits a slice at a time: a whole chunk's would be chunk x vocab floats
+        lps: list = []
+        step = prompt_logprob_rows(vocab)
+        for s in range(0, end - row.start, step):
+            h = hidden[first + s : first + min(s + step, end - row.start)]
+            lps += prompt_logprobs(compute_logits(h), next_ids[s : s + len(h)], k)
+        results[i].prompt_logprobs = lps

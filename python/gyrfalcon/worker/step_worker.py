@@ -21,7 +21,6 @@ and returns no rows.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections import deque
@@ -30,11 +29,8 @@ import torch
 
 from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs
-from gyrfalcon.forward.host_copy import upload
 from gyrfalcon.forward.metadata import (
-    BatchTensors,
     RowInput,
-    aligned_token_rows,
     build_batch_tensors,
     shift_rows,
 )
@@ -49,18 +45,14 @@ from gyrfalcon.ipc.messages import (
     StepResult,
 )
 from gyrfalcon.worker.compile_watch import CompileWatch
-from gyrfalcon.worker.drafter import Drafter, DraftRound
+from gyrfalcon.worker.drafter import Drafter
 from gyrfalcon.worker.executor import ModelExecutor
 from gyrfalcon.worker.grammar_state import WorkerGrammars, warm_up_masks
-from gyrfalcon.worker.logprobs import HostCopy, SampleOutput, prompt_logprob_rows
+from gyrfalcon.worker.logprobs import HostCopy, SampleOutput, fill_prompt_logprobs
 from gyrfalcon.worker.memory_profile import check_largest_step_fits, fit_kv_cache
 from gyrfalcon.worker.pending_step import PendingStep
 from gyrfalcon.worker.request_table import MIN_SLOTS, RequestTable, WorkerRequest
-from gyrfalcon.worker.sampler import (
-    prepare,
-    prompt_logprobs,
-    sample,
-)
+from gyrfalcon.worker.sampler import prepare, sample
 from gyrfalcon.worker.spec_step_graph import FusedSpecStep, fuses
 from gyrfalcon.worker.spec_verify import (
     VerifyIndex,
@@ -309,7 +301,10 @@ class StepWorker:
         out = self.executor.forward(rb.forward_mode, bt, logit_t, every_token, self.graph_rows)
         step.kind = out.ran
         if out.hidden is not None:
-            self._prompt_logprobs(rows, reqs, out.hidden, bt, step.results)
+            fill_prompt_logprobs(
+                rows, reqs, out.hidden, bt.q_starts_cpu, step.results,
+                self.executor.compute_logits, self.cfg.vocab_size, self.device,
+            )  # fmt: skip
         emitted = accept_len = None
         if step.sample_rows:
             step.states = [reqs[i].sampling for i in step.sample_rows]
@@ -347,7 +342,11 @@ class StepWorker:
                 self.requests.record_next_pos(slots, next_pos)
         if layout.ext_rows:
             fl = None if shift is None else (shift, fl_token_rows_t)
-            self._draft(layout, bt, emitted, accept_len, next_t, out.aux, fl, draft_t)
+            assert self.drafter is not None and out.aux is not None
+            self.drafter.draft_step(
+                layout, bt, emitted, accept_len, next_t, out.aux, fl, draft_t,
+                self.requests.draft_tokens,
+            )  # fmt: skip
         return step
 
     def _fuses(self, rows: list[ScheduledRow], reqs: list[WorkerRequest]) -> bool:
@@ -378,75 +377,3 @@ class StepWorker:
             SampleOutput(torch.cat([accepted, emitted.view(-1)]), None, None, None)
         )
         return step
-
-    def _draft(
-        self,
-        layout: StepLayout,
-        bt: BatchTensors,
-        emitted: torch.Tensor | None,
-        accept_len: torch.Tensor | None,
-        next_ids: torch.Tensor,
-        aux: torch.Tensor | None,
-        floating: tuple[torch.Tensor, torch.Tensor] | None,
-        shared: list[torch.Tensor] | None,
-    ) -> None:
-        """The drafter's round over the step's drafting rows (drafter.py); floating: the
-        floating rows' shifts and their tokens' rows (as in the step's batch); shared:
-        the round's index lists when every row drafts, its extend batch then being the
-        step's batch (moved already) with ids of its own."""
-        assert self.drafter is not None and aux is not None
-        ps = self.args.page_size
-        if shared is not None:
-            rows = aligned_token_rows(bt.token_rows)  # the drafter's ids go in [0]
-            ext = dataclasses.replace(
-                bt, input_ids=rows[0], positions=rows[1], out_cache_loc=rows[2],
-                token_rows=rows, extra=shared,
-            )  # fmt: skip
-            fields = shared
-        else:
-            ext = build_batch_tensors(
-                layout.ext_rows,
-                ps,
-                self.device,
-                extra=layout.draft_lists() + layout.float_ext_lists(),
-            )
-            *fields, fl_rows_t, fl_tokens_t = ext.extra
-            if floating is not None:
-                shift, token_rows = floating
-                shift_rows(ext, fl_rows_t, shift, fl_tokens_t, token_rows, ps)
-        rnd = DraftRound(ext, *fields, layout.anchor_pos_cpu, layout.last_pos_cpu, layout.uniform)
-        s = layout.num_emitted // layout.width
-        if emitted is None:  # NOTE: no sampling rows: the chunks' ids only
-            emitted = bt.input_ids.new_zeros(0)
-        if accept_len is None:
-            accept_len = bt.input_ids.new_zeros(s)
-        ids = torch.cat([bt.input_ids, emitted.reshape(-1).clamp_min(0), next_ids])
-        self.drafter.draft(rnd, ids, aux, accept_len, self.requests.draft_tokens)
-
-    def _prompt_logprobs(
-        self,
-        rows: list[ScheduledRow],
-        reqs: list[WorkerRequest],
-        hidden: torch.Tensor,
-        bt: BatchTensors,
-        results: list[RowResult],
-    ) -> None:
-        """Logprob of each prompt token given its prefix, for rows that asked."""
-        for i, (row, req) in enumerate(zip(rows, reqs)):
-            k = req.sampling.params.prompt_logprobs
-            if k is None:
-                continue
-            # positions p in [start, end) predict the prompt token at p + 1
-            end = min(row.start + len(row.input_ids), len(req.prompt_ids) - 1)
-            if end <= row.start:
-                continue
-            first = bt.q_starts_cpu[i]
-            next_ids = upload(req.prompt_ids[row.start + 1 : end + 1], torch.int64, self.device)
-            # NOTE: logits a slice at a time: a whole chunk's would be chunk x vocab floats
-            lps: list = []
-            step = prompt_logprob_rows(self.cfg.vocab_size)
-            for s in range(0, end - row.start, step):
-                h = hidden[first + s : first + min(s + step, end - row.start)]
-                logits = self.executor.compute_logits(h)
-                lps += prompt_logprobs(logits, next_ids[s : s + len(h)], k)
-            results[i].prompt_logprobs = lps
