@@ -249,6 +249,14 @@ def create_app(
     return app
 
 
+# NOTE: idle keep-alive connections live longer here than in the clients' pools (httpx,
+# and so the openai client, drop theirs after 5 s, uvicorn's own default): with both at
+# 5 s, a client can send its next request on a connection the server is closing at
+# that moment and get a ReadError before any response (a ReadError like that, seen once
+# on a loaded CI machine with 256 streams at once, fits this race; not proven its cause)
+KEEP_ALIVE_S = 30
+
+
 def make_uvicorn_server(
     app: FastAPI, host: str, port: int, log_level: str, shutdown_timeout: float | None = None
 ) -> uvicorn.Server:
@@ -258,7 +266,7 @@ def make_uvicorn_server(
     grace = None if shutdown_timeout is None else shutdown_timeout + SHUTDOWN_GRACE_S
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level.lower(), access_log=False,
-        timeout_graceful_shutdown=grace,
+        timeout_graceful_shutdown=grace, timeout_keep_alive=KEEP_ALIVE_S,
     )  # fmt: skip
     return uvicorn.Server(config)
 
