@@ -3,13 +3,13 @@
 A TP decode step all-reduces two activations a layer of a few KiB each. NCCL spends
 ~15 us on each, and its kernel ends the chain of programmatic dependent launches: the
 kernels on both sides of it start cold. `kernels/all_reduce.py` is a one-shot sum in
-one PDL launch; this module gives it what every rank must share: a data buffer and a
-flag area each rank's peers can address (torch's symmetric memory, NVLink P2P, no
-multicast), zeroed on every rank before first use.
+one PDL launch; this module gives it what every rank must share: a receive buffer
+each rank's peers can write (torch's symmetric memory, NVLink P2P, no multicast),
+zeroed on every rank before first use.
 
-Larger tensors (prefill chunks, big batches) stay with NCCL: the one-shot reads every
-peer's whole tensor. `--disable-custom-all-reduce` turns it off; `available` says
-whether this machine's torch and GPUs support it.
+Larger tensors (prefill chunks, big batches) stay with NCCL: the one-shot sends every
+peer the whole tensor, with a flag in every word. `--disable-custom-all-reduce` turns
+it off; `available` says whether this machine's torch and GPUs support it.
 """
 
 from __future__ import annotations
@@ -36,28 +36,24 @@ def available(device: torch.device) -> bool:
 
 
 class _Exchange:
-    """One kernel's shared state over the group: a data buffer of two halves and a flag
-    area every rank can address, and this rank's counts of calls per program."""
+    """One kernel's shared state over the group: a receive buffer every rank can write
+    (two halves of a slot per sender) and this rank's counts of calls per program."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, half_elems: int):
         import torch.distributed._symmetric_memory as symm_mem
 
-        from gyrfalcon.kernels.all_reduce import MAX_PROGRAMS
+        from gyrfalcon.kernels.all_reduce import MAX_PROGRAMS, buffer_words
 
-        largest = max(d.itemsize for d in DTYPES)
-        # two halves (consecutive calls alternate) of the largest dtype
-        self.data = symm_mem.empty(2 * half_elems * largest, dtype=torch.uint8, device=device)
-        self.flags = symm_mem.empty(MAX_PROGRAMS * group.size(), dtype=torch.int64, device=device)
-        self.flags.zero_()
+        words = buffer_words(group.size(), half_elems)
+        self.buffer = symm_mem.empty(words, dtype=torch.int64, device=device)
+        self.buffer.zero_()
         self.uses = torch.zeros(MAX_PROGRAMS, dtype=torch.int64, device=device)
-        data = symm_mem.rendezvous(self.data, group.group_name)
-        flags = symm_mem.rendezvous(self.flags, group.group_name)
-        self.rank = data.rank
-        self.buf_ptrs = torch.tensor(data.buffer_ptrs, dtype=torch.int64, device=device)
-        self.flag_ptrs = torch.tensor(flags.buffer_ptrs, dtype=torch.int64, device=device)
+        handle = symm_mem.rendezvous(self.buffer, group.group_name)
+        self.rank = handle.rank
+        self.buf_ptrs = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
 
     def args(self) -> tuple:
-        return self.buf_ptrs, self.flag_ptrs, self.uses, self.rank
+        return self.buf_ptrs, self.uses, self.rank
 
 
 class OneShotAllReduce:
@@ -78,7 +74,7 @@ class OneShotAllReduce:
         self.sum = _Exchange(group, device, self.half_elems)
         self.norm = _Exchange(group, device, self.half_elems)
         torch.cuda.synchronize(device)
-        dist.barrier(group=group)  # NOTE: every rank's flags are zero before any call
+        dist.barrier(group=group)  # NOTE: every rank's buffer is zero before any call
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.dtype in DTYPES and 0 < x.numel() <= self.half_elems and x.is_contiguous()

@@ -1,28 +1,36 @@
 """A one-shot all-reduce in one Triton launch, for the small sums of a TP decode step.
 
-Each TP rank owns a data buffer and a flag area that every peer can address (torch's
-symmetric memory over NVLink P2P; `forward/one_shot.py` makes them). Program `b` of
-rank r, for the b-th chunk of CHUNK elements:
+Each TP rank owns a receive buffer that every peer can write (torch's symmetric memory
+over NVLink P2P; `forward/one_shot.py` makes it): two halves, each with one slot per
+sending rank. Program `b` of rank r, for the b-th part of x (CHUNK elements, or one row
+of the fused kernel):
 
-1. copies its chunk of x into its own buffer, half `use % 2`, where `use` is this
-   program's count of calls (a per-rank counter per program index, in device memory,
-   so a CUDA graph's replays advance it);
-2. writes `use` into every peer's flag slot [b, r] (a release at system scope, after a
-   block barrier, so the chunk is visible before the flag);
-3. waits until its own slots [b, p] hold at least `use` for every peer p;
-4. sums every rank's chunk in rank order in float32 (the same order on every rank, so
+1. counts the call: `use` is this program's count of calls (a per-rank counter per
+   program index, in device memory, so a CUDA graph's replays advance it);
+2. pushes its part into every peer's buffer, half `use % 2`, slot r, as 64-bit words
+   that each carry 32 bits of data (two 16-bit elements or one float32) and the flag
+   `flag_of(use)` in their upper half;
+3. reads its own buffer's slot p for every peer p until every word there carries the
+   flag of this call;
+4. sums every rank's part in rank order in float32 (the same order on every rank, so
    every rank gets the same bits) and writes the sum.
 
-Why two halves and no closing barrier: a peer that has seen our flag `use` may run
+Why flags inside the data (the "LL" protocol of NCCL's small messages): an aligned
+8-byte store arrives whole, so a word with the right flag holds the right data. No
+fence, no separate flag write, no read across NVLink: a part costs one one-way trip.
+
+Why two halves and no closing barrier: a peer that has our words of call `use` may run
 ahead and start call `use + 1`, which writes the other half. It cannot start call
-`use + 2` (writing the half we may still read) before it has our flag `use + 1`, which
-we write only after this call has finished reading. Flags only grow (int64), so a
-peer already at `use + 1` still satisfies the wait for `use`.
+`use + 2` (writing the half we may still read) before finishing call `use + 1`, which
+needs our words of call `use + 1`, sent only after this call has finished reading.
+Flags compare for equality: a half holds the flag of call `use - 2` until the peer
+writes call `use`'s.
 
 The kernel opens with the PDL gate like every decode-path kernel: launched with
 programmatic dependent launch it keeps the chain of early launches that an NCCL kernel
-breaks. Every program must be resident at once (they wait on each other's peers), so
-`MAX_PROGRAMS` stays below the SM count.
+breaks. Every program must be resident at once (a rank's program waits on its peers'
+same program while others may wait on theirs), so `MAX_PROGRAMS` stays below the SM
+count.
 """
 
 from __future__ import annotations
@@ -40,49 +48,92 @@ MAX_PROGRAMS = 64  # programs of one call at most (every one resident: < the SM 
 # the fused sum + add + RMSNorm: one program per row, row r's part at r * ROW_STRIDE
 MAX_ROWS = 16
 ROW_STRIDE = MAX_PROGRAMS * CHUNK // MAX_ROWS  # the widest row it takes
+FLAG_PERIOD = 0x7FFFFFFF  # flags run 1..FLAG_PERIOD, never the zero of a fresh buffer
+_FLAG_PERIOD = tl.constexpr(FLAG_PERIOD)
+
+
+def flag_of(use: int) -> int:
+    """The flag of a program's `use`-th call (use >= 1): positive, below 2 ** 31, and
+    different for calls two apart."""
+    return (use - 1) % FLAG_PERIOD + 1
+
+
+def words_per_slot(half_elems: int) -> int:
+    """64-bit words of one sender's slot in a buffer half: one per element at most
+    (float32; 16-bit elements take half as many)."""
+    return half_elems
+
+
+def buffer_words(world: int, half_elems: int) -> int:
+    """64-bit words of a rank's receive buffer: two halves of `world` slots."""
+    return 2 * world * words_per_slot(half_elems)
+
+
+@triton.jit
+def _pack(x, BLOCK: tl.constexpr, PAIRS: tl.constexpr):
+    """x [BLOCK] as the 32 data bits of BLOCK // 2 words (16-bit elements, PAIRS) or of
+    BLOCK words (float32), as int64 with the upper half clear."""
+    if PAIRS:
+        bits = tl.reshape(x.to(tl.uint16, bitcast=True), [BLOCK // 2, 2])
+        lo, hi = tl.split(bits)
+        data = lo.to(tl.uint32) | (hi.to(tl.uint32) << 16)
+    else:
+        data = x.to(tl.uint32, bitcast=True)
+    return data.to(tl.int64) & 0xFFFFFFFF
+
+
+@triton.jit
+def _unpack(words, ety: tl.constexpr, BLOCK: tl.constexpr, PAIRS: tl.constexpr):
+    """The inverse of `_pack`: [BLOCK] elements of dtype ety from the words' low halves."""
+    data = (words & 0xFFFFFFFF).to(tl.uint32)
+    if PAIRS:
+        lo = (data & 0xFFFF).to(tl.uint16)
+        hi = (data >> 16).to(tl.uint16)
+        values = tl.reshape(tl.join(lo, hi), [BLOCK]).to(ety, bitcast=True)
+    else:
+        values = data.to(ety, bitcast=True)
+    return values
 
 
 @triton.jit
 def _exchange_sum(
     x,  # [BLOCK] this program's part of this rank's addend
-    offs,  # [BLOCK] where it goes in a buffer half
-    mask,
+    start,  # where the part starts in a buffer half, in elements (even)
+    n,  # elements of the part (those of x past it are not sent)
     buf_ptrs,
-    flag_ptrs,
     use_ptr,
     rank,
-    half_elems,
+    slot_words,
     WORLD: tl.constexpr,
     BLOCK: tl.constexpr,
+    EPW: tl.constexpr,  # elements per word: 2 (16-bit) or 1 (float32)
+    PAIRS: tl.constexpr,  # EPW == 2
 ):
     """Steps 1-4 of the module docstring for program `program_id(0)`: the float32 sum
     over the ranks, in rank order, of what each rank's same program brought."""
     pid = tl.program_id(0)
     ety = x.dtype
     use = tl.load(use_ptr + pid) + 1
-    half = (use % 2) * half_elems
-    mine = tl.load(buf_ptrs + rank).to(tl.pointer_type(ety))
-    tl.store(mine + half + offs, x, mask=mask)
-    tl.debug_barrier()  # NOTE: the whole part written before the flag goes out
-    slot = pid * WORLD
+    flag = (use - 1) % _FLAG_PERIOD + 1  # flag_of(use)
+    woffs = start // EPW + tl.arange(0, BLOCK // EPW)
+    wmask = tl.arange(0, BLOCK // EPW) * EPW < n
+    half = (use % 2) * WORLD * slot_words
+    words = _pack(x, BLOCK, PAIRS) | (flag << 32)
     for p in tl.static_range(WORLD):
         if p != rank:
-            peer_flags = tl.load(flag_ptrs + p).to(tl.pointer_type(tl.int64))
-            tl.atomic_xchg(peer_flags + slot + rank, use, sem="release", scope="sys")
-    my_flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int64))
-    for p in tl.static_range(WORLD):
-        if p != rank:
-            while tl.atomic_add(my_flags + slot + p, 0, sem="acquire", scope="sys") < use:
-                pass
-    tl.debug_barrier()  # NOTE: no thread reads a peer's part before its flag was seen
+            peer = tl.load(buf_ptrs + p).to(tl.pointer_type(tl.int64))
+            tl.store(peer + half + rank * slot_words + woffs, words, mask=wmask)
+    mine = tl.load(buf_ptrs + rank).to(tl.pointer_type(tl.int64))
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for p in tl.static_range(WORLD):
         if p == rank:
             acc += x.to(tl.float32)
         else:
-            src = tl.load(buf_ptrs + p).to(tl.pointer_type(ety))
-            # NOTE: volatile: the same addresses held another call's part two uses ago
-            acc += tl.load(src + half + offs, mask=mask, other=0.0, volatile=True).to(tl.float32)
+            src = mine + half + p * slot_words + woffs
+            got = tl.load(src, mask=wmask, other=0, volatile=True)
+            while tl.sum((wmask & ((got >> 32) != flag)).to(tl.int32), axis=0) > 0:
+                got = tl.load(src, mask=wmask, other=0, volatile=True)
+            acc += _unpack(got, ety, BLOCK, PAIRS).to(tl.float32)
     tl.store(use_ptr + pid, use)
     return acc
 
@@ -91,22 +142,24 @@ def _exchange_sum(
 def _one_shot_all_reduce_kernel(
     x_ptr,  # [n] this rank's addend
     out_ptr,  # [n] the sum (may be x)
-    buf_ptrs,  # [WORLD] int64: each rank's data buffer, two halves of half_elems
-    flag_ptrs,  # [WORLD] int64: each rank's flags, int64 [MAX_PROGRAMS, WORLD]
+    buf_ptrs,  # [WORLD] int64: each rank's receive buffer (`buffer_words`)
     use_ptr,  # [MAX_PROGRAMS] int64: this rank's count of calls per program
     n,
     rank,
-    half_elems,
+    slot_words,
     WORLD: tl.constexpr,
     CHUNK: tl.constexpr,
+    EPW: tl.constexpr,
+    PAIRS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_gate(PDL)
-    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    start = tl.program_id(0) * CHUNK
+    offs = start + tl.arange(0, CHUNK)
     mask = offs < n
-    x = tl.load(x_ptr + offs, mask=mask)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
     acc = _exchange_sum(
-        x, offs, mask, buf_ptrs, flag_ptrs, use_ptr, rank, half_elems, WORLD, CHUNK
+        x, start, n - start, buf_ptrs, use_ptr, rank, slot_words, WORLD, CHUNK, EPW, PAIRS
     )  # fmt: skip
     tl.store(out_ptr + offs, acc.to(x.dtype), mask=mask)
 
@@ -117,15 +170,16 @@ def _one_shot_add_rmsnorm_kernel(
     res_ptr,  # [M, H] the residual stream: read, then the new stream written
     w_ptr,  # [H] the norm's weight
     buf_ptrs,
-    flag_ptrs,
     use_ptr,
     H,
     eps,
     rank,
-    half_elems,
+    slot_words,
     WORLD: tl.constexpr,
     ROW_STRIDE: tl.constexpr,
     BLOCK: tl.constexpr,
+    EPW: tl.constexpr,
+    PAIRS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_gate(PDL)
@@ -135,8 +189,8 @@ def _one_shot_add_rmsnorm_kernel(
     dtype = x_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * H + cols, mask=mask, other=0.0)
     acc = _exchange_sum(
-        x, row * ROW_STRIDE + cols, mask, buf_ptrs, flag_ptrs, use_ptr, rank, half_elems,
-        WORLD, BLOCK,
+        x, row * ROW_STRIDE, H, buf_ptrs, use_ptr, rank, slot_words, WORLD, BLOCK, EPW,
+        PAIRS,
     )  # fmt: skip
     # NOTE: from here the numerics of kernels/norm.fused_add_rmsnorm on the rounded sum
     r = tl.load(res_ptr + row * H + cols, mask=mask, other=0.0)
@@ -154,34 +208,45 @@ def programs_for(numel: int) -> int:
     return triton.cdiv(numel, CHUNK)
 
 
+def _elems_per_word(x: torch.Tensor) -> int:
+    assert x.element_size() in (2, 4), x.dtype
+    return 4 // x.element_size()
+
+
+def _check_buffers(buf_ptrs: torch.Tensor, uses: torch.Tensor, rank: int, programs: int) -> int:
+    world = buf_ptrs.numel()
+    assert buf_ptrs.dtype == torch.int64 and 0 <= rank < world, (buf_ptrs.dtype, world, rank)
+    assert uses.dtype == torch.int64 and uses.numel() >= programs, (uses.dtype, programs)
+    return world
+
+
 def one_shot_all_reduce(
     x: torch.Tensor,
     out: torch.Tensor,
     buf_ptrs: torch.Tensor,
-    flag_ptrs: torch.Tensor,
     uses: torch.Tensor,
     rank: int,
     half_elems: int,
     *,
     pdl: bool = True,
 ) -> torch.Tensor:
-    """out = the sum over the ranks of x (contiguous, at most half_elems and
-    MAX_PROGRAMS * CHUNK elements; out may be x). buf_ptrs / flag_ptrs: int64 [world]
-    addresses of every rank's data buffer (two halves of half_elems elements of x's
-    dtype) and flags (int64 [MAX_PROGRAMS, world], zero at the start on every rank);
-    uses: this rank's int64 [MAX_PROGRAMS] call counts (zero at the start). Every rank
-    calls it with the same shapes, in the same order."""
+    """out = the sum over the ranks of x (contiguous, 16- or 32-bit floats, at most
+    half_elems and MAX_PROGRAMS * CHUNK elements; out may be x). buf_ptrs: int64
+    [world] addresses of every rank's receive buffer (`buffer_words(world, half_elems)`
+    int64 words, zero at the start); uses: this rank's int64 [MAX_PROGRAMS] call counts
+    (zero at the start). Every rank calls it with the same shapes, in the same order."""
     n = x.numel()
-    world = buf_ptrs.numel()
     assert x.is_contiguous() and out.is_contiguous() and out.numel() == n, (x.shape, out.shape)
     assert out.dtype == x.dtype and 0 < n <= half_elems, (n, half_elems)
-    assert flag_ptrs.numel() == world and 0 <= rank < world, (world, rank)
     grid = programs_for(n)
-    assert grid <= MAX_PROGRAMS and uses.numel() >= grid, (grid, uses.numel())
+    assert grid <= MAX_PROGRAMS, grid
+    world = _check_buffers(buf_ptrs, uses, rank, grid)
+    epw = _elems_per_word(x)
     launch = launch_pdl(x, pdl)
     _one_shot_all_reduce_kernel[(grid,)](
-        x, out, buf_ptrs, flag_ptrs, uses, n, rank, half_elems,
-        WORLD=world, CHUNK=CHUNK, PDL=launch, num_warps=4, launch_pdl=launch,
+        x, out, buf_ptrs, uses, n, rank, words_per_slot(half_elems),
+        WORLD=world, CHUNK=CHUNK, EPW=epw, PAIRS=epw == 2, PDL=launch, num_warps=4,
+        launch_pdl=launch,
     )  # fmt: skip
     return out
 
@@ -204,7 +269,6 @@ def one_shot_add_rmsnorm(
     weight: torch.Tensor,
     eps: float,
     buf_ptrs: torch.Tensor,
-    flag_ptrs: torch.Tensor,
     uses: torch.Tensor,
     rank: int,
     half_elems: int,
@@ -215,21 +279,21 @@ def one_shot_add_rmsnorm(
     [M, H] (`add_rmsnorm_fits`), rounded to x's dtype as `one_shot_all_reduce` gives
     it: the numbers of that sum followed by `kernels/norm.fused_add_rmsnorm`, in one
     launch. In place: the normalized rows go to x, the new residual stream to
-    residual; both are returned. The buffers, flags and counts are this kernel's own
-    (not `one_shot_all_reduce`'s: a program's part must sit at one place in every
-    call that shares its count), laid out as there."""
+    residual; both are returned. The buffers and counts are this kernel's own (not
+    `one_shot_all_reduce`'s: a program's part must sit at one place in every call
+    that shares its count), laid out as there."""
     assert add_rmsnorm_fits(x, half_elems), (x.shape, half_elems)
     assert residual.shape == x.shape and residual.dtype == x.dtype and residual.is_contiguous()
     m, hidden = x.shape
     assert weight.shape == (hidden,) and weight.is_contiguous()
-    world = buf_ptrs.numel()
-    assert flag_ptrs.numel() == world and 0 <= rank < world and uses.numel() >= m
+    world = _check_buffers(buf_ptrs, uses, rank, m)
     block, chunks, warps = norm_launch_params(hidden, None)
     assert chunks == 1, hidden
+    epw = _elems_per_word(x)
     launch = launch_pdl(x, pdl)
     _one_shot_add_rmsnorm_kernel[(m,)](
-        x, residual, weight, buf_ptrs, flag_ptrs, uses, hidden, eps, rank, half_elems,
-        WORLD=world, ROW_STRIDE=ROW_STRIDE, BLOCK=block, PDL=launch, num_warps=warps,
-        launch_pdl=launch,
+        x, residual, weight, buf_ptrs, uses, hidden, eps, rank, words_per_slot(half_elems),
+        WORLD=world, ROW_STRIDE=ROW_STRIDE, BLOCK=block, EPW=epw, PAIRS=epw == 2, PDL=launch,
+        num_warps=warps, launch_pdl=launch,
     )  # fmt: skip
     return x, residual

@@ -1,10 +1,11 @@
 """The one-shot all-reduce kernel (CPU interpreter), its ranks run one after another.
 
 The interpreter runs one launch at a time, so the ranks of a call take turns: before
-rank r runs, every rank after it has "arrived" as its kernel's own first two steps
-would leave it (its chunk in its buffer half, its flag in r's slots); ranks before r
-ran for real. Each rank's kernel then does all four steps itself. A kernel that waited
-on the wrong slot would spin forever here (the test hangs rather than passes).
+rank r runs, every rank after it has "arrived" as its kernel's step 2 would leave it
+(its part in r's buffer, slot p, half of its count, as words carrying the call's
+flag); ranks before r ran for real. Each rank's kernel then does all four steps
+itself. A kernel that waited on the wrong slot or flag would spin forever here (the
+test hangs rather than passes).
 """
 
 import os
@@ -19,44 +20,68 @@ import torch  # noqa: E402
 
 from gyrfalcon.kernels.all_reduce import (  # noqa: E402
     CHUNK,
+    FLAG_PERIOD,
     MAX_PROGRAMS,
     MAX_ROWS,
     ROW_STRIDE,
     add_rmsnorm_fits,
+    buffer_words,
+    flag_of,
     one_shot_add_rmsnorm,
     one_shot_all_reduce,
     programs_for,
+    words_per_slot,
 )
 from gyrfalcon.kernels.norm import fused_add_rmsnorm  # noqa: E402
 
 HALF = 4 * CHUNK  # the tests' largest tensor
 
 
+def words_of(values: torch.Tensor, flag: int) -> torch.Tensor:
+    """The wire format, written here independently of the kernel: 32 data bits per
+    int64 word (two 16-bit elements, the first in the low bits; or one float32) and the
+    flag in the upper half."""
+    if values.element_size() == 2:
+        bits = values.view(torch.int16).to(torch.int64) & 0xFFFF
+        if bits.numel() % 2:
+            bits = torch.cat([bits, bits.new_zeros(1)])
+        data = bits[0::2] | (bits[1::2] << 16)
+    else:
+        data = values.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return data | (flag << 32)
+
+
 class Ranks:
-    """The buffers, flags and call counts of `world` simulated ranks."""
+    """The receive buffers and call counts of `world` simulated ranks."""
 
     def __init__(self, world: int, dtype: torch.dtype, half: int = HALF):
         self.world, self.dtype, self.half = world, dtype, half
-        self.data = [torch.full((2 * half,), float("nan"), dtype=dtype) for _ in range(world)]
-        self.flags = [torch.zeros(MAX_PROGRAMS * world, dtype=torch.int64) for _ in range(world)]
+        self.slot = words_per_slot(half)
+        self.data = [
+            torch.zeros(buffer_words(world, half), dtype=torch.int64) for _ in range(world)
+        ]
         self.uses = [torch.zeros(MAX_PROGRAMS, dtype=torch.int64) for _ in range(world)]
         self.buf_ptrs = torch.tensor([t.data_ptr() for t in self.data], dtype=torch.int64)
-        self.flag_ptrs = torch.tensor([t.data_ptr() for t in self.flags], dtype=torch.int64)
+
+    def at(self, receiver: int, sender: int, use: int, start: int, n: int) -> torch.Tensor:
+        """The words of `n` elements from element `start` of the sender's slot in the
+        receiver's buffer, in the half of call `use`."""
+        epw = 4 // torch.tensor([], dtype=self.dtype).element_size()
+        first = ((use % 2) * self.world + sender) * self.slot + start // epw
+        return self.data[receiver][first : first + (n + epw - 1) // epw]
 
     def arrive(self, p: int, x: torch.Tensor, waiting: int) -> None:
-        """Rank p's first two steps for its next call: its chunks in its buffer half,
-        its flags in rank `waiting`'s slots."""
+        """Rank p's step 2 for its next call, seen from rank `waiting`: its chunks."""
         n = x.numel()
         chunks = [(b, b * CHUNK, x[b * CHUNK : (b + 1) * CHUNK]) for b in range(programs_for(n))]
         self.arrive_parts(p, chunks, waiting)
 
-    def arrive_parts(self, p: int, parts: list, waiting: int) -> None:
-        """`arrive` for parts (program, place in a buffer half, values)."""
+    def arrive_parts(self, p: int, parts: list, waiting: int, ahead: int = 1) -> None:
+        """`arrive` for parts (program, place in a buffer half, values); `ahead`: which
+        of p's next calls (2: the one after its next)."""
         for b, at, values in parts:
-            use = int(self.uses[p][b]) + 1
-            start = (use % 2) * self.half + at
-            self.data[p][start : start + values.numel()] = values
-            self.flags[waiting][b * self.world + p] = use
+            use = int(self.uses[p][b]) + ahead
+            self.at(waiting, p, use, at, values.numel())[:] = words_of(values, flag_of(use))
 
     def all_reduce(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
         """One call of every rank (in rank order), each with its own addend."""
@@ -65,9 +90,7 @@ class Ranks:
             for p in range(r + 1, self.world):
                 self.arrive(p, xs[p], waiting=r)
             out = torch.empty_like(xs[r])
-            one_shot_all_reduce(
-                xs[r], out, self.buf_ptrs, self.flag_ptrs, self.uses[r], r, self.half
-            )  # fmt: skip
+            one_shot_all_reduce(xs[r], out, self.buf_ptrs, self.uses[r], r, self.half)
             outs.append(out)
         return outs
 
@@ -127,29 +150,36 @@ def test_calls_alternate_halves_and_count_per_program():
     assert runs == [4, 2, 2]
     for r in range(world):
         assert ranks.uses[r][:3].tolist() == runs and ranks.uses[r][3:].eq(0).all()
-        peer = 1 - r
-        for b, count in enumerate(runs):
-            assert int(ranks.flags[peer][b * world + r]) == count  # r's flag in the peer's slot
     # program 0's last two calls (sizes[2] at count 3, sizes[3] at count 4): both halves
+    # of every receiver hold its peer's part with the flag of that call
     for count, call in ((3, 2), (4, 3)):
         n = min(sizes[call], CHUNK)
-        half = (count % 2) * HALF
         for r in range(world):
-            assert torch.equal(ranks.data[r][half : half + n], history[call][r][:n])
+            peer = 1 - r
+            sent = words_of(history[call][peer][:n], flag_of(count))
+            assert torch.equal(ranks.at(r, peer, count, 0, n), sent), (count, r)
 
 
-def test_a_peer_already_a_call_ahead_satisfies_the_wait():
-    """Flags only grow: a peer that finished this call and signalled the next one
-    (its flag one higher) does not make this rank wait forever."""
+def test_a_peer_already_a_call_ahead():
+    """A peer that finished this call may already have sent its next one (the other
+    half): this rank's call and then its next both sum the right parts."""
     ranks = Ranks(2, torch.float32)
-    first = addends(2, 10, torch.float32, seed=1)
-    ranks.all_reduce(first)
-    xs = addends(2, 10, torch.float32, seed=2)
-    ranks.arrive(1, xs[1], waiting=0)
-    ranks.flags[0][1] += 1  # rank 1 is already at its next call
-    out = torch.empty_like(xs[0])
-    one_shot_all_reduce(xs[0], out, ranks.buf_ptrs, ranks.flag_ptrs, ranks.uses[0], 0, HALF)
-    close_to_reference(out, xs)
+    ranks.all_reduce(addends(2, 10, torch.float32, seed=1))
+    now, then = addends(2, 10, torch.float32, seed=2), addends(2, 10, torch.float32, seed=3)
+    ranks.arrive_parts(1, [(0, 0, now[1])], waiting=0)
+    ranks.arrive_parts(1, [(0, 0, then[1])], waiting=0, ahead=2)
+    for xs in (now, then):
+        out = torch.empty_like(xs[0])
+        one_shot_all_reduce(xs[0], out, ranks.buf_ptrs, ranks.uses[0], 0, HALF)
+        close_to_reference(out, xs)
+
+
+def test_flags_never_zero_and_differ_two_calls_apart():
+    """A fresh (zeroed) buffer never passes for a call, nor does the half's previous
+    call (two before), across the wrap of the 31-bit flag."""
+    for use in (1, 2, 3, FLAG_PERIOD - 1, FLAG_PERIOD, FLAG_PERIOD + 1, 5 * FLAG_PERIOD + 2):
+        assert 0 < flag_of(use) < 2**31
+        assert flag_of(use) != flag_of(use + 2)
 
 
 def test_in_place_and_shape_checks():
@@ -157,13 +187,11 @@ def test_in_place_and_shape_checks():
     xs = addends(2, 64, torch.bfloat16, seed=3)
     ranks.arrive(1, xs[1], waiting=0)
     x0 = xs[0].clone()
-    assert (
-        one_shot_all_reduce(x0, x0, ranks.buf_ptrs, ranks.flag_ptrs, ranks.uses[0], 0, HALF) is x0
-    )
+    assert one_shot_all_reduce(x0, x0, ranks.buf_ptrs, ranks.uses[0], 0, HALF) is x0
     close_to_reference(x0, xs)
     with pytest.raises(AssertionError):  # larger than a buffer half
         big = torch.zeros(HALF + 1, dtype=torch.bfloat16)
-        one_shot_all_reduce(big, big, ranks.buf_ptrs, ranks.flag_ptrs, ranks.uses[0], 0, HALF)
+        one_shot_all_reduce(big, big, ranks.buf_ptrs, ranks.uses[0], 0, HALF)
 
 
 def rows_of(x: torch.Tensor) -> list:
@@ -192,7 +220,7 @@ def test_sum_add_rmsnorm_equals_the_sum_then_fused_add_rmsnorm(world, shape, dty
                 ranks.arrive_parts(p, rows_of(xs[p]), waiting=r)
             x, res = xs[r].clone(), residual.clone()
             got = one_shot_add_rmsnorm(
-                x, res, weight, 1e-6, ranks.buf_ptrs, ranks.flag_ptrs, ranks.uses[r], r, half
+                x, res, weight, 1e-6, ranks.buf_ptrs, ranks.uses[r], r, half
             )  # fmt: skip
             assert got[0] is x and got[1] is res
             if dtype == torch.float32:

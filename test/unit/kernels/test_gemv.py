@@ -175,6 +175,19 @@ def test_gemv_config_examples():
     assert gemv_config(16, 40, 8, 132).block_k == 16  # tl.dot's minimum
 
 
+def test_tuned_shapes_only_at_one_row_on_an_h100():
+    """The 8B's tp-2 projections take their swept configs at M = 1 on 132 SMs; other
+    row counts and GPUs keep the rule, and the tp-1 shapes are not touched."""
+    o_tp2 = (4096, 2048)
+    assert gemv_config(1, *o_tp2, 132) == GemvConfig(64, 128, 4, 6, use_dot=True)
+    assert gemv_config(1, *o_tp2, 132) != gemv_config(1, *o_tp2, 8)
+    assert gemv_config(2, *o_tp2, 132) == gemv_config(2, *o_tp2, 8)
+    assert gemv_config(1, 14336, 4096, 132) == GemvConfig(4, 512, 4, 4, use_dot=False)
+    assert gemv_config(1, 4096, 7168, 132, act_silu_mul=True).block_k == 512
+    assert gemv_config(1, 4096, 7168, 132).block_k == 1024  # the plain down is not tuned
+    assert gemv_config(1, 4096, 4096, 132) == GemvConfig(4, 1024, 8, 3, use_dot=False)
+
+
 @pytest.mark.parametrize("M", [1, 3])
 def test_default_config_fused(M):
     torch.manual_seed(6)
