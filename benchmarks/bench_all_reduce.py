@@ -3,7 +3,9 @@ kernel over symmetric memory (`forward/one_shot.py`), on every GPU of this machi
 
 Each graph holds CALLS repetitions of a PDL-launched RMSNorm over [rows, hidden] bf16
 followed by the all-reduce of its output, as a TP decode step interleaves its kernels
-and sums; a graph of the norms alone is the baseline subtracted. Rank 0 prints a table
+and sums; a graph of the norms alone is the baseline subtracted. Up to the fused
+kernel's rows, also the sum followed by the residual add + RMSNorm (NCCL or one-shot,
+then the norm kernel) against the one launch that does both. Rank 0 prints a table
 and writes JSON:
 
     python benchmarks/bench_all_reduce.py --device-kind nvidia-h100-x2 --output-json out.json
@@ -51,7 +53,8 @@ def time_graph(step, device, replays: int) -> float:
 def rank_main(rank: int, world: int, port: int, ns: argparse.Namespace) -> None:
     os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
     from gyrfalcon.forward.distributed import GroupCommunicator, init_tensor_parallel
-    from gyrfalcon.kernels.norm import rmsnorm
+    from gyrfalcon.kernels.all_reduce import MAX_ROWS
+    from gyrfalcon.kernels.norm import fused_add_rmsnorm, rmsnorm
 
     device = torch.device("cuda", rank)
     parallel = init_tensor_parallel(
@@ -78,13 +81,27 @@ def rank_main(rank: int, world: int, port: int, ns: argparse.Namespace) -> None:
                 continue
             total = time_graph(lambda f=reduce: step(f), device, ns.replays)
             row[f"{name}_us"] = (total - norms) / CALLS
+        if rows <= MAX_ROWS:  # the sum with the add + norm after it: separate, then fused
+            res = torch.zeros_like(x)
+
+            def then_norm(sum_, res=res, w=w):
+                return lambda h: fused_add_rmsnorm(sum_(h), res, w, 1e-6)
+
+            for name, reduce in (
+                ("nccl_then_norm", then_norm(nccl.all_reduce)),
+                ("one_shot_then_norm", then_norm(one_shot)),
+                ("fused", lambda h, res=res, w=w: one_shot.add_rmsnorm(h, res, w, 1e-6)),
+            ):
+                total = time_graph(lambda f=reduce: step(f), device, ns.replays)
+                row[f"{name}_us"] = (total - norms) / CALLS
         rows_out.append(row)
     if rank == 0:
-        print(f"{'rows':>5} {'KiB':>6} {'norm us':>8} {'NCCL us':>8} {'one-shot us':>12}")
+        cols = ("nccl", "one_shot", "nccl_then_norm", "one_shot_then_norm", "fused")
+        print(f"{'rows':>5} {'KiB':>6} {'norm us':>8} " + " ".join(f"{c:>18}" for c in cols))
         for r in rows_out:
-            one = f"{r['one_shot_us']:12.2f}" if "one_shot_us" in r else f"{'-':>12}"
             kib = r["bytes"] / 1024
-            print(f"{r['rows']:5d} {kib:6.0f} {r['norm_us']:8.2f} {r['nccl_us']:8.2f} {one}")
+            got = [f"{r[c + '_us']:18.2f}" if c + "_us" in r else f"{'-':>18}" for c in cols]
+            print(f"{r['rows']:5d} {kib:6.0f} {r['norm_us']:8.2f} " + " ".join(got))
         if ns.output_json:
             from gyrfalcon.bench.provenance import git_commit
 

@@ -24,12 +24,12 @@ from gyrfalcon.forward.parallel import ParallelContext
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 # NOTE: where the one-shot kernels beat NCCL (benchmarks/bench_all_reduce.py on two H100s,
-# inside graphs: 6.1 against 6.7 us at 8 KiB, 7.3 against 7.0 at 32 KiB, 8.6 against 7.4
-# at 128 KiB: it pulls every peer's part over NVLink): sums up to ONE_SHOT_MAX_BYTES; the
-# sum fused with the add + RMSNorm after it (which saves the norm's own launch) up to
-# FUSED_MAX_ROWS rows
-ONE_SHOT_MAX_BYTES = 16 << 10
-FUSED_MAX_ROWS = 4
+# inside graphs, 2fd852e: 2.4 against 6.7 us at 8 KiB, 3.2 against 7.4 at 128 KiB, 3.9
+# against 8.8 at 256 KiB): sums up to ONE_SHOT_MAX_BYTES, the most the kernel takes in
+# bf16; the sum fused with the add + RMSNorm after it (which saves the norm's own launch)
+# up to FUSED_MAX_ROWS rows
+ONE_SHOT_MAX_BYTES = 256 << 10
+FUSED_MAX_ROWS = 16
 
 
 class GroupCommunicator:
