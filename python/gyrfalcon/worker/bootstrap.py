@@ -40,7 +40,7 @@ def build_worker(
     if args.joins_process_groups():  # NOTE: else DP groups share no collective
         assert args.dist_init_addr is not None, "the launcher sets --dist-init-addr"
         timeout = timedelta(seconds=args.dist_timeout)
-        # NOTE: the one-shot all-reduce reads peers' memory: only within one node
+        # NOTE: the one-shot all-reduce writes into peers' memory: only within one node
         one_shot = not args.disable_custom_all_reduce and tp_groups_within_nodes(
             layout.world_size, layout.tp_size, args.nnodes
         )
