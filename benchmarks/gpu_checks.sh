@@ -23,7 +23,8 @@
 #           .data/train_prompts.jsonl, carried) into drafters/smollm2-eagle3, sent back
 #           as $OUT/drafter.tgz.part* (15 MiB parts), then its offline acceptance on
 #           MT-Bench's first turns (benchmarks/eval_drafter.py); NUM_PROMPTS, SELF_INSTRUCTIONS,
-#           FOLLOW_UPS, MAX_STEPS, BATCH, LR, EVAL_EVERY, TRAIN_SECONDS (the time guard);
+#           FOLLOW_UPS, MAX_STEPS, BATCH, LR, EVAL_EVERY, TRAIN_SECONDS (the time guard),
+#           GEN_WORKERS (engines generating at once, --generate-workers);
 #   spec:   bench_spec.py (MT-Bench first turns, .data/mt_bench_dev.jsonl) with the drafter
 #           in drafters/smollm2-eagle3 (or staged: .drafter/drafter.tgz.part* carried with a
 #           stage part), then bench_spec_step.py for the 8B and SmolLM2 shapes (dummy
@@ -260,7 +261,7 @@ PY
       --holdout 64 --max-new-tokens 256 --max-steps ${MAX_STEPS:-3000} --batch-size ${BATCH:-16} \
       --lr ${LR:-3e-4} --ttt-steps 4 --draft-vocab-size 16384 --eval-every ${EVAL_EVERY:-500} \
       --self-instructions ${SELF_INSTRUCTIONS:-0} --follow-up-turns ${FOLLOW_UPS:-0} \
-      --max-train-seconds ${TRAIN_SECONDS:-240} \
+      --max-train-seconds ${TRAIN_SECONDS:-240} --generate-workers ${GEN_WORKERS:-1} \
       > "$OUT/train_drafter.log" 2>&1
     echo "train exit $?"; grep -aE "Elapsed|acceptance|accept|loss|phase|summary|kept|sequences" "$OUT/train_drafter.log" | tail -25
     # NOTE: measured only (never trained on): the offline acceptance on MT-Bench's first

@@ -21,6 +21,7 @@ class LocalEngine:
     def __init__(self, args: ServerArgs, model_dir: str, check_invariants: bool = True):
         """check_invariants: check the page allocator after every step (tests drive this
         engine; offline generation over a large KV pool may turn it off)."""
+        self.model_dir = model_dir
         self.model_cfg = ModelConfig.from_dir(model_dir)
         self.args = args = args.resolved(self.model_cfg.head_dim)
         self.worker, context_len = build_worker(args, model_dir, self.model_cfg, rank=0)

@@ -71,6 +71,14 @@ class TrainArgs:
     max_num_seqs: int = field(
         default=256, metadata={"help": "answers generated at once (the engine's batch)"}
     )
+    generate_workers: int = field(
+        default=1,
+        metadata={
+            "help": "engines that generate the data at once, each in its own process on "
+            "the device (on a GPU the host's work per row bounds one engine; 4 suits an "
+            "H100 with SmolLM2)"
+        },
+    )
     kv_cache_memory: str = field(
         default="4GiB",
         metadata={
@@ -146,6 +154,8 @@ class TrainArgs:
             raise ValueError(
                 "--self-instructions needs the chat template (the target writes a user turn)"
             )
+        if self.generate_workers < 1:
+            raise ValueError(f"--generate-workers must be >= 1, got {self.generate_workers}")
         if self.self_instructions < 0:
             raise ValueError(f"--self-instructions must be >= 0, got {self.self_instructions}")
         positive = {

@@ -5,6 +5,10 @@ each prompt through the chat template, answered greedily by our engine
 (`LocalEngine`, the server's scheduler and worker in-process). A sequence is the
 prompt's ids followed by the answer's; the loss covers the answer only.
 
+On a GPU the host's Python per row and step bounds generation, not the device: `complete`
+can hand shares of the prompts to copies of the engine in spawned processes on the same
+device (`workers`), whose steps interleave there.
+
 Follow-up turns (`follow_up_conversations`) widen that text: a prompt, the target's
 answer, then a generic follow-up question (`FOLLOW_UPS`, written for this purpose,
 none from an evaluation set), and the target's second answer, which alone is
@@ -14,6 +18,7 @@ trained on.
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import random
 from collections import Counter
 from collections.abc import Sequence
@@ -122,15 +127,71 @@ def complete(
     prompts: Sequence[list[int]],
     sampling: Sequence[SamplingParams],
     desc: str,
+    workers: int = 1,
 ) -> list[Completion]:
     """The trainer's one generation loop: prompt i continued by the engine under
     sampling[i] (greedy answers, sampled instructions), `max_num_seqs` at a time, a
-    progress bar named `desc`."""
+    progress bar named `desc`. With workers > 1, prompts w, w + workers, ... go to a
+    copy of the engine (its args and model) in spawned process w for w >= 1, and share 0
+    to `engine`, all at once; the bar counts share 0."""
+    if len(prompts) != len(sampling):
+        raise ValueError(f"{len(prompts)} prompts, {len(sampling)} sampling settings")
+    if workers <= 1 or len(prompts) < 2 * workers:
+        return _complete(engine, prompts, sampling, desc)
+    ctx = mp.get_context("spawn")  # NOTE: a forked child would share the parent's CUDA
+    copies = []
+    for w in range(1, workers):
+        recv, send = ctx.Pipe(duplex=False)
+        share = (list(prompts[w::workers]), list(sampling[w::workers]))
+        proc = ctx.Process(
+            target=_complete_in_copy, args=(engine.args, engine.model_dir, *share, send),
+            daemon=True,
+        )  # fmt: skip
+        proc.start()
+        send.close()  # NOTE: the child's end only: recv raises EOFError if the child dies
+        copies.append((proc, recv))
+    out: list[Completion | None] = [None] * len(prompts)
+    out[0::workers] = _complete(engine, prompts[0::workers], sampling[0::workers], desc)
+    for w, (proc, recv) in enumerate(copies, start=1):
+        try:
+            got = recv.recv()
+        except EOFError:
+            proc.join()
+            got = f"exited with code {proc.exitcode} before answering"
+        proc.join()
+        if isinstance(got, str):
+            raise RuntimeError(f"generation worker {w} of {workers}: {got}")
+        out[w::workers] = [Completion(ids, reason) for ids, reason in got]
+    assert all(c is not None for c in out)
+    return out  # type: ignore[return-value]
+
+
+def _complete_in_copy(args: Any, model_dir: str, prompts: list, sampling: list, send: Any) -> None:
+    """A spawned worker of `complete`: its share through an engine of its own, sent back
+    as (ids, finish_reason) pairs, or the error as a string."""
+    try:
+        engine = LocalEngine(args, model_dir, check_invariants=False)
+        got = _complete(engine, prompts, sampling, "", progress=False)
+        send.send([(c.ids, c.finish_reason) for c in got])
+    except Exception as exc:  # NOTE: the parent raises it with the worker's number
+        send.send(f"{type(exc).__name__}: {exc}")
+    finally:
+        send.close()
+
+
+def _complete(
+    engine: LocalEngine,
+    prompts: Sequence[list[int]],
+    sampling: Sequence[SamplingParams],
+    desc: str,
+    progress: bool = True,
+) -> list[Completion]:
+    """`complete` on one engine."""
     for i, (p, sp) in enumerate(zip(prompts, sampling, strict=True)):
         engine.add(str(i), p, sp)
     ids: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     reasons: dict[str, str] = {}
-    bar = tqdm(total=len(prompts), desc=desc, unit="prompt")
+    bar = tqdm(total=len(prompts), desc=desc, unit="prompt", disable=not progress)
     tokens = 0
     while engine.has_work():
         for out in engine.step():
@@ -147,17 +208,17 @@ def complete(
 
 
 def generate_answers(
-    engine: LocalEngine, prompts: Sequence[list[int]], max_new_tokens: int
+    engine: LocalEngine, prompts: Sequence[list[int]], max_new_tokens: int, workers: int = 1
 ) -> list[TrainSequence]:
     """The target's greedy answers (EOS included when it stops on one), as sequences.
     Prompts that leave no room for an answer in the context, and empty answers, are
-    dropped."""
+    dropped. workers: as `complete`'s."""
     context = engine.scheduler.cfg.max_model_len
     kept = [p for p in prompts if p and len(p) + 2 <= context]
     if len(kept) < len(prompts):
         tqdm.write(f"dropped {len(prompts) - len(kept)} prompts longer than the context")
     greedy = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
-    answers = complete(engine, kept, [greedy] * len(kept), "generating answers")
+    answers = complete(engine, kept, [greedy] * len(kept), "generating answers", workers)
     seqs = [TrainSequence(p + a.ids, len(p)) for p, a in zip(kept, answers)]
     return [s for s in seqs if len(s.ids) > s.prompt_len]
 

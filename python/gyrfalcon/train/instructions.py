@@ -105,11 +105,17 @@ def select_instructions(
 
 
 def write_instructions(
-    engine: LocalEngine, tokenizer: Any, n: int, seed: int, seen: Sequence[str] = ()
+    engine: LocalEngine,
+    tokenizer: Any,
+    n: int,
+    seed: int,
+    seen: Sequence[str] = (),
+    workers: int = 1,
 ) -> Instructions:
     """N user instructions sampled from the target (module docstring), filtered by
-    `select_instructions` (`seen`: the prompts there already)."""
+    `select_instructions` (`seen`: the prompts there already); workers: as
+    `data.complete`'s (each instruction's own seed makes it the same either way)."""
     prompt = instruction_prompt(tokenizer)
     sampling = instruction_sampling(n, seed)
-    completions = complete(engine, [prompt] * n, sampling, "writing instructions")
+    completions = complete(engine, [prompt] * n, sampling, "writing instructions", workers)
     return select_instructions(tokenizer, completions, engine.model_cfg.eos_token_ids, seen)

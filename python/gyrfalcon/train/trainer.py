@@ -179,13 +179,15 @@ def generate(args: TrainArgs, prompts: list[str]) -> Generated:
     engine = LocalEngine(server_args, model_dir, check_invariants=False)  # NOTE: big pool
     instructions: list[str] = []
     if args.self_instructions:
-        written = write_instructions(engine, tokenizer, args.self_instructions, args.seed, prompts)
+        written = write_instructions(
+            engine, tokenizer, args.self_instructions, args.seed, prompts, args.generate_workers
+        )
         log(written.summary())
         instructions = written.kept
         prompts = prompts + instructions
         random.Random(args.seed).shuffle(prompts)
     prompt_ids = encode_prompts(tokenizer, prompts, chat_template=not args.no_chat_template)
-    seqs = generate_answers(engine, prompt_ids, args.max_new_tokens)
+    seqs = generate_answers(engine, prompt_ids, args.max_new_tokens, args.generate_workers)
     if args.follow_up_turns:
         # NOTE: second turns of training prompts only; the held-out sequences stay last
         text_of = {tuple(ids): text for ids, text in zip(prompt_ids, prompts)}
@@ -196,7 +198,7 @@ def generate(args: TrainArgs, prompts: list[str]) -> Generated:
             [s.ids[s.prompt_len :] for s in base],
             args.seed,
         )
-        second = generate_answers(engine, convs, args.max_new_tokens)
+        second = generate_answers(engine, convs, args.max_new_tokens, args.generate_workers)
         cut = len(seqs) - args.holdout
         seqs = seqs[:cut] + second + seqs[cut:]
     if len(seqs) <= args.holdout:

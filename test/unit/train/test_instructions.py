@@ -1,7 +1,8 @@
 """--self-instructions: the target writes user instructions from its chat template's
 user position (the default system prompt kept); truncated, short and duplicate ones
 are dropped; the same --seed writes the same ones; they join the prompts (the
-end-to-end run is in test_train_cli.py)."""
+end-to-end run is in test_train_cli.py). Engine copies in other processes
+(--generate-workers) give what one engine gives."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from gyrfalcon.bench.synthetic_tokenizer import make_synthetic_tokenizer
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.engine import LocalEngine
 from gyrfalcon.train.args import TrainArgs
-from gyrfalcon.train.data import Completion
+from gyrfalcon.train.data import Completion, generate_answers
 from gyrfalcon.train.instructions import (
     instruction_prompt,
     select_instructions,
@@ -123,3 +124,29 @@ def test_the_target_writes_them_reproducibly_from_the_seed(target, engine):
     assert write_instructions(engine, tok, 24, seed=0) == first
     other = write_instructions(engine, tok, 24, seed=1)
     assert other.kept != first.kept
+
+
+class _BadCopies:
+    """The engine for share 0, but a model directory no copy can load."""
+
+    def __init__(self, engine):
+        self.engine, self.args, self.model_dir = engine, engine.args, "/nonexistent/model"
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def test_engine_copies_in_other_processes_write_and_answer_the_same(target, engine):
+    """--generate-workers 2: half the prompts go to an engine in a spawned process; the
+    sampled instructions (each its own seed) and the greedy answers are the ones one
+    engine gives, in the prompts' order."""
+    _, tok = target
+    alone = write_instructions(engine, tok, 12, seed=3)
+    assert write_instructions(engine, tok, 12, seed=3, workers=2) == alone
+    prompts = [encode(tok, f"<{20 + i}> <{30 + i}> <{40 + i}>") for i in range(6)]
+    want = generate_answers(engine, prompts, 8)
+    assert generate_answers(engine, prompts, 8, workers=2) == want
+    # a copy that cannot start: the error names it, share 0's requests all finished
+    with pytest.raises(RuntimeError, match="generation worker 1 of 2: .*nonexistent"):
+        generate_answers(_BadCopies(engine), prompts, 8, workers=2)
+    assert not engine.has_work()
