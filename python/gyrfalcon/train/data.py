@@ -7,7 +7,7 @@ prompt's ids followed by the answer's; the loss covers the answer only.
 
 On a GPU the host's Python per row and step bounds generation, not the device: `complete`
 can hand shares of the prompts to copies of the engine in spawned processes on the same
-device (`workers`), whose steps interleave there.
+device (`EngineCopies`), whose steps interleave there.
 
 Follow-up turns (`follow_up_conversations`) widen that text: a prompt, the target's
 answer, then a generic follow-up question (`FOLLOW_UPS`, written for this purpose,
@@ -122,61 +122,103 @@ class Completion:
     finish_reason: str  # "stop" (EOS), "length" (max_tokens or the context), "error", ...
 
 
+class EngineCopies:
+    """`workers - 1` copies of an engine (its args and model) in spawned processes on its
+    device, started once and given a share of every `complete` call until closed (a
+    context manager; with workers == 1 there are none). Copy w answers prompts w,
+    w + workers, ...; the engine itself share 0."""
+
+    def __init__(self, engine: LocalEngine, workers: int):
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.workers = workers
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+        ctx = mp.get_context("spawn")  # NOTE: a forked child would share the parent's CUDA
+        for _ in range(1, workers):
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(
+                target=_serve_copy, args=(engine.args, engine.model_dir, theirs), daemon=True
+            )
+            proc.start()
+            theirs.close()  # NOTE: the child's end only: recv raises EOFError if it dies
+            self.procs.append(proc)
+            self.conns.append(mine)
+
+    def send(self, prompts: Sequence[list[int]], sampling: Sequence[SamplingParams]) -> None:
+        for w, conn in enumerate(self.conns, start=1):
+            conn.send((list(prompts[w :: self.workers]), list(sampling[w :: self.workers])))
+
+    def gather(self, out: list[Completion | None]) -> None:
+        """Each copy's share of the call `send` gave them, into out."""
+        for w, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True), start=1):
+            try:
+                got = conn.recv()
+            except EOFError:
+                proc.join()
+                got = f"exited with code {proc.exitcode} before answering"
+            if isinstance(got, str):
+                self.close()
+                raise RuntimeError(f"generation worker {w} of {self.workers}: {got}")
+            out[w :: self.workers] = [Completion(ids, reason) for ids, reason in got]
+
+    def close(self) -> None:
+        for proc, conn in zip(self.procs, self.conns, strict=True):
+            if proc.is_alive():
+                try:
+                    conn.send(None)
+                except OSError:  # NOTE: it died since
+                    pass
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+            conn.close()
+        self.procs, self.conns = [], []
+
+    def __enter__(self) -> EngineCopies:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _serve_copy(args: Any, model_dir: str, conn: Any) -> None:
+    """The loop of an `EngineCopies` process: an engine of its own, then (prompts,
+    sampling) shares answered as (ids, finish_reason) pairs until None; an error is
+    sent as a string and ends it."""
+    try:
+        engine = LocalEngine(args, model_dir, check_invariants=False)
+        while (work := conn.recv()) is not None:
+            got = _complete(engine, *work, "", progress=False)
+            conn.send([(c.ids, c.finish_reason) for c in got])
+    except Exception as exc:  # NOTE: the parent raises it with the worker's number
+        conn.send(f"{type(exc).__name__}: {exc}")
+    finally:
+        conn.close()
+
+
 def complete(
     engine: LocalEngine,
     prompts: Sequence[list[int]],
     sampling: Sequence[SamplingParams],
     desc: str,
-    workers: int = 1,
+    copies: EngineCopies | None = None,
 ) -> list[Completion]:
     """The trainer's one generation loop: prompt i continued by the engine under
     sampling[i] (greedy answers, sampled instructions), `max_num_seqs` at a time, a
-    progress bar named `desc`. With workers > 1, prompts w, w + workers, ... go to a
-    copy of the engine (its args and model) in spawned process w for w >= 1, and share 0
-    to `engine`, all at once; the bar counts share 0."""
+    progress bar named `desc` (share 0's, with copies); copies: engines in other
+    processes that take their shares at the same time."""
     if len(prompts) != len(sampling):
         raise ValueError(f"{len(prompts)} prompts, {len(sampling)} sampling settings")
-    if workers <= 1 or len(prompts) < 2 * workers:
+    if copies is None or copies.workers == 1:
         return _complete(engine, prompts, sampling, desc)
-    ctx = mp.get_context("spawn")  # NOTE: a forked child would share the parent's CUDA
-    copies = []
-    for w in range(1, workers):
-        recv, send = ctx.Pipe(duplex=False)
-        share = (list(prompts[w::workers]), list(sampling[w::workers]))
-        proc = ctx.Process(
-            target=_complete_in_copy, args=(engine.args, engine.model_dir, *share, send),
-            daemon=True,
-        )  # fmt: skip
-        proc.start()
-        send.close()  # NOTE: the child's end only: recv raises EOFError if the child dies
-        copies.append((proc, recv))
+    n = copies.workers
+    copies.send(prompts, sampling)
     out: list[Completion | None] = [None] * len(prompts)
-    out[0::workers] = _complete(engine, prompts[0::workers], sampling[0::workers], desc)
-    for w, (proc, recv) in enumerate(copies, start=1):
-        try:
-            got = recv.recv()
-        except EOFError:
-            proc.join()
-            got = f"exited with code {proc.exitcode} before answering"
-        proc.join()
-        if isinstance(got, str):
-            raise RuntimeError(f"generation worker {w} of {workers}: {got}")
-        out[w::workers] = [Completion(ids, reason) for ids, reason in got]
+    out[0::n] = _complete(engine, prompts[0::n], sampling[0::n], desc)
+    copies.gather(out)
     assert all(c is not None for c in out)
     return out  # type: ignore[return-value]
-
-
-def _complete_in_copy(args: Any, model_dir: str, prompts: list, sampling: list, send: Any) -> None:
-    """A spawned worker of `complete`: its share through an engine of its own, sent back
-    as (ids, finish_reason) pairs, or the error as a string."""
-    try:
-        engine = LocalEngine(args, model_dir, check_invariants=False)
-        got = _complete(engine, prompts, sampling, "", progress=False)
-        send.send([(c.ids, c.finish_reason) for c in got])
-    except Exception as exc:  # NOTE: the parent raises it with the worker's number
-        send.send(f"{type(exc).__name__}: {exc}")
-    finally:
-        send.close()
 
 
 def _complete(
@@ -208,17 +250,20 @@ def _complete(
 
 
 def generate_answers(
-    engine: LocalEngine, prompts: Sequence[list[int]], max_new_tokens: int, workers: int = 1
+    engine: LocalEngine,
+    prompts: Sequence[list[int]],
+    max_new_tokens: int,
+    copies: EngineCopies | None = None,
 ) -> list[TrainSequence]:
     """The target's greedy answers (EOS included when it stops on one), as sequences.
     Prompts that leave no room for an answer in the context, and empty answers, are
-    dropped. workers: as `complete`'s."""
+    dropped. copies: as `complete`'s."""
     context = engine.scheduler.cfg.max_model_len
     kept = [p for p in prompts if p and len(p) + 2 <= context]
     if len(kept) < len(prompts):
         tqdm.write(f"dropped {len(prompts) - len(kept)} prompts longer than the context")
     greedy = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
-    answers = complete(engine, kept, [greedy] * len(kept), "generating answers", workers)
+    answers = complete(engine, kept, [greedy] * len(kept), "generating answers", copies)
     seqs = [TrainSequence(p + a.ids, len(p)) for p, a in zip(kept, answers)]
     return [s for s in seqs if len(s.ids) > s.prompt_len]
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from gyrfalcon.engine import LocalEngine
 from gyrfalcon.ipc.messages import SamplingParams
-from gyrfalcon.train.data import Completion, complete
+from gyrfalcon.train.data import Completion, EngineCopies, complete
 
 # NOTE: a string no template writes and none trims or escapes: where the user's text starts
 SENTINEL = "GyrfalconUserContentSentinel7c1f"
@@ -110,12 +110,12 @@ def write_instructions(
     n: int,
     seed: int,
     seen: Sequence[str] = (),
-    workers: int = 1,
+    copies: EngineCopies | None = None,
 ) -> Instructions:
     """N user instructions sampled from the target (module docstring), filtered by
-    `select_instructions` (`seen`: the prompts there already); workers: as
+    `select_instructions` (`seen`: the prompts there already); copies: as
     `data.complete`'s (each instruction's own seed makes it the same either way)."""
     prompt = instruction_prompt(tokenizer)
     sampling = instruction_sampling(n, seed)
-    completions = complete(engine, [prompt] * n, sampling, "writing instructions", workers)
+    completions = complete(engine, [prompt] * n, sampling, "writing instructions", copies)
     return select_instructions(tokenizer, completions, engine.model_cfg.eos_token_ids, seen)

@@ -33,6 +33,7 @@ from gyrfalcon.loader.resolve import resolve_model
 from gyrfalcon.models.llama_eagle3 import LlamaForCausalLMEagle3
 from gyrfalcon.train.args import TrainArgs
 from gyrfalcon.train.data import (
+    EngineCopies,
     TrainSequence,
     build_draft_vocab,
     encode_prompts,
@@ -157,6 +158,42 @@ class Generated:
     instructions: list[str]  # the kept self-written instructions (among the prompts)
 
 
+def _generate_with(
+    engine: LocalEngine,
+    copies: EngineCopies,
+    tokenizer: Any,
+    args: TrainArgs,
+    prompts: list[str],
+) -> tuple[list[str], list[list[int]], list[TrainSequence]]:
+    """`generate`'s phases on the engine and its copies: (the kept instructions, the
+    prompts' ids, the answered sequences with the held-out ones last)."""
+    instructions: list[str] = []
+    if args.self_instructions:
+        written = write_instructions(
+            engine, tokenizer, args.self_instructions, args.seed, prompts, copies
+        )
+        log(written.summary())
+        instructions = written.kept
+        prompts = prompts + instructions
+        random.Random(args.seed).shuffle(prompts)
+    prompt_ids = encode_prompts(tokenizer, prompts, chat_template=not args.no_chat_template)
+    seqs = generate_answers(engine, prompt_ids, args.max_new_tokens, copies)
+    if args.follow_up_turns:
+        # NOTE: second turns of training prompts only; the held-out sequences stay last
+        text_of = {tuple(ids): text for ids, text in zip(prompt_ids, prompts)}
+        base = seqs[: len(seqs) - args.holdout][: args.follow_up_turns]
+        convs = follow_up_conversations(
+            tokenizer,
+            [text_of[tuple(s.ids[: s.prompt_len])] for s in base],
+            [s.ids[s.prompt_len :] for s in base],
+            args.seed,
+        )
+        second = generate_answers(engine, convs, args.max_new_tokens, copies)
+        cut = len(seqs) - args.holdout
+        seqs = seqs[:cut] + second + seqs[cut:]
+    return instructions, prompt_ids, seqs
+
+
 def generate(args: TrainArgs, prompts: list[str]) -> Generated:
     """The target's own text: instructions it writes (--self-instructions) join the
     prompts, shuffled together with --seed (so the held-out ones are drawn from both),
@@ -177,30 +214,8 @@ def generate(args: TrainArgs, prompts: list[str]) -> Generated:
         attention_backend="triton" if args.device.startswith("cuda") else "auto",
     )
     engine = LocalEngine(server_args, model_dir, check_invariants=False)  # NOTE: big pool
-    instructions: list[str] = []
-    if args.self_instructions:
-        written = write_instructions(
-            engine, tokenizer, args.self_instructions, args.seed, prompts, args.generate_workers
-        )
-        log(written.summary())
-        instructions = written.kept
-        prompts = prompts + instructions
-        random.Random(args.seed).shuffle(prompts)
-    prompt_ids = encode_prompts(tokenizer, prompts, chat_template=not args.no_chat_template)
-    seqs = generate_answers(engine, prompt_ids, args.max_new_tokens, args.generate_workers)
-    if args.follow_up_turns:
-        # NOTE: second turns of training prompts only; the held-out sequences stay last
-        text_of = {tuple(ids): text for ids, text in zip(prompt_ids, prompts)}
-        base = seqs[: len(seqs) - args.holdout][: args.follow_up_turns]
-        convs = follow_up_conversations(
-            tokenizer,
-            [text_of[tuple(s.ids[: s.prompt_len])] for s in base],
-            [s.ids[s.prompt_len :] for s in base],
-            args.seed,
-        )
-        second = generate_answers(engine, convs, args.max_new_tokens, args.generate_workers)
-        cut = len(seqs) - args.holdout
-        seqs = seqs[:cut] + second + seqs[cut:]
+    with EngineCopies(engine, args.generate_workers) as copies:
+        instructions, prompt_ids, seqs = _generate_with(engine, copies, tokenizer, args, prompts)
     if len(seqs) <= args.holdout:
         raise ValueError(f"{len(seqs)} answered prompts; --holdout {args.holdout} leaves none")
     return Generated(model_dir, engine, seqs, instructions)

@@ -14,7 +14,7 @@ from gyrfalcon.bench.synthetic_tokenizer import make_synthetic_tokenizer
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.engine import LocalEngine
 from gyrfalcon.train.args import TrainArgs
-from gyrfalcon.train.data import Completion, generate_answers
+from gyrfalcon.train.data import Completion, EngineCopies, generate_answers
 from gyrfalcon.train.instructions import (
     instruction_prompt,
     select_instructions,
@@ -137,16 +137,20 @@ class _BadCopies:
 
 
 def test_engine_copies_in_other_processes_write_and_answer_the_same(target, engine):
-    """--generate-workers 2: half the prompts go to an engine in a spawned process; the
-    sampled instructions (each its own seed) and the greedy answers are the ones one
-    engine gives, in the prompts' order."""
+    """--generate-workers 2: an engine copy in a spawned process, started once, takes
+    half the prompts of every call; the sampled instructions (each its own seed) and
+    the greedy answers are the ones one engine gives, in the prompts' order."""
     _, tok = target
     alone = write_instructions(engine, tok, 12, seed=3)
-    assert write_instructions(engine, tok, 12, seed=3, workers=2) == alone
     prompts = [encode(tok, f"<{20 + i}> <{30 + i}> <{40 + i}>") for i in range(6)]
     want = generate_answers(engine, prompts, 8)
-    assert generate_answers(engine, prompts, 8, workers=2) == want
+    with EngineCopies(engine, 2) as copies:
+        assert write_instructions(engine, tok, 12, seed=3, copies=copies) == alone
+        assert generate_answers(engine, prompts, 8, copies) == want
+        proc = copies.procs[0]
+    assert not proc.is_alive() and proc.exitcode == 0  # closed with the context
     # a copy that cannot start: the error names it, share 0's requests all finished
-    with pytest.raises(RuntimeError, match="generation worker 1 of 2: .*nonexistent"):
-        generate_answers(_BadCopies(engine), prompts, 8, workers=2)
+    with EngineCopies(_BadCopies(engine), 2) as copies:
+        with pytest.raises(RuntimeError, match="generation worker 1 of 2: .*nonexistent"):
+            generate_answers(engine, prompts, 8, copies)
     assert not engine.has_work()
