@@ -14,14 +14,16 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 
 from gyrfalcon.kernels.fused_moe import (  # noqa: E402
-    ALIGN_TILE_ELEMS,
     MoeConfig,
-    align_tile,
     fused_moe,
-    max_blocks,
-    moe_align,
     moe_config,
     warm_up_token_counts,
+)
+from gyrfalcon.kernels.moe_align import (  # noqa: E402
+    ALIGN_TILE_ELEMS,
+    align_tile,
+    max_blocks,
+    moe_align,
 )
 from gyrfalcon.layers.moe import moe_reference  # noqa: E402
 
