@@ -164,9 +164,9 @@ def _generate_with(
     tokenizer: Any,
     args: TrainArgs,
     prompts: list[str],
-) -> tuple[list[str], list[list[int]], list[TrainSequence]]:
+) -> tuple[list[str], list[TrainSequence]]:
     """`generate`'s phases on the engine and its copies: (the kept instructions, the
-    prompts' ids, the answered sequences with the held-out ones last)."""
+    answered sequences with the held-out ones last)."""
     instructions: list[str] = []
     if args.self_instructions:
         written = write_instructions(
@@ -191,7 +191,7 @@ def _generate_with(
         second = generate_answers(engine, convs, args.max_new_tokens, copies)
         cut = len(seqs) - args.holdout
         seqs = seqs[:cut] + second + seqs[cut:]
-    return instructions, prompt_ids, seqs
+    return instructions, seqs
 
 
 def generate(args: TrainArgs, prompts: list[str]) -> Generated:
@@ -215,7 +215,7 @@ def generate(args: TrainArgs, prompts: list[str]) -> Generated:
     )
     engine = LocalEngine(server_args, model_dir, check_invariants=False)  # NOTE: big pool
     with EngineCopies(engine, args.generate_workers) as copies:
-        instructions, prompt_ids, seqs = _generate_with(engine, copies, tokenizer, args, prompts)
+        instructions, seqs = _generate_with(engine, copies, tokenizer, args, prompts)
     if len(seqs) <= args.holdout:
         raise ValueError(f"{len(seqs)} answered prompts; --holdout {args.holdout} leaves none")
     return Generated(model_dir, engine, seqs, instructions)
