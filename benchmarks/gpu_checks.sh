@@ -24,7 +24,9 @@
 #           as $OUT/drafter.tgz.part* (15 MiB parts), then its offline acceptance on
 #           MT-Bench's first turns (benchmarks/eval_drafter.py); NUM_PROMPTS, SELF_INSTRUCTIONS,
 #           FOLLOW_UPS, MAX_STEPS, BATCH, LR, EVAL_EVERY, TRAIN_SECONDS (the time guard),
-#           GEN_WORKERS (engines generating at once, --generate-workers);
+#           GEN_WORKERS (engines generating at once, --generate-workers), DATA_CACHE (a
+#           file keeping the generated text for the next run on this machine, --data-cache),
+#           DRAFT_INTER (--draft-intermediate-size);
 #   spec:   bench_spec.py (MT-Bench first turns, .data/mt_bench_dev.jsonl) with the drafter
 #           in drafters/smollm2-eagle3 (or staged: .drafter/drafter.tgz.part* carried with a
 #           stage part), then bench_spec_step.py for the 8B and SmolLM2 shapes (dummy
@@ -262,6 +264,7 @@ PY
       --lr ${LR:-3e-4} --ttt-steps 4 --draft-vocab-size 16384 --eval-every ${EVAL_EVERY:-500} \
       --self-instructions ${SELF_INSTRUCTIONS:-0} --follow-up-turns ${FOLLOW_UPS:-0} \
       --max-train-seconds ${TRAIN_SECONDS:-240} --generate-workers ${GEN_WORKERS:-1} \
+      ${DATA_CACHE:+--data-cache "$DATA_CACHE"} ${DRAFT_INTER:+--draft-intermediate-size "$DRAFT_INTER"} \
       > "$OUT/train_drafter.log" 2>&1
     echo "train exit $?"; grep -aE "Elapsed|acceptance|accept|loss|phase|summary|kept|sequences" "$OUT/train_drafter.log" | tail -25
     # NOTE: measured only (never trained on): the offline acceptance on MT-Bench's first

@@ -86,6 +86,18 @@ class TrainArgs:
             "device's memory is left to training"
         },
     )
+    data_cache: str | None = field(
+        default=None,
+        metadata={
+            "help": "a file keeping the generated text: a later run with the same "
+            "generation arguments, target and prompts loads it instead of generating "
+            "(to try training settings); otherwise it is (re)written"
+        },
+    )
+    draft_intermediate_size: int | None = field(
+        default=None,
+        metadata={"help": "the drafter's MLP width (default: the target's intermediate size)"},
+    )
     draft_vocab_size: int = field(
         default=32000,
         metadata={
@@ -104,8 +116,8 @@ class TrainArgs:
         default=None,
         metadata={
             "help": "a guard: training stops after this many seconds (of the training "
-            "phase) even short of max-steps, then evaluates and saves; the learning-rate "
-            "schedule still follows max-steps"
+            "phase) even short of max-steps, then evaluates and saves; the learning rate "
+            "decays by steps or by time, whichever is further"
         },
     )
     batch_size: int = field(default=16, metadata={"help": "sequences per step"})
@@ -165,6 +177,7 @@ class TrainArgs:
             "--ttt-steps": self.ttt_steps,
             "--draft-vocab-size": self.draft_vocab_size,
             "--seq-bucket": self.seq_bucket,
+            "--draft-intermediate-size": self.draft_intermediate_size or 1,
         }
         for flag, value in positive.items():
             if value < 1:

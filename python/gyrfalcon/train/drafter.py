@@ -3,9 +3,10 @@
 The drafter is the server's `LlamaForCausalLMEagle3`, built here in float32 (the
 master weights; the forward runs in bfloat16 autocast on CUDA) on the target's
 embedding module, which stays frozen. Its midlayer has the target's layer shape
-(hidden size, heads, KV heads, head_dim, intermediate size, RoPE) as a plain Llama
-layer (no qkv bias, no qk-norm). The aux layers are the defaults, (2, N // 2,
-N - 3), written as no ids at all: SGLang and vLLM agree on those.
+(hidden size, heads, KV heads, head_dim, RoPE; the intermediate size unless
+--draft-intermediate-size widens it) as a plain Llama layer (no qkv bias, no
+qk-norm). The aux layers are the defaults, (2, N // 2, N - 3), written as no ids at
+all: SGLang and vLLM agree on those.
 """
 
 from __future__ import annotations
@@ -25,11 +26,15 @@ from gyrfalcon.train.data import d2t_offsets
 INIT_STD = 0.02  # HF Llama's initializer_range
 
 
-def draft_config_for(target: ModelConfig, draft_vocab_size: int, dtype: str) -> DraftConfig:
-    """An EAGLE3 drafter of the target's layer shape over `draft_vocab_size` ids;
-    `dtype` is the config's torch_dtype (what the checkpoint holds)."""
+def draft_config_for(
+    target: ModelConfig, draft_vocab_size: int, dtype: str, intermediate_size: int | None = None
+) -> DraftConfig:
+    """An EAGLE3 drafter of the target's layer shape over `draft_vocab_size` ids, its
+    MLP `intermediate_size` wide (default: the target's); `dtype` is the config's
+    torch_dtype (what the checkpoint holds)."""
     layer = dataclasses.replace(
         target,
+        intermediate_size=intermediate_size or target.intermediate_size,
         architecture="LlamaForCausalLM",
         num_layers=1,
         tie_word_embeddings=False,

@@ -41,6 +41,7 @@ from gyrfalcon.train.data import (
     generate_answers,
     load_prompts,
 )
+from gyrfalcon.train.data_cache import data_key, load_data, save_data
 from gyrfalcon.train.drafter import (
     build_drafter,
     draft_config_for,
@@ -69,12 +70,20 @@ def log(msg: str) -> None:
     tqdm.write(f"[train-eagle3] {msg}", file=sys.stderr)
 
 
-def lr_factor(step: int, warmup: int, total: int) -> float:
-    """Linear warm-up over `warmup` steps, then cosine from 1 to MIN_LR_RATIO."""
+def lr_factor(step: int, warmup: int, total: int, time_share: float = 0.0) -> float:
+    """Linear warm-up over `warmup` steps, then cosine from 1 to MIN_LR_RATIO as
+    training progresses: by steps (of `total`) or by time (`time_share`, the share of
+    --max-train-seconds spent), whichever is further, so a run the time guard stops
+    still ends on the decayed rate."""
     if step < warmup:
         return (step + 1) / warmup
-    t = (step - warmup) / max(1, total - warmup)
+    t = max((step - warmup) / max(1, total - warmup), time_share)
     return MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+
+
+def time_done(t0: float, limit: float | None) -> float:
+    """The share of the training phase's time guard spent (0 without one)."""
+    return 0.0 if limit is None else (time.perf_counter() - t0) / limit
 
 
 def out_of_time_at(step: int, t0: float, limit: float | None) -> bool:
@@ -214,8 +223,19 @@ def generate(args: TrainArgs, prompts: list[str]) -> Generated:
         attention_backend="triton" if args.device.startswith("cuda") else "auto",
     )
     engine = LocalEngine(server_args, model_dir, check_invariants=False)  # NOTE: big pool
-    with EngineCopies(engine, args.generate_workers) as copies:
-        instructions, seqs = _generate_with(engine, copies, tokenizer, args, prompts)
+    key = data_key(args, model_dir, prompts)
+    cached = load_data(args.data_cache, key) if args.data_cache else "no --data-cache"
+    if isinstance(cached, tuple):
+        instructions, seqs = cached
+        log(f"{len(seqs)} sequences and {len(instructions)} instructions from {args.data_cache}")
+    else:
+        if args.data_cache:
+            log(f"generating: {cached}")
+        with EngineCopies(engine, args.generate_workers) as copies:
+            instructions, seqs = _generate_with(engine, copies, tokenizer, args, prompts)
+        if args.data_cache:
+            save_data(args.data_cache, key, instructions, seqs)
+            log(f"saved the generated text to {args.data_cache}")
     if len(seqs) <= args.holdout:
         raise ValueError(f"{len(seqs)} answered prompts; --holdout {args.holdout} leaves none")
     return Generated(model_dir, engine, seqs, instructions)
@@ -243,20 +263,21 @@ def train_loop(
     params = trainable_parameters(drafter)
     opt = torch.optim.AdamW(params, lr=args.lr, betas=ADAM_BETAS, weight_decay=0.0)
     warmup = args.warmup_steps or 1
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, warmup, args.max_steps))
     order = batches(train_feats, args.batch_size, args.seed)
     losses: list[torch.Tensor] = []
     evals: list[dict[str, Any]] = []
     bar = tqdm(range(args.max_steps), desc="training", unit="step")
     t0 = time.perf_counter()
     for step in bar:
+        factor = lr_factor(step, warmup, args.max_steps, time_done(t0, args.max_train_seconds))
+        for group in opt.param_groups:
+            group["lr"] = args.lr * factor
         batch = train_feats.batch(next(order), args.seq_bucket)
         loss, results = run_batch(drafter, target, batch, args, device)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
         opt.step()
-        sched.step()
         losses.append(loss.detach())
         done = step + 1
         if done % POSTFIX_EVERY == 0:
@@ -300,7 +321,7 @@ def train(args: TrainArgs, prompts: list[str]) -> dict[str, Any]:
     target_cfg = ModelConfig.from_dir(model_dir)
     draft_vocab = min(args.draft_vocab_size, target_cfg.vocab_size)
     draft_ids = build_draft_vocab(train_seqs, target_cfg.vocab_size, draft_vocab)
-    cfg = draft_config_for(target_cfg, draft_vocab, args.dtype)
+    cfg = draft_config_for(target_cfg, draft_vocab, args.dtype, args.draft_intermediate_size)
     aux_layers = cfg.aux_layer_ids(target_cfg.num_layers)
     runner = target_runner(engine)
     train_feats = compute_features(runner, train_seqs, aux_layers, device)

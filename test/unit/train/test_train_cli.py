@@ -165,3 +165,41 @@ def test_max_train_seconds_stops_early_and_saves(setup, one_thread):
         results = json.load(f)["results"]
     assert results["steps"] == 10 and [e["step"] for e in results["evaluations"]] == [10]
     assert len(results["acceptance"]) == 2
+
+
+def test_data_cache_keeps_the_generated_text_for_the_next_run(setup, one_thread, capsys):
+    """--data-cache FILE: the first run generates and saves; a run with the same
+    generation arguments loads the same text (so it trains to the same losses); a
+    run with another --max-new-tokens generates again and says why."""
+    cache = str(setup[0] / "data-cache.pt")
+    first = short_run(setup, "cache-a", "--data-cache", cache)["results"]
+    err = capsys.readouterr().err
+    assert "generating: " in err and f"saved the generated text to {cache}" in err
+    second = short_run(setup, "cache-b", "--data-cache", cache)["results"]
+    err = capsys.readouterr().err
+    assert f"28 sequences and 0 instructions from {cache}" in err and "generating" not in err
+    assert second["train_sequences"] == first["train_sequences"] == 24
+    assert second["initial_loss"] == pytest.approx(first["initial_loss"], rel=1e-6)
+    assert second["final_loss"] == pytest.approx(first["final_loss"], rel=1e-6)
+    short_run(setup, "cache-c", "--data-cache", cache, "--max-new-tokens", "10")
+    err = capsys.readouterr().err
+    assert "other arguments (max_new_tokens differ)" in err
+
+
+def test_draft_intermediate_size_widens_the_midlayer_mlp(setup, one_thread):
+    """--draft-intermediate-size: the checkpoint's MLP has that width, and the
+    server's loader builds it against the target."""
+    root, target_dir, _ = setup
+    record = short_run(setup, "wide", "--draft-intermediate-size", "96")
+    assert record["args"]["draft_intermediate_size"] == 96
+    out = str(root / "drafter-wide")
+    cfg = DraftConfig.from_dir(out)
+    target_cfg = ModelConfig.from_dir(target_dir)
+    assert cfg.layer.intermediate_size == 96 != target_cfg.intermediate_size
+    ctx = LayerContext()
+    target = build_model(target_cfg, target_dir, torch.float32, CPU, ctx, show_progress=False)
+    drafter = build_draft_model(
+        cfg, target_cfg, out, torch.float32, CPU, ctx, target.embed_tokens, show_progress=False
+    )
+    down = dict(drafter.named_parameters())["midlayer.mlp.down_proj.weight"]
+    assert down.shape == (cfg.hidden_size, 96)

@@ -98,3 +98,15 @@ def test_lr_schedule_warms_up_then_decays_to_a_tenth():
     assert lr_factor(100, 10, 100) == pytest.approx(0.1)
     values = [lr_factor(s, 10, 100) for s in range(10, 101)]
     assert all(a >= b for a, b in zip(values, values[1:]))
+
+
+def test_lr_schedule_decays_by_time_when_time_runs_out_first():
+    """A run the time guard stops ends on the decayed rate: the cosine follows the
+    share of --max-train-seconds spent when it is ahead of the steps."""
+    assert lr_factor(50, 10, 100, time_share=1.0) == pytest.approx(0.1)
+    assert lr_factor(50, 10, 100, time_share=2.0) == pytest.approx(0.1)
+    by_steps = lr_factor(55, 10, 100)  # halfway through the cosine
+    assert by_steps == pytest.approx(0.55)
+    assert lr_factor(55, 10, 100, time_share=0.2) == by_steps  # the steps are ahead
+    assert lr_factor(20, 10, 100, time_share=0.5) == pytest.approx(0.55)
+    assert lr_factor(5, 10, 100, time_share=0.9) == pytest.approx(0.6)  # warm-up first
