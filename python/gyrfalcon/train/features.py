@@ -10,6 +10,7 @@ vocabulary's worth. No gradient reaches the target.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -146,7 +147,7 @@ def compute_features(
     """The target's states for every token of seqs, stored on `device` in the
     target's dtype."""
     lengths = [len(s.ids) for s in seqs]
-    starts = [sum(lengths[:i]) for i in range(len(seqs))]
+    starts = [0, *itertools.accumulate(lengths)][:-1]
     total = sum(lengths)
     ids = torch.tensor([t for s in seqs for t in s.ids], dtype=torch.int64, device=device)
     aux = final = None

@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from gyrfalcon.kernels.soft_cross_entropy import soft_cross_entropy
 from gyrfalcon.models.llama_eagle3 import LlamaForCausalLMEagle3
 from gyrfalcon.train.features import Features
 from gyrfalcon.train.ttt import draft_logits
@@ -74,14 +74,16 @@ def step_result(
 ) -> StepResult:
     """Loss and acceptance of unroll step `step`'s output out [B, S, H]. The LM head
     runs on the counted rows only."""
-    mask = answer_mask(lengths, prompt_lens, out.shape[1], step)
+    seq_len = out.shape[1]
+    mask = answer_mask(lengths, prompt_lens, seq_len, step)
     b, p = mask.nonzero(as_tuple=True)  # NOTE: the one host sync of a step
     q = p + 1 + step  # the target's position whose logits score row p
-    logits = draft_logits(drafter, out[b, p]).float()  # [n, draft_vocab]
+    logits = draft_logits(drafter, out[b, p])  # [n, draft_vocab] (bf16 under autocast)
     target_ids = view.argmax[b, q]  # [n]
     hits = (drafter.to_target_ids(logits.detach().argmax(-1)) == target_ids).sum()
-    scored = drafter.t2d[target_ids].to(logits.dtype)  # [n] the target's choice is drafted
-    ce = -(view.probs[b, q] * F.log_softmax(logits, dim=-1)).sum(-1)  # [n]
+    scored = drafter.t2d[target_ids].float()  # [n] the target's choice is drafted
+    # NOTE: -sum(p log_softmax(logits)) per row, fused on CUDA (kernels/soft_cross_entropy.py)
+    ce = soft_cross_entropy(logits, view.probs.flatten(0, 1), b * seq_len + q)  # [n] float32
     loss = (ce * scored).sum() / scored.sum().clamp(min=1)
     return StepResult(loss, hits, int(b.numel()))
 
