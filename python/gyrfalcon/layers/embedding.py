@@ -93,6 +93,13 @@ class LMHead(nn.Module):
         if self.tied is None:
             load_vocab_rows(self.weight, loaded, self.shard, self.vocab_size)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The weight rows of token ids [n] -> [n, H] (one rank holding the whole
+        vocabulary): the logits at those ids alone are F.linear(hidden, rows(ids))."""
+        assert self.parallel.tp_size == 1, "the rows of a vocabulary split over ranks"
+        weight = self.tied.weight if self.tied is not None else self.weight
+        return weight[ids]
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, H] -> logits [N, V]
         weight = self.tied.weight if self.tied is not None else self.weight

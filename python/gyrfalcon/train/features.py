@@ -3,9 +3,10 @@
 One PREFILL forward of the target over whole sequences (the engine's own model,
 paged KV cache and extend attention backend, `forward_aux`) gives, per token, the
 three aux hidden states the drafter's fc reads (`DraftConfig.aux_layer_ids`: the
-inputs of those layers) and the final (normed) hidden state, from which the
-target's logits are `compute_logits(final)`: storing H numbers a token instead of a
-vocabulary's worth. No gradient reaches the target.
+inputs of those layers), the final (normed) hidden state, from which the target's
+logits at the draft ids are recomputed per batch (H numbers a token instead of a
+vocabulary's worth), and the target's argmax over its whole vocabulary (what a draft
+must match). No gradient reaches the target.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class TrainBatch:
     ids: torch.Tensor  # [B, S] int64
     aux: torch.Tensor  # [B, S, 3 * Ht] the target's aux hidden states
     final: torch.Tensor  # [B, S, Ht] the target's final normed hidden state
+    target_argmax: torch.Tensor  # [B, S] int64 the target's argmax over its vocabulary
     lengths: torch.Tensor  # [B] int64
     prompt_lens: torch.Tensor  # [B] int64
 
@@ -52,6 +54,7 @@ class Features:
     ids: torch.Tensor  # [N] int64
     aux: torch.Tensor  # [N, 3 * Ht]
     final: torch.Tensor  # [N, Ht]
+    target_argmax: torch.Tensor  # [N] int64: argmax of compute_logits(final), the whole vocabulary
     starts: list[int]
     lengths: list[int]
     prompt_lens: list[int]
@@ -77,6 +80,7 @@ class Features:
             ids=self.ids[rows],
             aux=self.aux[rows],
             final=self.final[rows],
+            target_argmax=self.target_argmax[rows],
             lengths=lengths,
             prompt_lens=torch.tensor([self.prompt_lens[i] for i in indices], device=device),
         )
@@ -150,6 +154,7 @@ def compute_features(
     starts = [0, *itertools.accumulate(lengths)][:-1]
     total = sum(lengths)
     ids = torch.tensor([t for s in seqs for t in s.ids], dtype=torch.int64, device=device)
+    argmax = torch.empty_like(ids)
     aux = final = None
     bar = tqdm(total=total, desc=desc, unit="tok")
     for group in runner.groups(seqs):
@@ -160,7 +165,9 @@ def compute_features(
         lo = starts[group[0]]
         hi = lo + a.shape[0]
         aux[lo:hi], final[lo:hi] = a, f
+        with torch.no_grad():  # NOTE: once here, not at every step that reads the position
+            argmax[lo:hi] = runner.model.compute_logits(f).argmax(-1)
         bar.update(hi - lo)
     bar.close()
     assert aux is not None and final is not None, "no sequences"
-    return Features(ids, aux, final, starts, lengths, [s.prompt_len for s in seqs])
+    return Features(ids, aux, final, argmax, starts, lengths, [s.prompt_len for s in seqs])

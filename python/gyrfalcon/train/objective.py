@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from gyrfalcon.kernels.soft_cross_entropy import soft_cross_entropy
 from gyrfalcon.models.llama_eagle3 import LlamaForCausalLMEagle3
@@ -48,13 +49,18 @@ class TargetView:
     @classmethod
     @torch.no_grad()
     def of(
-        cls, target: torch.nn.Module, final: torch.Tensor, draft_to_target: torch.Tensor
+        cls,
+        target: torch.nn.Module,
+        final: torch.Tensor,
+        draft_to_target: torch.Tensor,
+        argmax: torch.Tensor,
     ) -> TargetView:
-        """final: [B, S, Ht] the target's final normed hidden states."""
-        logits = target.compute_logits(final.flatten(0, 1))  # [B * S, vocab]
-        probs = torch.softmax(logits[:, draft_to_target].float(), dim=-1)
-        b, s = final.shape[:2]
-        return cls(probs.view(b, s, -1), logits.argmax(-1).view(b, s))
+        """final: [B, S, Ht] the target's final normed hidden states; argmax: [B, S] its
+        argmax over the whole vocabulary there (`Features.target_argmax`, computed once).
+        The logits are computed at the draft ids only: the LM head's rows there."""
+        head = target.lm_head.rows(draft_to_target)  # [draft_vocab, Ht]
+        probs = torch.softmax(F.linear(final, head).float(), dim=-1)  # [B, S, draft_vocab]
+        return cls(probs, argmax)
 
 
 @dataclass
@@ -115,15 +121,15 @@ def acceptance_length(rates: list[float]) -> float:
     return total
 
 
-@torch.no_grad()
-def greedy_agreement(target: torch.nn.Module, features: Features) -> float:
+def greedy_agreement(features: Features) -> float:
     """The fraction of answer tokens that are the target's argmax at the position
-    before them: the features' logits against the engine's greedy answers, 1 up to
-    rounding (a misaligned sequence or feature shows here first)."""
+    before them (`Features.target_argmax`, from the features' logits) against the
+    engine's greedy answers: 1 up to rounding (a misaligned sequence or feature shows
+    here first)."""
     hits = total = 0
     for start, n, prompt_len in zip(features.starts, features.lengths, features.prompt_lens):
-        logits = target.compute_logits(features.final[start + prompt_len - 1 : start + n - 1])
+        argmax = features.target_argmax[start + prompt_len - 1 : start + n - 1]
         answer = features.ids[start + prompt_len : start + n]
-        hits += int((logits.argmax(-1) == answer).sum())
+        hits += int((argmax == answer).sum())
         total += n - prompt_len
     return hits / max(1, total)

@@ -123,7 +123,7 @@ def run_batch(
     device: torch.device,
 ) -> tuple[torch.Tensor, list[StepResult]]:
     """(weighted loss, per-step results) of the unrolled drafter on one batch."""
-    view = TargetView.of(target, batch.final, drafter.draft_to_target)
+    view = TargetView.of(target, batch.final, drafter.draft_to_target, batch.target_argmax)
     aux = batch.aux if device.type == "cuda" else batch.aux.float()
     with autocast(device):
         outs = ttt_unroll(drafter, batch.ids, aux, args.ttt_steps)
@@ -327,7 +327,7 @@ def train(args: TrainArgs, prompts: list[str]) -> dict[str, Any]:
     train_feats = compute_features(runner, train_seqs, aux_layers, device)
     held_feats = compute_features(runner, held_seqs, aux_layers, device, "held-out features")
     target = runner.model
-    agreement = greedy_agreement(target, held_feats)
+    agreement = greedy_agreement(held_feats)
     log(
         f"the target's argmax is its generated answer token at {agreement:.4f} of held-out "
         "positions (1 up to rounding)"

@@ -141,7 +141,8 @@ def test_the_loss_trains_every_drafter_parameter_and_never_the_target(target):
     drafter = make_drafter(target)
     ids, aux = padded_batch(target)
     final = torch.randn(*ids.shape, target.cfg.hidden_size)
-    view = TargetView.of(target, final, drafter.draft_to_target)
+    argmax = target.compute_logits(final).argmax(-1)
+    view = TargetView.of(target, final, drafter.draft_to_target, argmax)
     lengths, prompt_lens = torch.tensor(LENGTHS), torch.tensor([3, 2])
     outs = ttt_unroll(drafter, ids, aux, STEPS)
     loss, results = ttt_loss(drafter, outs, view, lengths, prompt_lens, 0.8)
@@ -163,10 +164,12 @@ def test_padding_up_to_a_bucket_changes_no_loss_and_no_gradient(target, bucket):
     longest sequence only: the same loss, acceptance counts and gradients."""
     gen = torch.Generator().manual_seed(5)
     n, h = sum(LENGTHS), target.cfg.hidden_size
+    final = torch.randn(n, h, generator=gen)
     features = Features(
         ids=torch.randint(0, target.cfg.vocab_size, (n,), generator=gen),
         aux=torch.randn(n, 3 * h, generator=gen),
-        final=torch.randn(n, h, generator=gen),
+        final=final,
+        target_argmax=target.compute_logits(final).argmax(-1),
         starts=[0, LENGTHS[0]],
         lengths=list(LENGTHS),
         prompt_lens=[3, 2],
@@ -190,3 +193,15 @@ def test_padding_up_to_a_bucket_changes_no_loss_and_no_gradient(target, bucket):
     assert grads_padded.keys() == grads.keys() and len(grads) > 5
     for name, g in grads.items():
         torch.testing.assert_close(grads_padded[name], g, **TOL, msg=name)
+
+
+def test_target_view_is_the_full_logits_at_the_draft_ids(target):
+    """The view computes the target's logits at the draft ids only (its LM head's rows
+    there): the same distribution as the whole vocabulary's logits gathered there."""
+    drafter = make_drafter(target)
+    final = torch.randn(2, 9, target.cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    logits = target.compute_logits(final.flatten(0, 1))
+    view = TargetView.of(target, final, drafter.draft_to_target, logits.argmax(-1).view(2, 9))
+    want = torch.softmax(logits[:, drafter.draft_to_target], dim=-1).view(2, 9, -1)
+    torch.testing.assert_close(view.probs, want, **TOL)
+    assert view.probs.dtype == torch.float32 and view.probs.shape[-1] < logits.shape[-1]

@@ -82,6 +82,7 @@ def test_bucketed_batches_take_few_lengths():
         ids=torch.zeros(sum(lengths), dtype=torch.int64),
         aux=torch.zeros(sum(lengths), 3),
         final=torch.zeros(sum(lengths), 1),
+        target_argmax=torch.zeros(sum(lengths), dtype=torch.int64),
         starts=[sum(lengths[:i]) for i in range(len(lengths))],
         lengths=lengths,
         prompt_lens=[1] * len(lengths),
