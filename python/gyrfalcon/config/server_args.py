@@ -11,10 +11,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from gyrfalcon.config.attention import default_attention_backend
-from gyrfalcon.config.cli_args import add_dataclass_args, available_cores
-from gyrfalcon.config.nodes import check_nodes, init_url
-from gyrfalcon.config.speculative import resolve_speculative
+from gyrfalcon.config.cli_args import add_dataclass_args
+from gyrfalcon.config.nodes import check_nodes
+from gyrfalcon.config.resolve import resolve_server_args
 
 if TYPE_CHECKING:
     import torch
@@ -324,75 +323,8 @@ class ServerArgs:
 
     def resolved(self, head_dim: int | None = None) -> ServerArgs:
         """Return a copy with every "auto" resolved for this machine (and, when the
-        model's head_dim is given, for that model's attention)."""
-        import torch
-
-        device = self.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        dtype = self.dtype
-        if dtype == "auto":
-            dtype = "bfloat16" if device == "cuda" else "float32"
-        backend = self.attention_backend
-        fp8_kv = self.kv_cache_dtype == "fp8_e4m3"
-        if backend == "auto":
-            backend = default_attention_backend(device, dtype, head_dim)
-            if fp8_kv and backend == "flashinfer":
-                backend = "triton"  # NOTE: our flashinfer path reads 16-bit caches only
-        decode_backend = self.decode_attention_backend
-        if decode_backend == "auto":
-            decode_backend = "triton" if backend == "flashinfer" else backend
-        if fp8_kv and "flashinfer" in (backend, decode_backend):
-            raise ValueError(
-                "--kv-cache-dtype fp8_e4m3 runs on the triton or torch_ref attention backends"
-            )
-        # NOTE: measured on nvidia-h200 (benchmarks/NOTES.md): 8192/16384 gives +11% output
-        # throughput on SGLang's serving check over 2048/8192.
-        on_gpu = device.startswith("cuda")
-        budget = self.max_num_batched_tokens or (16384 if on_gpu else 8192)
-        chunk = self.chunked_prefill_size or (8192 if on_gpu else 2048)
-        # NOTE: on CUDA the worker's host threads matter little: its tensor math on the
-        # host is converting checkpoint dtypes at load (threads help there), and small
-        # metadata tensors stay under torch's grain size and never wake the pool; so
-        # torch's default stays (None), its idle threads asleep (OMP_WAIT_POLICY).
-        threads = self.cpu_threads
-        if threads is None and not on_gpu:
-            threads = available_cores()
-        if threads is not None and threads < 1:
-            raise ValueError(f"--cpu-threads must be at least 1, got {threads}")
-        if self.tp_size < 1:
-            raise ValueError(f"--tp-size must be at least 1, got {self.tp_size}")
-        if self.dp_size < 1:
-            raise ValueError(f"--dp-size must be at least 1, got {self.dp_size}")
-        world = self.tp_size * self.dp_size
-        if self.ep_size not in (1, self.tp_size, world):
-            raise ValueError(
-                f"--ep-size {self.ep_size} must be 1 (MoE-TP), the tp size {self.tp_size} "
-                f"or tp x dp = {world} (DP attention)"
-            )
-        if self.dist_timeout <= 0:
-            raise ValueError(f"--dist-timeout must be positive, got {self.dist_timeout}")
-        steps, verified = resolve_speculative(
-            self.speculative_algorithm,
-            self.speculative_draft_model_path,
-            self.speculative_num_steps,
-            self.speculative_eagle_topk,
-            self.speculative_num_draft_tokens,
-        )
-        init_addr = self.dist_init_addr and init_url(self.dist_init_addr)
-        return dataclasses.replace(
-            self,
-            dist_init_addr=init_addr,
-            speculative_num_steps=steps,
-            speculative_num_draft_tokens=verified,
-            device=device,
-            dtype=dtype,
-            attention_backend=backend,
-            decode_attention_backend=decode_backend,
-            max_num_batched_tokens=budget,
-            chunked_prefill_size=chunk,
-            cpu_threads=threads,
-        )
+        model's head_dim is given, for that model's attention): `config/resolve.py`."""
+        return resolve_server_args(self, head_dim)
 
     @property
     def spec_attention_backend(self) -> str:

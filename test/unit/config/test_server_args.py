@@ -70,10 +70,10 @@ def test_step_budgets_default_by_device_and_respect_explicit_values():
 def test_fp8_kv_cache_resolves_to_backends_that_read_it(monkeypatch):
     import torch
 
-    from gyrfalcon.config import server_args
+    from gyrfalcon.config import resolve
 
     fp8 = ServerArgs(device="cuda", dtype="bfloat16", kv_cache_dtype="fp8_e4m3")
-    monkeypatch.setattr(server_args, "default_attention_backend", lambda *a: "flashinfer")
+    monkeypatch.setattr(resolve, "default_attention_backend", lambda *a: "flashinfer")
     a = fp8.resolved()
     assert (a.attention_backend, a.decode_attention_backend) == ("triton", "triton")
     assert a.kv_dtype(torch.bfloat16) == torch.float8_e4m3fn

@@ -1,0 +1,91 @@
+"""`ServerArgs.resolved()`: every "auto" of the parsed arguments resolved for this
+machine (device, dtype, attention backends, the scheduler's token budgets, host
+threads) and the parallel and speculative settings checked, once, at parse time.
+Kept apart from the flags' declarations (`server_args.py`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from gyrfalcon.config.attention import default_attention_backend
+from gyrfalcon.config.cli_args import available_cores
+from gyrfalcon.config.nodes import init_url
+from gyrfalcon.config.speculative import resolve_speculative
+
+if TYPE_CHECKING:
+    from gyrfalcon.config.server_args import ServerArgs
+
+
+def resolve_server_args(args: ServerArgs, head_dim: int | None = None) -> ServerArgs:
+    """A copy of args with every "auto" resolved for this machine (and, when the
+    model's head_dim is given, for that model's attention); ValueError names a flag
+    that cannot work."""
+    import torch
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    backend = args.attention_backend
+    fp8_kv = args.kv_cache_dtype == "fp8_e4m3"
+    if backend == "auto":
+        backend = default_attention_backend(device, dtype, head_dim)
+        if fp8_kv and backend == "flashinfer":
+            backend = "triton"  # NOTE: our flashinfer path reads 16-bit caches only
+    decode_backend = args.decode_attention_backend
+    if decode_backend == "auto":
+        decode_backend = "triton" if backend == "flashinfer" else backend
+    if fp8_kv and "flashinfer" in (backend, decode_backend):
+        raise ValueError(
+            "--kv-cache-dtype fp8_e4m3 runs on the triton or torch_ref attention backends"
+        )
+    # NOTE: measured on nvidia-h200 (benchmarks/NOTES.md): 8192/16384 gives +11% output
+    # throughput on SGLang's serving check over 2048/8192.
+    on_gpu = device.startswith("cuda")
+    budget = args.max_num_batched_tokens or (16384 if on_gpu else 8192)
+    chunk = args.chunked_prefill_size or (8192 if on_gpu else 2048)
+    # NOTE: on CUDA the worker's host threads matter little: its tensor math on the
+    # host is converting checkpoint dtypes at load (threads help there), and small
+    # metadata tensors stay under torch's grain size and never wake the pool; so
+    # torch's default stays (None), its idle threads asleep (OMP_WAIT_POLICY).
+    threads = args.cpu_threads
+    if threads is None and not on_gpu:
+        threads = available_cores()
+    if threads is not None and threads < 1:
+        raise ValueError(f"--cpu-threads must be at least 1, got {threads}")
+    if args.tp_size < 1:
+        raise ValueError(f"--tp-size must be at least 1, got {args.tp_size}")
+    if args.dp_size < 1:
+        raise ValueError(f"--dp-size must be at least 1, got {args.dp_size}")
+    world = args.tp_size * args.dp_size
+    if args.ep_size not in (1, args.tp_size, world):
+        raise ValueError(
+            f"--ep-size {args.ep_size} must be 1 (MoE-TP), the tp size {args.tp_size} "
+            f"or tp x dp = {world} (DP attention)"
+        )
+    if args.dist_timeout <= 0:
+        raise ValueError(f"--dist-timeout must be positive, got {args.dist_timeout}")
+    steps, verified = resolve_speculative(
+        args.speculative_algorithm,
+        args.speculative_draft_model_path,
+        args.speculative_num_steps,
+        args.speculative_eagle_topk,
+        args.speculative_num_draft_tokens,
+    )
+    init_addr = args.dist_init_addr and init_url(args.dist_init_addr)
+    return dataclasses.replace(
+        args,
+        dist_init_addr=init_addr,
+        speculative_num_steps=steps,
+        speculative_num_draft_tokens=verified,
+        device=device,
+        dtype=dtype,
+        attention_backend=backend,
+        decode_attention_backend=decode_backend,
+        max_num_batched_tokens=budget,
+        chunked_prefill_size=chunk,
+        cpu_threads=threads,
+    )
