@@ -41,7 +41,6 @@ from gyrfalcon.models.llama_eagle3 import LlamaForCausalLMEagle3
 from gyrfalcon.train.args import TrainArgs
 from gyrfalcon.train.data import encode_prompts, generate_answers, load_prompts
 from gyrfalcon.train.features import compute_features
-from gyrfalcon.train.objective import acceptance_length
 from gyrfalcon.train.trainer import evaluate, target_runner
 
 
@@ -106,7 +105,8 @@ def main() -> int:
     target_cfg = ModelConfig.from_dir(model_dir)
     feats = compute_features(runner, seqs, drafter.cfg.aux_layer_ids(target_cfg.num_layers), device)
     args = dataclasses.replace(TrainArgs(), ttt_steps=a.k, batch_size=8)
-    rates = evaluate(drafter, runner.model, feats, args, device)
+    acc = evaluate(drafter, runner.model, feats, args, device)
+    rates = acc.rates
     # NOTE: a token outside the draft vocabulary is never drafted: this bounds every rate
     answers = torch.tensor([t for s in seqs for t in s.ids[s.prompt_len :]], device=device)
     coverage = float(drafter.t2d[answers].float().mean()) if answers.numel() else 0.0
@@ -120,13 +120,16 @@ def main() -> int:
         "device": a.device,
         "dtype": dtype,
         "acceptance_per_step": rates,
-        "mean_acceptance_length": acceptance_length(rates),
+        "mean_acceptance_length": acc.length,
+        # NOTE: tokens per verify step of k-draft rounds over the answers, as a server counts
+        "served_acceptance_length": acc.served_length,
         "draft_vocab_coverage": coverage,
     }
     per_step = ", ".join(f"{r:.3f}" for r in rates)
     print(
         f"{os.path.basename(a.prompts)} [{a.skip}:+{len(seqs)}]: acceptance per draft step "
-        f"[{per_step}], mean acceptance length {result['mean_acceptance_length']:.2f} (k={a.k}); "
+        f"[{per_step}], mean acceptance length {result['mean_acceptance_length']:.2f} (k={a.k}), "
+        f"{acc.served_length:.2f} in rounds as served; "
         f"{coverage:.3f} of answer tokens in the draft vocabulary"
     )
     if a.output_json:

@@ -68,6 +68,7 @@ class StepResult:
     loss: torch.Tensor  # scalar, the mean cross-entropy over the scored rows (0 without)
     hits: torch.Tensor  # scalar int64: rows where the drafter's argmax is the target's
     rows: int  # rows counted for acceptance
+    hit_map: torch.Tensor  # [B, S] bool: row p counted and its draft the target's argmax
 
 
 def step_result(
@@ -86,12 +87,14 @@ def step_result(
     q = p + 1 + step  # the target's position whose logits score row p
     logits = draft_logits(drafter, out[b, p])  # [n, draft_vocab] (bf16 under autocast)
     target_ids = view.argmax[b, q]  # [n]
-    hits = (drafter.to_target_ids(logits.detach().argmax(-1)) == target_ids).sum()
+    hit_rows = drafter.to_target_ids(logits.detach().argmax(-1)) == target_ids  # [n]
+    hit_map = torch.zeros_like(mask)
+    hit_map[b, p] = hit_rows
     scored = drafter.t2d[target_ids].float()  # [n] the target's choice is drafted
     # NOTE: -sum(p log_softmax(logits)) per row, fused on CUDA (kernels/soft_cross_entropy.py)
     ce = soft_cross_entropy(logits, view.probs.flatten(0, 1), b * seq_len + q)  # [n] float32
     loss = (ce * scored).sum() / scored.sum().clamp(min=1)
-    return StepResult(loss, hits, int(b.numel()))
+    return StepResult(loss, hit_rows.sum(), int(b.numel()), hit_map)
 
 
 def ttt_loss(
@@ -119,6 +122,31 @@ def acceptance_length(rates: list[float]) -> float:
         chain *= r
         total += chain
     return total
+
+
+def served_rounds(hits: torch.Tensor, prompt_len: int, length: int) -> tuple[int, int]:
+    """(verify steps, tokens they emit) of a server drafting k = len(hits) tokens a round
+    over one sequence whose tokens are the target's greedy ones. hits [k, S] bool:
+    hits[j, p], draft step j from row p (of the token at p + 2 + j) is the target's
+    token (False past the sequence). The prefill emits the token at prompt_len; a
+    round from row p (the target's token at p + 1 known) accepts its leading hits a and
+    emits a + 1 tokens, clipped at the sequence's end as the server clips them at a
+    finish; the next round starts from row p + a + 1.
+
+    Tokens / verify steps is what a server reports (`usage.spec_accept_length`). It is
+    below `acceptance_length` of the per-step rates: rounds start where the previous
+    one failed, and failures cluster (the rates count every position alike)."""
+    k = hits.shape[0]
+    table = hits.tolist()
+    p, steps, emitted = prompt_len - 1, 0, 0
+    while p + 2 <= length - 1:  # NOTE: a token at p + 2 is still to come
+        a = 0
+        while a < k and table[a][p]:
+            a += 1
+        emitted += min(a + 1, length - 2 - p)
+        steps += 1
+        p += a + 1
+    return steps, emitted
 
 
 def greedy_agreement(features: Features) -> float:

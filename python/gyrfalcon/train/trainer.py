@@ -55,6 +55,7 @@ from gyrfalcon.train.objective import (
     TargetView,
     acceptance_length,
     greedy_agreement,
+    served_rounds,
     ttt_loss,
 )
 from gyrfalcon.train.ttt import ttt_unroll
@@ -130,6 +131,19 @@ def run_batch(
         return ttt_loss(drafter, outs, view, batch.lengths, batch.prompt_lens, args.step_loss_decay)
 
 
+@dataclass
+class Acceptance:
+    """A drafter measured on held-out sequences (`evaluate`)."""
+
+    rates: list[float]  # per unroll step, given the earlier drafts were right
+    served_length: float  # tokens per verify step of rounds over the sequences (`served_rounds`)
+
+    @property
+    def length(self) -> float:
+        """The mean acceptance length the rates imply (`acceptance_length`)."""
+        return acceptance_length(self.rates)
+
+
 @torch.no_grad()
 def evaluate(
     drafter: LlamaForCausalLMEagle3,
@@ -137,10 +151,12 @@ def evaluate(
     features: Features,
     args: TrainArgs,
     device: torch.device,
-) -> list[float]:
-    """Acceptance per unroll step over the held-out sequences."""
+) -> Acceptance:
+    """Acceptance per unroll step over the held-out sequences, and the tokens per verify
+    step of speculative rounds of k = --ttt-steps drafts over them."""
     hits = [0] * args.ttt_steps
     rows = [0] * args.ttt_steps
+    steps = emitted = 0
     for lo in range(0, len(features), args.batch_size):
         idx = list(range(lo, min(lo + args.batch_size, len(features))))
         batch = features.batch(idx, args.seq_bucket)
@@ -148,14 +164,22 @@ def evaluate(
         for j, r in enumerate(results):
             hits[j] += int(r.hits)
             rows[j] += r.rows
-    return [h / max(1, n) for h, n in zip(hits, rows)]
+        maps = torch.stack([r.hit_map for r in results], dim=1).cpu()  # [B, k, S]
+        for i, seq in enumerate(idx):
+            rounds, tokens = served_rounds(
+                maps[i], features.prompt_lens[seq], features.lengths[seq]
+            )
+            steps, emitted = steps + rounds, emitted + tokens
+    rates = [h / max(1, n) for h, n in zip(hits, rows)]
+    return Acceptance(rates, emitted / max(1, steps))
 
 
-def report(step: int, rates: list[float]) -> str:
-    per_step = ", ".join(f"{r:.3f}" for r in rates)
+def report(step: int, acc: Acceptance) -> str:
+    per_step = ", ".join(f"{r:.3f}" for r in acc.rates)
     return (
         f"step {step}: held-out acceptance per draft step [{per_step}], mean acceptance "
-        f"length {acceptance_length(rates):.2f} (k={len(rates)})"
+        f"length {acc.length:.2f} (k={len(acc.rates)}), {acc.served_length:.2f} in rounds "
+        "as served"
     )
 
 
@@ -289,9 +313,11 @@ def train_loop(
             or out_of_time
             or (args.eval_every and done % args.eval_every == 0)
         ):
-            rates = evaluate(drafter, target, held_feats, args, device)
-            evals.append({"step": done, "acceptance": rates})
-            log(report(done, rates))
+            acc = evaluate(drafter, target, held_feats, args, device)
+            evals.append(
+                {"step": done, "acceptance": acc.rates, "served_length": acc.served_length}
+            )
+            log(report(done, acc))
         if out_of_time:
             log(f"stopped at step {done} of {args.max_steps}: --max-train-seconds reached")
             break
@@ -345,13 +371,14 @@ def train(args: TrainArgs, prompts: list[str]) -> dict[str, Any]:
     export_drafter(drafter, args.output_dir, DTYPES[args.dtype])
 
     window = max(1, min(20, len(history) // 10))
-    rates = evals[-1]["acceptance"]
+    last = Acceptance(evals[-1]["acceptance"], evals[-1]["served_length"])
     results = {
         "initial_loss": sum(history[:window]) / window,
         "final_loss": sum(history[-window:]) / window,
-        "acceptance": rates,
+        "acceptance": last.rates,
         "steps": evals[-1]["step"],
-        "mean_acceptance_length": acceptance_length(rates),
+        "mean_acceptance_length": last.length,
+        "served_acceptance_length": last.served_length,
         "greedy_agreement": agreement,
         "evaluations": evals,
         "self_instructions": num_instructions,
@@ -365,7 +392,7 @@ def train(args: TrainArgs, prompts: list[str]) -> dict[str, Any]:
         json.dump({"args": args.to_json(), "results": results}, f, indent=2)
     print(
         f"train-eagle3: loss {results['initial_loss']:.3f} -> {results['final_loss']:.3f}, "
-        f"{report(evals[-1]['step'], rates)}; generate {times['generate']:.0f} s, features "
+        f"{report(evals[-1]['step'], last)}; generate {times['generate']:.0f} s, features "
         f"{times['features']:.0f} s, train {times['train']:.0f} s; saved {args.output_dir}",
         flush=True,
     )

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gyrfalcon.train.features import Features, bucketed
-from gyrfalcon.train.objective import acceptance_length, answer_mask
+from gyrfalcon.train.objective import acceptance_length, answer_mask, served_rounds
 from gyrfalcon.train.trainer import lr_factor
 from gyrfalcon.train.ttt import shift_left, ttt_mask
 
@@ -111,3 +111,49 @@ def test_lr_schedule_decays_by_time_when_time_runs_out_first():
     assert lr_factor(55, 10, 100, time_share=0.2) == by_steps  # the steps are ahead
     assert lr_factor(20, 10, 100, time_share=0.5) == pytest.approx(0.55)
     assert lr_factor(5, 10, 100, time_share=0.9) == pytest.approx(0.6)  # warm-up first
+
+
+def hit_table(k: int, length: int, prompt_len: int, pattern) -> torch.Tensor:
+    """hits[j, p] = pattern(j, p) where draft j from row p has a token to predict."""
+    hits = torch.zeros(k, length, dtype=torch.bool)
+    for j in range(k):
+        for p in range(length):
+            hits[j, p] = prompt_len <= p + 2 + j < length and pattern(j, p)
+    return hits
+
+
+def test_served_rounds_follow_the_server():
+    """Answer tokens at 2..9 (prompt of 2, length 10), k = 3. The prefill emits token 2."""
+    every = hit_table(3, 10, 2, lambda j, p: True)
+    # rounds from rows 1 (tokens 3, 4, 5 + 6) and 5 (7, 8, 9: clipped at the end)
+    assert served_rounds(every, 2, 10) == (2, 7)
+    # no draft right: a round per token
+    assert served_rounds(hit_table(3, 10, 2, lambda j, p: False), 2, 10) == (7, 7)
+    # the second draft of the round from row 1 fails: 1 accepted, 2 emitted, then row 3
+    # (tokens 5, 6, 7 + 8) and row 7 (token 9 only)
+    mixed = hit_table(3, 10, 2, lambda j, p: not (p == 1 and j == 1))
+    assert served_rounds(mixed, 2, 10) == (3, 7)
+
+
+def test_served_rounds_emit_every_answer_token_once():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        length = int(torch.randint(3, 40, (1,), generator=gen))
+        prompt_len = int(torch.randint(1, length - 1, (1,), generator=gen))
+        hits = torch.rand(4, length, generator=gen) < 0.7
+        hits &= hit_table(4, length, prompt_len, lambda j, p: True)
+        steps, emitted = served_rounds(hits, prompt_len, length)
+        assert emitted == length - prompt_len - 1  # all but the prefill's token
+        assert steps <= emitted and (steps == 0) == (length - prompt_len == 1)
+
+
+def test_served_rounds_below_the_rates_when_misses_cluster():
+    """Misses at the same rows for every step (a hard stretch) leave the per-step rates
+    at 3/4 each, and the rounds that start inside the stretch pay for it."""
+    length, prompt_len = 42, 2
+    hard = set(range(10, 20))
+    hits = hit_table(3, length, prompt_len, lambda j, p: p + 2 + j not in hard)
+    rows = [hit_table(3, length, prompt_len, lambda j, p: True)[j].sum() for j in range(3)]
+    rates = [float(hits[j].sum() / rows[j]) for j in range(3)]
+    steps, emitted = served_rounds(hits, prompt_len, length)
+    assert emitted / steps < acceptance_length(rates)
