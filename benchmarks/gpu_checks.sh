@@ -26,7 +26,8 @@
 #           FOLLOW_UPS, MAX_STEPS, BATCH, LR, EVAL_EVERY, TRAIN_SECONDS (the time guard),
 #           GEN_WORKERS (engines generating at once, --generate-workers), DATA_CACHE (a
 #           file keeping the generated text for the next run on this machine, --data-cache),
-#           DRAFT_INTER (--draft-intermediate-size);
+#           DRAFT_INTER (--draft-intermediate-size), KPROF=FIRST:COUNT (the kernels of those
+#           training steps, $OUT/kprof/kernels_train_eagle3.txt);
 #   spec:   bench_spec.py (MT-Bench first turns, .data/mt_bench_dev.jsonl) with the drafter
 #           in drafters/smollm2-eagle3 (or staged: .drafter/drafter.tgz.part* carried with a
 #           stage part), then bench_spec_step.py for the 8B and SmolLM2 shapes (dummy
@@ -257,6 +258,7 @@ PY
     ls -la "$OUT" ;;
   train-drafter)
     rm -rf drafters/smollm2-eagle3
+    [ -n "${KPROF:-}" ] && export GYRFALCON_KERNEL_PROFILE="$OUT/kprof:$KPROF"
     /usr/bin/time -v python3 -m gyrfalcon.cli train-eagle3 --prompts .data/train_prompts.jsonl \
       --target-model "$GYRFALCON_SMOLLM2_GGUF" \
       --device cuda --output-dir drafters/smollm2-eagle3 --num-prompts ${NUM_PROMPTS:-4000} \

@@ -61,12 +61,13 @@ KERNEL_PROFILE_ENV = "GYRFALCON_KERNEL_PROFILE"  # DIR[:FIRST:COUNT] (plans, fro
 
 
 class KernelWindow:
-    """The device's kernels over a window of a served worker's plans (torch.profiler,
-    CUDA graph replays included), for `GYRFALCON_KERNEL_PROFILE=DIR[:FIRST:COUNT]`:
-    plans FIRST .. FIRST + COUNT - 1 (default 300 and 100) of process `name`, written
-    to `DIR/kernels_<name>.txt` by total device time once the window closes. What a
-    served step's device time goes to, on every rank (`bench_*.py --profile-dir` see
-    only the in-process engine's one rank). Does nothing when the variable is unset."""
+    """The device's kernels over a window of a loop's steps: a served worker's plans,
+    or `train-eagle3`'s training steps (torch.profiler, CUDA graph replays included),
+    for `GYRFALCON_KERNEL_PROFILE=DIR[:FIRST:COUNT]`: steps FIRST .. FIRST + COUNT - 1
+    (default 300 and 100) of process `name`, written to `DIR/kernels_<name>.txt` by
+    total device time once the window closes. What a served step's device time goes
+    to, on every rank (`bench_*.py --profile-dir` see only the in-process engine's one
+    rank), or a training step's. Does nothing when the variable is unset."""
 
     def __init__(self, name: str, spec: str | None = None):
         spec = os.environ.get(KERNEL_PROFILE_ENV) if spec is None else spec

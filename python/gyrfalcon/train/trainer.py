@@ -31,6 +31,7 @@ from gyrfalcon.engine import LocalEngine
 from gyrfalcon.ipc.messages import ForwardMode
 from gyrfalcon.loader.resolve import resolve_model
 from gyrfalcon.models.llama_eagle3 import LlamaForCausalLMEagle3
+from gyrfalcon.profiling import KernelWindow
 from gyrfalcon.train.args import TrainArgs
 from gyrfalcon.train.data import (
     EngineCopies,
@@ -291,8 +292,10 @@ def train_loop(
     losses: list[torch.Tensor] = []
     evals: list[dict[str, Any]] = []
     bar = tqdm(range(args.max_steps), desc="training", unit="step")
+    kernels = KernelWindow("train_eagle3")  # NOTE: GYRFALCON_KERNEL_PROFILE=DIR:FIRST:COUNT
     t0 = time.perf_counter()
     for step in bar:
+        kernels.plan(device)
         factor = lr_factor(step, warmup, args.max_steps, time_done(t0, args.max_train_seconds))
         for group in opt.param_groups:
             group["lr"] = args.lr * factor

@@ -203,3 +203,12 @@ def test_draft_intermediate_size_widens_the_midlayer_mlp(setup, one_thread):
     )
     down = dict(drafter.named_parameters())["midlayer.mlp.down_proj.weight"]
     assert down.shape == (cfg.hidden_size, 96)
+
+
+def test_kernel_profile_of_training_steps(setup, one_thread, monkeypatch, tmp_path):
+    """GYRFALCON_KERNEL_PROFILE=DIR:FIRST:COUNT profiles those training steps (what a
+    step's device time goes to), as it does a served worker's plans."""
+    monkeypatch.setenv("GYRFALCON_KERNEL_PROFILE", f"{tmp_path}:2:2")
+    short_run(setup, "kernel-profile")  # 4 steps: the window holds steps 2 and 3
+    text = (tmp_path / "kernels_train_eagle3.txt").read_text()
+    assert text.startswith("train_eagle3: plans 2 .. 3") and "aten::" in text
