@@ -106,7 +106,6 @@ def main() -> int:
     feats = compute_features(runner, seqs, drafter.cfg.aux_layer_ids(target_cfg.num_layers), device)
     args = dataclasses.replace(TrainArgs(), ttt_steps=a.k, batch_size=8)
     acc = evaluate(drafter, runner.model, feats, args, device)
-    rates = acc.rates
     # NOTE: a token outside the draft vocabulary is never drafted: this bounds every rate
     answers = torch.tensor([t for s in seqs for t in s.ids[s.prompt_len :]], device=device)
     coverage = float(drafter.t2d[answers].float().mean()) if answers.numel() else 0.0
@@ -119,13 +118,13 @@ def main() -> int:
         "k": a.k,
         "device": a.device,
         "dtype": dtype,
-        "acceptance_per_step": rates,
+        "acceptance_per_step": acc.rates,
         "mean_acceptance_length": acc.length,
         # NOTE: tokens per verify step of k-draft rounds over the answers, as a server counts
         "served_acceptance_length": acc.served_length,
         "draft_vocab_coverage": coverage,
     }
-    per_step = ", ".join(f"{r:.3f}" for r in rates)
+    per_step = ", ".join(f"{r:.3f}" for r in acc.rates)
     print(
         f"{os.path.basename(a.prompts)} [{a.skip}:+{len(seqs)}]: acceptance per draft step "
         f"[{per_step}], mean acceptance length {result['mean_acceptance_length']:.2f} (k={a.k}), "

@@ -66,9 +66,13 @@ class TargetView:
 @dataclass
 class StepResult:
     loss: torch.Tensor  # scalar, the mean cross-entropy over the scored rows (0 without)
-    hits: torch.Tensor  # scalar int64: rows where the drafter's argmax is the target's
     rows: int  # rows counted for acceptance
     hit_map: torch.Tensor  # [B, S] bool: row p counted and its draft the target's argmax
+
+    @property
+    def hits(self) -> torch.Tensor:
+        """Scalar int64: rows where the drafter's argmax is the target's."""
+        return self.hit_map.sum()
 
 
 def step_result(
@@ -94,7 +98,7 @@ def step_result(
     # NOTE: -sum(p log_softmax(logits)) per row, fused on CUDA (kernels/soft_cross_entropy.py)
     ce = soft_cross_entropy(logits, view.probs.flatten(0, 1), b * seq_len + q)  # [n] float32
     loss = (ce * scored).sum() / scored.sum().clamp(min=1)
-    return StepResult(loss, hit_rows.sum(), int(b.numel()), hit_map)
+    return StepResult(loss, int(b.numel()), hit_map)
 
 
 def ttt_loss(
