@@ -45,7 +45,15 @@ def kern():
         if type(pdl.pdl_gate).__name__ == "InterpretedFunction":
             importlib.reload(pdl)
         mods = {}
-        for name in ("norm", "rotary", "activation", "kv_store", "argmax", "soft_cross_entropy"):
+        for name in (
+            "norm",
+            "rotary",
+            "activation",
+            "kv_store",
+            "argmax",
+            "soft_cross_entropy",
+            "train_layers",
+        ):
             spec = importlib.util.find_spec(f"gyrfalcon.kernels.{name}")
             mod = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(mod)
@@ -247,19 +255,103 @@ def test_argmax_rows_equals_torch(kern, dtype, bs):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_soft_cross_entropy_matches_torch(kern, dtype):
     """The drafter trainer's loss at its scale (16k draft vocabulary, thousands of rows):
-    the fused kernels' loss and gradient against torch's log_softmax formula."""
+    the fused kernels' loss, gradient and argmax against torch's softmax formula."""
     torch.manual_seed(0)
     n, vocab = 3000, 16384
     x = (torch.randn(n, vocab, device="cuda") * 4).to(dtype).requires_grad_()
-    probs = torch.softmax(torch.randn(n + 100, vocab, device="cuda") * 3, dim=-1)
+    targets = (torch.randn(n + 100, vocab, device="cuda") * 3).to(dtype)
     rows = torch.randint(0, n + 100, (n,), device="cuda")
     w = torch.rand(n, device="cuda")
-    ce = kern.soft_cross_entropy.soft_cross_entropy_triton(x, probs, rows)
+    ce, argmax = kern.soft_cross_entropy.soft_cross_entropy_triton(x, targets, rows)
     (ce * w).sum().backward()
     grad, x.grad = x.grad, None
-    want = -(probs[rows] * torch.log_softmax(x.float(), dim=-1)).sum(-1)
+    p = torch.softmax(targets[rows].float(), dim=-1)
+    want = -(p * torch.log_softmax(x.float(), dim=-1)).sum(-1)
     (want * w).sum().backward()
     torch.testing.assert_close(ce, want, atol=1e-4, rtol=1e-5)
+    assert torch.equal(argmax, x.detach().argmax(-1))
     assert grad.dtype == dtype
     tol = dict(atol=1e-7, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-7, rtol=2**-7)
     torch.testing.assert_close(grad.float(), x.grad.float(), **tol)
+
+
+# The drafter trainer's fused layers (kernels/train_layers.py) at its scale: N = B * S rows
+TRAIN_ROWS, TRAIN_SEQ = 30000, 1000
+# bf16: one rounding of the float32 result (half a bf16 ulp, 2**-9..2**-8 relative)
+TRAIN_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-5, rtol=2**-7)}
+
+
+def train_grads(fn, inputs, needs):
+    """fn's outputs and the gradients (for inputs flagged in needs) of a random weighted
+    sum of them, the weights bf16 numbers: exact as a bf16 or a float32 output's grad."""
+    inputs = [
+        x.detach().clone().requires_grad_(need) if torch.is_tensor(x) else x
+        for x, need in zip(inputs, needs)
+    ]
+    outs = fn(*inputs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    loss = 0.0
+    for out in outs:
+        w = torch.randn(out.shape, device="cuda", generator=gen).to(torch.bfloat16).float()
+        loss = loss + (out.float() * w).sum()
+    loss.backward()
+    return [o.detach() for o in outs], [x.grad for x, need in zip(inputs, needs) if need]
+
+
+def check_train(got, want, dtype, **grad_tol):
+    """Triton's (from `dtype` inputs) against the reference's (on float32 copies)."""
+    for out, w in zip(got[0], want[0]):
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float(), w, **TRAIN_TOL[dtype])
+    for g, w in zip(got[1], want[1]):
+        torch.testing.assert_close(g.float(), w, **(grad_tol or TRAIN_TOL[g.dtype]))
+
+
+def f32(xs):
+    return [x.float() if torch.is_tensor(x) else x for x in xs]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_train_rms_norm_matches_torch(kern, dtype):
+    torch.manual_seed(8)
+    x = (torch.randn(TRAIN_ROWS // TRAIN_SEQ, TRAIN_SEQ, 576, device="cuda") * 3).to(dtype)
+    w = torch.randn(576, device="cuda") * 0.5 + 1.0
+    mod = kern.train_layers
+    args, needs = [x, w, 1e-5], [True, True, False]
+    got = train_grads(mod.rms_norm_triton, args, needs)
+    want = train_grads(mod.rms_norm_ref, f32(args), needs)
+    check_train((got[0], got[1][:1]), (want[0], want[1][:1]), dtype)
+    # dweight: a float32 sum over all rows (summation order differs)
+    torch.testing.assert_close(got[1][1], want[1][1], atol=1e-3, rtol=1e-5)
+    only_dw = train_grads(mod.rms_norm_triton, args, [False, True, False])
+    assert torch.equal(only_dw[1][0], got[1][1])  # deterministic, with or without dx
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_train_rotate_qkv_matches_torch(kern, dtype):
+    torch.manual_seed(9)
+    q_size, kv_size, head_dim = 576, 192, 64
+    qkv = torch.randn(TRAIN_ROWS, q_size + 2 * kv_size, device="cuda").to(dtype)
+    rope = RotaryEmbedding(head_dim, 10000.0, None, 4096, REF).cuda()
+    freqs = (torch.arange(TRAIN_SEQ, device="cuda") + 2).float()[:, None] * rope.inv_freq
+    args = [qkv, freqs.cos(), freqs.sin(), q_size, kv_size, head_dim]
+    needs = [True] + [False] * 5
+    mod = kern.train_layers
+    check_train(
+        train_grads(mod.rotate_qkv_triton, args, needs),
+        train_grads(mod.rotate_qkv_ref, f32(args), needs),
+        dtype,
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_train_silu_mul_matches_torch(kern, dtype):
+    torch.manual_seed(10)
+    gate_up = (torch.randn(TRAIN_ROWS, 2 * 1536, device="cuda") * 4).to(dtype)
+    mod = kern.train_layers
+    check_train(
+        train_grads(mod.silu_mul_triton, [gate_up], [True]),
+        train_grads(mod.silu_mul_ref, f32([gate_up]), [True]),
+        dtype,
+    )

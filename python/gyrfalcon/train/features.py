@@ -25,6 +25,7 @@ from gyrfalcon.ipc.contract import DUMMY_PAGE
 from gyrfalcon.ipc.messages import ForwardMode
 from gyrfalcon.layers.attention.base import AttentionBackend
 from gyrfalcon.train.data import TrainSequence
+from gyrfalcon.train.rows import ScoredRows, plan_rows
 
 
 def bucketed(length: int, bucket: int) -> int:
@@ -36,14 +37,13 @@ def bucketed(length: int, bucket: int) -> int:
 class TrainBatch:
     """B sequences padded to S (padding repeats each sequence's last token; no counted
     row reads it: row p attends to rows <= p, `ttt`, and counts only while the token
-    it predicts exists, `objective.answer_mask`)."""
+    it predicts exists, `rows`), and the target at the positions that score the loss."""
 
     ids: torch.Tensor  # [B, S] int64
     aux: torch.Tensor  # [B, S, 3 * Ht] the target's aux hidden states
-    final: torch.Tensor  # [B, S, Ht] the target's final normed hidden state
-    target_argmax: torch.Tensor  # [B, S] int64 the target's argmax over its vocabulary
-    lengths: torch.Tensor  # [B] int64
-    prompt_lens: torch.Tensor  # [B] int64
+    final: torch.Tensor  # [m, Ht] the target's final normed hidden state at the scoring positions
+    target_argmax: torch.Tensor  # [m] int64 the target's argmax over its vocabulary there
+    rows: ScoredRows  # the union rows of the unroll steps, and which of `final` scores each
 
 
 @dataclass
@@ -62,27 +62,42 @@ class Features:
     def __len__(self) -> int:
         return len(self.starts)
 
-    def batch(self, indices: Sequence[int], bucket: int = 1) -> TrainBatch:
+    def batch(self, indices: Sequence[int], bucket: int = 1, steps: int = 1) -> TrainBatch:
         """The sequences at `indices`, padded to their longest length rounded up to a
-        multiple of `bucket`.
+        multiple of `bucket`, scored over `steps` unroll steps (`rows.plan_rows`). The
+        index lists are built on the host and reach the device in one copy that does
+        not wait for the device (no sync a step).
 
         NOTE: few distinct S, few shapes: on an H100, SDPA runs cuDNN attention (torch
         2.11 and its cuDNN 9.19), which builds an execution plan for each new
         (B, S, key length), forward and backward; an S per sequence length is the
         likely cause of the slow first steps of the measured run (docs/train_eagle3.md)."""
         device = self.ids.device
-        lengths = torch.tensor([self.lengths[i] for i in indices], device=device)
-        starts = torch.tensor([self.starts[i] for i in indices], device=device)
-        longest = max(self.lengths[i] for i in indices)
-        pos = torch.arange(bucketed(longest, bucket), device=device)  # [S]
-        rows = starts[:, None] + torch.minimum(pos[None, :], lengths[:, None] - 1)  # [B, S]
+        lengths = [self.lengths[i] for i in indices]
+        prompt_lens = [self.prompt_lens[i] for i in indices]
+        starts = torch.tensor([self.starts[i] for i in indices], dtype=torch.int64)
+        plan = plan_rows(lengths, prompt_lens, steps)
+        parts = [
+            torch.tensor(lengths, dtype=torch.int64),
+            torch.tensor(prompt_lens, dtype=torch.int64),
+            starts,
+            plan.seq,
+            plan.pos,
+            plan.target_start,
+            starts[plan.target_seq] + plan.target_pos,  # the scoring positions' feature rows
+        ]
+        on_device = torch.cat(parts).to(device, non_blocking=True)
+        lens, plens, starts_d, seq, pos, target_start, target_rows = on_device.split(
+            [len(x) for x in parts]
+        )
+        span = torch.arange(bucketed(max(lengths), bucket), device=device)  # [S]
+        rows = starts_d[:, None] + torch.minimum(span[None, :], lens[:, None] - 1)  # [B, S]
         return TrainBatch(
             ids=self.ids[rows],
             aux=self.aux[rows],
-            final=self.final[rows],
-            target_argmax=self.target_argmax[rows],
-            lengths=lengths,
-            prompt_lens=torch.tensor([self.prompt_lens[i] for i in indices], device=device),
+            final=self.final[target_rows],
+            target_argmax=self.target_argmax[target_rows],
+            rows=ScoredRows(seq, pos, target_start, lens, plens),
         )
 
 

@@ -2,7 +2,8 @@
 
 Row p of unroll step j predicts the token at p + 2 + j; the target's distribution
 for it is the target's logits at position q = p + 1 + j (`ttt` has the layout).
-Rows count where that token is an answer token of the sequence (`answer_mask`).
+Rows count where that token is an answer token of the sequence (`rows`: the batch
+carries the union of the steps' rows, each step keeps its own).
 
 Loss (EAGLE3): at each step, the cross-entropy of the drafter's distribution
 against the target's restricted to the draft vocabulary (softmax of the target's
@@ -27,24 +28,16 @@ import torch.nn.functional as F
 from gyrfalcon.kernels.soft_cross_entropy import soft_cross_entropy
 from gyrfalcon.models.llama_eagle3 import LlamaForCausalLMEagle3
 from gyrfalcon.train.features import Features
+from gyrfalcon.train.rows import ScoredRows
 from gyrfalcon.train.ttt import draft_logits
-
-
-def answer_mask(
-    lengths: torch.Tensor, prompt_lens: torch.Tensor, seq_len: int, step: int
-) -> torch.Tensor:
-    """[B, S] bool: row p of unroll step `step` predicts an answer token that exists,
-    prompt_len <= p + 2 + step < length."""
-    t = torch.arange(seq_len, device=lengths.device)[None, :] + 2 + step
-    return (t >= prompt_lens[:, None]) & (t < lengths[:, None])
 
 
 @dataclass
 class TargetView:
-    """The target's choices at every position of a batch."""
+    """The target's choices at the positions that score a batch (`TrainBatch.final`)."""
 
-    probs: torch.Tensor  # [B, S, draft_vocab] float32, softmax over the draft ids
-    argmax: torch.Tensor  # [B, S] target ids: argmax over the whole vocabulary
+    logits: torch.Tensor  # [m, draft_vocab] the target's logits at the draft ids
+    argmax: torch.Tensor  # [m] target ids: argmax over the whole vocabulary
 
     @classmethod
     @torch.no_grad()
@@ -55,19 +48,24 @@ class TargetView:
         draft_to_target: torch.Tensor,
         argmax: torch.Tensor,
     ) -> TargetView:
-        """final: [B, S, Ht] the target's final normed hidden states; argmax: [B, S] its
-        argmax over the whole vocabulary there (`Features.target_argmax`, computed once).
-        The logits are computed at the draft ids only: the LM head's rows there."""
+        """final: [m, Ht] the target's final normed hidden states; argmax: [m] its argmax
+        over the whole vocabulary there (`Features.target_argmax`, computed once). The
+        logits are computed at the draft ids only: the LM head's rows there (the loss
+        kernel takes their softmax)."""
         head = target.lm_head.rows(draft_to_target)  # [draft_vocab, Ht]
-        probs = torch.softmax(F.linear(final, head).float(), dim=-1)  # [B, S, draft_vocab]
-        return cls(probs, argmax)
+        return cls(F.linear(final, head), argmax)
 
 
 @dataclass
 class StepResult:
     loss: torch.Tensor  # scalar, the mean cross-entropy over the scored rows (0 without)
-    rows: int  # rows counted for acceptance
+    valid: torch.Tensor  # [n] bool: the union rows this step counts
     hit_map: torch.Tensor  # [B, S] bool: row p counted and its draft the target's argmax
+
+    @property
+    def rows(self) -> int:
+        """Rows counted for acceptance (reads the device)."""
+        return int(self.valid.sum())
 
     @property
     def hits(self) -> torch.Tensor:
@@ -79,40 +77,35 @@ def step_result(
     drafter: LlamaForCausalLMEagle3,
     out: torch.Tensor,
     view: TargetView,
-    lengths: torch.Tensor,
-    prompt_lens: torch.Tensor,
+    rows: ScoredRows,
     step: int,
 ) -> StepResult:
     """Loss and acceptance of unroll step `step`'s output out [B, S, H]. The LM head
-    runs on the counted rows only."""
-    seq_len = out.shape[1]
-    mask = answer_mask(lengths, prompt_lens, seq_len, step)
-    b, p = mask.nonzero(as_tuple=True)  # NOTE: the one host sync of a step
-    q = p + 1 + step  # the target's position whose logits score row p
-    logits = draft_logits(drafter, out[b, p])  # [n, draft_vocab] (bf16 under autocast)
-    target_ids = view.argmax[b, q]  # [n]
-    hit_rows = drafter.to_target_ids(logits.detach().argmax(-1)) == target_ids  # [n]
-    hit_map = torch.zeros_like(mask)
-    hit_map[b, p] = hit_rows
-    scored = drafter.t2d[target_ids].float()  # [n] the target's choice is drafted
-    # NOTE: -sum(p log_softmax(logits)) per row, fused on CUDA (kernels/soft_cross_entropy.py)
-    ce = soft_cross_entropy(logits, view.probs.flatten(0, 1), b * seq_len + q)  # [n] float32
+    runs on the union rows only (no host sync: the rows came from the host)."""
+    valid, target_row = rows.at_step(step)
+    flat = rows.seq * out.shape[1] + rows.pos
+    logits = draft_logits(drafter, out.flatten(0, 1)[flat])  # [n, draft_vocab] (bf16 on CUDA)
+    # NOTE: -sum(p log_softmax(logits)) per row and the drafter's argmax, fused on CUDA
+    # (kernels/soft_cross_entropy.py)
+    ce, draft_argmax = soft_cross_entropy(logits, view.logits, target_row)  # [n] float32
+    target_ids = view.argmax[target_row]  # [n]
+    hit_rows = (drafter.to_target_ids(draft_argmax) == target_ids) & valid
+    hit_map = torch.zeros(out.shape[:2], dtype=torch.bool, device=out.device)
+    hit_map[rows.seq, rows.pos] = hit_rows
+    scored = (drafter.t2d[target_ids] & valid).float()  # the target's choice is drafted
     loss = (ce * scored).sum() / scored.sum().clamp(min=1)
-    return StepResult(loss, int(b.numel()), hit_map)
+    return StepResult(loss, valid, hit_map)
 
 
 def ttt_loss(
     drafter: LlamaForCausalLMEagle3,
     outs: list[torch.Tensor],
     view: TargetView,
-    lengths: torch.Tensor,
-    prompt_lens: torch.Tensor,
+    rows: ScoredRows,
     decay: float,
 ) -> tuple[torch.Tensor, list[StepResult]]:
     """sum_j decay ** j * loss_j over the unroll steps, and each step's result."""
-    results = [
-        step_result(drafter, out, view, lengths, prompt_lens, j) for j, out in enumerate(outs)
-    ]
+    results = [step_result(drafter, out, view, rows, j) for j, out in enumerate(outs)]
     zero = torch.zeros((), device=outs[0].device)  # NOTE: float32 even under autocast
     total = sum((decay**j * r.loss for j, r in enumerate(results)), zero)
     return total, results

@@ -129,7 +129,7 @@ def run_batch(
     aux = batch.aux if device.type == "cuda" else batch.aux.float()
     with autocast(device):
         outs = ttt_unroll(drafter, batch.ids, aux, args.ttt_steps)
-        return ttt_loss(drafter, outs, view, batch.lengths, batch.prompt_lens, args.step_loss_decay)
+        return ttt_loss(drafter, outs, view, batch.rows, args.step_loss_decay)
 
 
 @dataclass
@@ -160,7 +160,7 @@ def evaluate(
     steps = emitted = 0
     for lo in range(0, len(features), args.batch_size):
         idx = list(range(lo, min(lo + args.batch_size, len(features))))
-        batch = features.batch(idx, args.seq_bucket)
+        batch = features.batch(idx, args.seq_bucket, args.ttt_steps)
         _, results = run_batch(drafter, target, batch, args, device)
         for j, r in enumerate(results):
             hits[j] += int(r.hits)
@@ -299,7 +299,7 @@ def train_loop(
         factor = lr_factor(step, warmup, args.max_steps, time_done(t0, args.max_train_seconds))
         for group in opt.param_groups:
             group["lr"] = args.lr * factor
-        batch = train_feats.batch(next(order), args.seq_bucket)
+        batch = train_feats.batch(next(order), args.seq_bucket, args.ttt_steps)
         loss, results = run_batch(drafter, target, batch, args, device)
         opt.zero_grad(set_to_none=True)
         loss.backward()

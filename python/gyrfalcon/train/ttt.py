@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from gyrfalcon.kernels import train_layers
 from gyrfalcon.layers.norm import RMSNorm
 from gyrfalcon.models.llama_eagle3 import LlamaForCausalLMEagle3
 
@@ -51,64 +52,64 @@ def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-    """`RMSNorm.forward`'s torch math (float32 statistics) with norm's weight."""
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.eps)
-    return norm.weight * h.to(dtype)
+    """`RMSNorm.forward`'s math (float32 statistics) with norm's weight, differentiable
+    (`kernels.train_layers.rms_norm`: fused on CUDA)."""
+    return train_layers.rms_norm(x, norm.weight, norm.eps)
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """RoPE, rotate-half layout (`RotaryEmbedding.forward`): x [B, S, heads, D],
-    positions [S] -> x rotated."""
-    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [S, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+def rope_tables(
+    length: int, inv_freq: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [length, D/2] float32 of positions 0..length-1 (`RotaryEmbedding`'s
+    angles, rotate-half layout: both halves of a head share them)."""
+    freqs = torch.arange(length, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return freqs.cos(), freqs.sin()
 
 
 def draft_step(
     drafter: LlamaForCausalLMEagle3,
     ids: torch.Tensor,
     hidden: torch.Tensor,
-    positions: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
 ) -> torch.Tensor:
-    """One unroll step: ids [B, S], hidden [B, S, H], positions [S] -> out [B, S, H]
-    (pre-final-norm, as `LlamaForCausalLMEagle3.forward`). Appends this step's keys
-    and values [B, S, KVH, D] to keys, values; attends per `ttt_mask`."""
+    """One unroll step: ids [B, S], hidden [B, S, H], rope: cos, sin [S, D/2] of this
+    step's positions -> out [B, S, H] (pre-final-norm, as `LlamaForCausalLMEagle3.forward`).
+    Appends this step's keys and values [B, S, KVH, D] to keys, values; attends per
+    `ttt_mask`."""
     layer, attn = drafter.midlayer, drafter.midlayer.self_attn
     b, s, _ = hidden.shape
     embeds = F.embedding(ids, drafter.embed_tokens.weight).to(hidden.dtype)
     normed = rms_norm(hidden, layer.hidden_norm)
     residual = normed if drafter.cfg.norm_before_residual else hidden
     x = torch.cat([rms_norm(embeds, layer.input_layernorm), normed], dim=-1)  # [B, S, 2H]
-    qkv = F.linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias)
-    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-    q = q.reshape(b, s, attn.num_heads, attn.head_dim)
-    k = k.reshape(b, s, attn.num_kv_heads, attn.head_dim)
-    v = v.reshape(b, s, attn.num_kv_heads, attn.head_dim)
-    if attn.q_norm is not None and attn.k_norm is not None:
-        q, k = rms_norm(q, attn.q_norm), rms_norm(k, attn.k_norm)
-    inv_freq = attn.rotary.inv_freq
-    q, k = rotate(q, positions, inv_freq), rotate(k, positions, inv_freq)
-    keys.append(k)
-    values.append(v)
+    qkv = F.linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias).flatten(0, 1)  # [B S, q|k|v]
+    if attn.q_norm is not None and attn.k_norm is not None:  # NOTE: per head, before RoPE
+        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        q = rms_norm(q.unflatten(-1, (attn.num_heads, attn.head_dim)), attn.q_norm)
+        k = rms_norm(k.unflatten(-1, (attn.num_kv_heads, attn.head_dim)), attn.k_norm)
+        qkv = torch.cat([q.flatten(-2), k.flatten(-2), v], dim=-1)
+    q, k, v = train_layers.rotate_qkv(qkv, *rope, attn.q_size, attn.kv_size, attn.head_dim)
+    keys.append(k.view(b, s, attn.num_kv_heads, attn.head_dim))
+    values.append(v.view(b, s, attn.num_kv_heads, attn.head_dim))
     group = attn.num_heads // attn.num_kv_heads
     all_k = torch.cat(keys, dim=1).transpose(1, 2).repeat_interleave(group, dim=1)
     all_v = torch.cat(values, dim=1).transpose(1, 2).repeat_interleave(group, dim=1)
     mask = ttt_mask(s, len(keys) - 1, hidden.device)
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), all_k, all_v, attn_mask=mask, scale=attn.head_dim**-0.5
+        q.view(b, s, attn.num_heads, attn.head_dim).transpose(1, 2),
+        all_k,
+        all_v,
+        attn_mask=mask,
+        scale=attn.head_dim**-0.5,
     )  # [B, heads, S, D]
     out = out.transpose(1, 2).reshape(b, s, attn.num_heads * attn.head_dim)
     h = F.linear(out, attn.o_proj.weight) + residual
     mlp = layer.mlp
     gate_up = F.linear(rms_norm(h, layer.post_attention_layernorm), mlp.gate_up_proj.weight)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return h + F.linear(F.silu(gate) * up, mlp.down_proj.weight)
+    act = train_layers.silu_mul(gate_up.flatten(0, 1)).view(b, s, -1)
+    return h + F.linear(act, mlp.down_proj.weight)
 
 
 def ttt_unroll(
@@ -118,12 +119,14 @@ def ttt_unroll(
     [B, S, 3 Ht] (the target's aux states at each position) -> out_j [B, S, H] for
     j < steps, out_j[:, p] predicting t_{p+2+j} (module docstring)."""
     hidden = F.linear(aux, drafter.fc.weight, drafter.fc.bias)  # `fuse`
-    positions = torch.arange(ids.shape[1], device=ids.device)
+    s = ids.shape[1]
+    cos, sin = rope_tables(s + steps, drafter.midlayer.self_attn.rotary.inv_freq, ids.device)
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     outs = []
-    for j in range(steps):
-        hidden = draft_step(drafter, shift_left(ids, 1 + j), hidden, positions + j, keys, values)
+    for j in range(steps):  # NOTE: step j's row p sits at position p + j
+        rope = (cos[j : j + s], sin[j : j + s])
+        hidden = draft_step(drafter, shift_left(ids, 1 + j), hidden, rope, keys, values)
         outs.append(hidden)
     return outs
 

@@ -23,7 +23,7 @@ from gyrfalcon.train import ttt
 from gyrfalcon.train.args import TrainArgs
 from gyrfalcon.train.drafter import build_drafter, draft_config_for
 from gyrfalcon.train.features import Features
-from gyrfalcon.train.objective import TargetView, ttt_loss
+from gyrfalcon.train.objective import TargetView
 from gyrfalcon.train.trainer import run_batch
 from gyrfalcon.train.ttt import draft_logits, ttt_unroll
 
@@ -137,15 +137,32 @@ def test_another_mask_would_be_caught(target, monkeypatch, wrong):
         assert_unroll_equals_engine(make_drafter(target), *padded_batch(target))
 
 
+def tiny_features(target, seed: int = 5) -> Features:
+    """Two sequences of LENGTHS tokens, prompts of 3 and 2, random target states."""
+    gen = torch.Generator().manual_seed(seed)
+    n, h = sum(LENGTHS), target.cfg.hidden_size
+    final = torch.randn(n, h, generator=gen)
+    return Features(
+        ids=torch.randint(0, target.cfg.vocab_size, (n,), generator=gen),
+        aux=torch.randn(n, 3 * h, generator=gen),
+        final=final,
+        target_argmax=target.compute_logits(final).argmax(-1),
+        starts=[0, LENGTHS[0]],
+        lengths=list(LENGTHS),
+        prompt_lens=[3, 2],
+    )
+
+
+def train_args(**kw) -> TrainArgs:
+    return TrainArgs(
+        prompts="p.jsonl", output_dir="out", device="cpu", ttt_steps=STEPS, **kw
+    ).resolved()
+
+
 def test_the_loss_trains_every_drafter_parameter_and_never_the_target(target):
     drafter = make_drafter(target)
-    ids, aux = padded_batch(target)
-    final = torch.randn(*ids.shape, target.cfg.hidden_size)
-    argmax = target.compute_logits(final).argmax(-1)
-    view = TargetView.of(target, final, drafter.draft_to_target, argmax)
-    lengths, prompt_lens = torch.tensor(LENGTHS), torch.tensor([3, 2])
-    outs = ttt_unroll(drafter, ids, aux, STEPS)
-    loss, results = ttt_loss(drafter, outs, view, lengths, prompt_lens, 0.8)
+    batch = tiny_features(target).batch([0, 1], 1, STEPS)
+    loss, results = run_batch(drafter, target, batch, train_args(), CPU)
     loss.backward()
     # row p of step j predicts the token at p + 2 + j, an answer token that exists
     want_rows = [sum(n - max(pl, 2 + j) for n, pl in zip(LENGTHS, (3, 2))) for j in range(STEPS)]
@@ -157,30 +174,49 @@ def test_the_loss_trains_every_drafter_parameter_and_never_the_target(target):
             assert p.grad is not None and p.grad.abs().sum() > 0, name
 
 
+def test_the_loss_is_the_textbook_cross_entropy_over_each_steps_rows(target):
+    """The loss of each step against a direct computation: for every sequence, row p
+    and step j with an answer token at t = p + 2 + j whose target argmax is drafted,
+    -sum softmax(target logits at t - 1, draft ids) log_softmax(draft logits of row p),
+    averaged; hits where the drafter's argmax is the target's."""
+    drafter = make_drafter(target)
+    features = tiny_features(target)
+    batch = features.batch([0, 1], 1, STEPS)
+    with torch.no_grad():
+        _, results = run_batch(drafter, target, batch, train_args(), CPU)
+        outs = ttt_unroll(drafter, batch.ids, batch.aux, STEPS)
+    d2t = drafter.draft_to_target
+    for j in range(STEPS):
+        ces, hits = [], 0
+        for b, (start, n, pl) in enumerate(zip(features.starts, LENGTHS, (3, 2))):
+            for p in range(n):
+                t = p + 2 + j
+                if not pl <= t < n:
+                    continue
+                f = features.final[start + t - 1]
+                want = int(features.target_argmax[start + t - 1])
+                x = draft_logits(drafter, outs[j][b, p])
+                hits += int(d2t[x.argmax()] == want)
+                if drafter.t2d[want]:
+                    q = torch.softmax(target.compute_logits(f[None])[0, d2t], -1)
+                    ces.append(-(q * torch.log_softmax(x, -1)).sum())
+        torch.testing.assert_close(results[j].loss, torch.stack(ces).mean(), **TOL)
+        assert int(results[j].hits) == hits, j
+
+
 @pytest.mark.parametrize("bucket", [16, 64])
 def test_padding_up_to_a_bucket_changes_no_loss_and_no_gradient(target, bucket):
     """One training step on a batch padded to a multiple of `bucket` (4 and 52 more
     positions than its longest sequence) equals the step on the batch padded to its
     longest sequence only: the same loss, acceptance counts and gradients."""
-    gen = torch.Generator().manual_seed(5)
-    n, h = sum(LENGTHS), target.cfg.hidden_size
-    final = torch.randn(n, h, generator=gen)
-    features = Features(
-        ids=torch.randint(0, target.cfg.vocab_size, (n,), generator=gen),
-        aux=torch.randn(n, 3 * h, generator=gen),
-        final=final,
-        target_argmax=target.compute_logits(final).argmax(-1),
-        starts=[0, LENGTHS[0]],
-        lengths=list(LENGTHS),
-        prompt_lens=[3, 2],
-    )
-    args = TrainArgs(prompts="p.jsonl", output_dir="out", device="cpu", ttt_steps=STEPS)
+    features = tiny_features(target)
+    args = train_args()
     drafter = make_drafter(target)
 
     def step(bucket: int):
         drafter.zero_grad(set_to_none=True)
-        batch = features.batch([0, 1], bucket)
-        loss, results = run_batch(drafter, target, batch, args.resolved(), CPU)
+        batch = features.batch([0, 1], bucket, STEPS)
+        loss, results = run_batch(drafter, target, batch, args, CPU)
         loss.backward()
         grads = {n: p.grad for n, p in drafter.named_parameters() if p.grad is not None}
         return batch.ids.shape[1], loss.detach(), [(int(r.hits), r.rows) for r in results], grads
@@ -197,11 +233,10 @@ def test_padding_up_to_a_bucket_changes_no_loss_and_no_gradient(target, bucket):
 
 def test_target_view_is_the_full_logits_at_the_draft_ids(target):
     """The view computes the target's logits at the draft ids only (its LM head's rows
-    there): the same distribution as the whole vocabulary's logits gathered there."""
+    there): the whole vocabulary's logits gathered there."""
     drafter = make_drafter(target)
-    final = torch.randn(2, 9, target.cfg.hidden_size, generator=torch.Generator().manual_seed(2))
-    logits = target.compute_logits(final.flatten(0, 1))
-    view = TargetView.of(target, final, drafter.draft_to_target, logits.argmax(-1).view(2, 9))
-    want = torch.softmax(logits[:, drafter.draft_to_target], dim=-1).view(2, 9, -1)
-    torch.testing.assert_close(view.probs, want, **TOL)
-    assert view.probs.dtype == torch.float32 and view.probs.shape[-1] < logits.shape[-1]
+    final = torch.randn(18, target.cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    logits = target.compute_logits(final)
+    view = TargetView.of(target, final, drafter.draft_to_target, logits.argmax(-1))
+    torch.testing.assert_close(view.logits, logits[:, drafter.draft_to_target], **TOL)
+    assert view.logits.shape[-1] < logits.shape[-1]

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from gyrfalcon.train.features import Features, bucketed
-from gyrfalcon.train.objective import acceptance_length, answer_mask, served_rounds
+from gyrfalcon.train.objective import acceptance_length, served_rounds
+from gyrfalcon.train.rows import ScoredRows, plan_rows
 from gyrfalcon.train.trainer import lr_factor
 from gyrfalcon.train.ttt import shift_left, ttt_mask
 
@@ -52,18 +53,62 @@ def test_shift_left():
     assert torch.equal(shift_left(h, 1)[:, :4], h[:, 1:]) and not shift_left(h, 1)[:, 4].any()
 
 
-def test_answer_mask_counts_rows_predicting_existing_answer_tokens():
-    lengths, prompt_lens = torch.tensor([8, 5]), torch.tensor([4, 1])
+def step_mask(plan, lengths, prompt_lens, seq_len: int, step: int) -> torch.Tensor:
+    """[B, S] bool: the rows `ScoredRows.at_step` counts at `step`."""
+    rows = ScoredRows(
+        plan.seq, plan.pos, plan.target_start, torch.tensor(lengths), torch.tensor(prompt_lens)
+    )
+    valid, _ = rows.at_step(step)
+    mask = torch.zeros(len(lengths), seq_len, dtype=torch.bool)
+    mask[plan.seq[valid], plan.pos[valid]] = True
+    return mask
+
+
+def test_scored_rows_count_rows_predicting_existing_answer_tokens():
+    lengths, prompt_lens = [8, 5], [4, 1]
+    plan = plan_rows(lengths, prompt_lens, steps=3)
     # step 0: row p predicts token p + 2: answer tokens 4..7 and 2..4 (token 1 cannot be
     # predicted: no row has a feature before it)
-    assert answer_mask(lengths, prompt_lens, 8, 0).int().tolist() == [
+    assert step_mask(plan, lengths, prompt_lens, 8, 0).int().tolist() == [
         [0, 0, 1, 1, 1, 1, 0, 0],
         [1, 1, 1, 0, 0, 0, 0, 0],
     ]
-    assert answer_mask(lengths, prompt_lens, 8, 2).int().tolist() == [
+    assert step_mask(plan, lengths, prompt_lens, 8, 2).int().tolist() == [
         [1, 1, 1, 1, 0, 0, 0, 0],
         [1, 0, 0, 0, 0, 0, 0, 0],
     ]
+    # the union of steps 0..2: rows 0..5 and 0..2
+    assert list(zip(plan.seq.tolist(), plan.pos.tolist())) == [(0, p) for p in range(6)] + [
+        (1, p) for p in range(3)
+    ]
+    # the scoring positions q = 3..6 and 0..3, one per answer token
+    assert plan.target_pos.tolist() == [3, 4, 5, 6, 0, 1, 2, 3]
+    assert plan.target_seq.tolist() == [0] * 4 + [1] * 4 and plan.target_start.tolist() == [0, 4]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_scored_rows_against_the_definition(seed):
+    """Every step's rows are exactly those with prompt_len <= p + 2 + j < length, all in
+    the union, each scored by the target position p + 1 + j of its own sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 30, (6,), generator=gen).tolist()
+    prompt_lens = [int(torch.randint(1, n + 1, (1,), generator=gen)) for n in lengths]
+    steps, s = 4, max(lengths)
+    plan = plan_rows(lengths, prompt_lens, steps)
+    rows = ScoredRows(
+        plan.seq, plan.pos, plan.target_start, torch.tensor(lengths), torch.tensor(prompt_lens)
+    )
+    for j in range(steps):
+        want = torch.tensor(
+            [[pl <= p + 2 + j < n for p in range(s)] for n, pl in zip(lengths, prompt_lens)]
+        )
+        assert torch.equal(step_mask(plan, lengths, prompt_lens, s, j), want), j
+        valid, target_row = rows.at_step(j)
+        assert torch.equal(plan.target_seq[target_row[valid]], plan.seq[valid])
+        assert torch.equal(plan.target_pos[target_row[valid]], plan.pos[valid] + 1 + j)
+    # the union holds no row that no step counts
+    counted = sum(step_mask(plan, lengths, prompt_lens, s, j).int() for j in range(steps))
+    assert bool((counted[plan.seq, plan.pos] > 0).all())
 
 
 def test_acceptance_length():
