@@ -74,30 +74,26 @@ class Features:
         likely cause of the slow first steps of the measured run (docs/train_eagle3.md)."""
         device = self.ids.device
         lengths = [self.lengths[i] for i in indices]
-        prompt_lens = [self.prompt_lens[i] for i in indices]
         starts = torch.tensor([self.starts[i] for i in indices], dtype=torch.int64)
-        plan = plan_rows(lengths, prompt_lens, steps)
+        plan = plan_rows(lengths, [self.prompt_lens[i] for i in indices], steps)
+        seq_len = bucketed(max(lengths), bucket)
+        span = torch.arange(seq_len)
+        rows = starts[:, None] + torch.minimum(span[None, :], plan.lengths[:, None] - 1)  # [B, S]
         parts = [
-            torch.tensor(lengths, dtype=torch.int64),
-            torch.tensor(prompt_lens, dtype=torch.int64),
-            starts,
-            plan.seq,
-            plan.pos,
-            plan.target_start,
+            rows.flatten(),
             starts[plan.target_seq] + plan.target_pos,  # the scoring positions' feature rows
+            *plan.row_arrays(seq_len),
         ]
+        # NOTE: one copy from pageable memory: staged at once, no wait for the device
         on_device = torch.cat(parts).to(device, non_blocking=True)
-        lens, plens, starts_d, seq, pos, target_start, target_rows = on_device.split(
-            [len(x) for x in parts]
-        )
-        span = torch.arange(bucketed(max(lengths), bucket), device=device)  # [S]
-        rows = starts_d[:, None] + torch.minimum(span[None, :], lens[:, None] - 1)  # [B, S]
+        flat_rows, target_rows, *scored = on_device.split([len(x) for x in parts])
+        b = len(indices)
         return TrainBatch(
-            ids=self.ids[rows],
-            aux=self.aux[rows],
-            final=self.final[target_rows],
-            target_argmax=self.target_argmax[target_rows],
-            rows=ScoredRows(seq, pos, target_start, lens, plens),
+            ids=self.ids.index_select(0, flat_rows).view(b, seq_len),
+            aux=self.aux.index_select(0, flat_rows).view(b, seq_len, -1),
+            final=self.final.index_select(0, target_rows),
+            target_argmax=self.target_argmax.index_select(0, target_rows),
+            rows=ScoredRows(*scored),
         )
 
 

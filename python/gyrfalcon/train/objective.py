@@ -60,7 +60,9 @@ class TargetView:
 class StepResult:
     loss: torch.Tensor  # scalar, the mean cross-entropy over the scored rows (0 without)
     valid: torch.Tensor  # [n] bool: the union rows this step counts
-    hit_map: torch.Tensor  # [B, S] bool: row p counted and its draft the target's argmax
+    hit_rows: torch.Tensor  # [n] bool: counted and the drafter's argmax is the target's
+    rows_of: ScoredRows  # where the union rows sit in the batch
+    shape: tuple[int, int]  # the batch's [B, S]
 
     @property
     def rows(self) -> int:
@@ -70,7 +72,14 @@ class StepResult:
     @property
     def hits(self) -> torch.Tensor:
         """Scalar int64: rows where the drafter's argmax is the target's."""
-        return self.hit_map.sum()
+        return self.hit_rows.sum()
+
+    @property
+    def hit_map(self) -> torch.Tensor:
+        """[B, S] bool: row p counted and its draft the target's argmax."""
+        out = torch.zeros(self.shape, dtype=torch.bool, device=self.hit_rows.device)
+        out[self.rows_of.seq, self.rows_of.pos] = self.hit_rows
+        return out
 
 
 def step_result(
@@ -83,18 +92,17 @@ def step_result(
     """Loss and acceptance of unroll step `step`'s output out [B, S, H]. The LM head
     runs on the union rows only (no host sync: the rows came from the host)."""
     valid, target_row = rows.at_step(step)
-    flat = rows.seq * out.shape[1] + rows.pos
-    logits = draft_logits(drafter, out.flatten(0, 1)[flat])  # [n, draft_vocab] (bf16 on CUDA)
+    # NOTE: index_select, whose backward is an index_add (the rows are distinct)
+    logits = draft_logits(drafter, out.flatten(0, 1).index_select(0, rows.flat))  # [n, V]
     # NOTE: -sum(p log_softmax(logits)) per row and the drafter's argmax, fused on CUDA
     # (kernels/soft_cross_entropy.py)
     ce, draft_argmax = soft_cross_entropy(logits, view.logits, target_row)  # [n] float32
-    target_ids = view.argmax[target_row]  # [n]
+    target_ids = view.argmax.index_select(0, target_row)  # [n]
     hit_rows = (drafter.to_target_ids(draft_argmax) == target_ids) & valid
-    hit_map = torch.zeros(out.shape[:2], dtype=torch.bool, device=out.device)
-    hit_map[rows.seq, rows.pos] = hit_rows
-    scored = (drafter.t2d[target_ids] & valid).float()  # the target's choice is drafted
+    # NOTE: the target's choice is drafted (else the draft vocabulary cannot express it)
+    scored = ((drafter.target_to_draft(target_ids) >= 0) & valid).float()
     loss = (ce * scored).sum() / scored.sum().clamp(min=1)
-    return StepResult(loss, valid, hit_map)
+    return StepResult(loss, valid, hit_rows, rows, (out.shape[0], out.shape[1]))
 
 
 def ttt_loss(

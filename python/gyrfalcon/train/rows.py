@@ -38,6 +38,19 @@ class RowPlan:
     target_seq: torch.Tensor  # [m] the sequence of each scoring target position
     target_pos: torch.Tensor  # [m] its position q
     target_start: torch.Tensor  # [B] the index in target_* of each sequence's first q
+    prompt_lens: torch.Tensor  # [B]
+    lengths: torch.Tensor  # [B]
+
+    def row_arrays(self, seq_len: int) -> list[torch.Tensor]:
+        """`ScoredRows`' fields in order, per union row, for a batch padded to seq_len."""
+        return [
+            self.seq * seq_len + self.pos,
+            self.seq,
+            self.pos,
+            self.prompt_lens[self.seq],
+            self.lengths[self.seq],
+            (self.target_start - self.prompt_lens)[self.seq],
+        ]
 
 
 def plan_rows(lengths: Sequence[int], prompt_lens: Sequence[int], steps: int) -> RowPlan:
@@ -50,24 +63,25 @@ def plan_rows(lengths: Sequence[int], prompt_lens: Sequence[int], steps: int) ->
     seq, pos = ranges(lo, torch.where(p < n, n - 2, lo))  # NOTE: no answer token, no row
     target_seq, target_pos = ranges(p - 1, n - 1)
     counts = n - p
-    return RowPlan(seq, pos, target_seq, target_pos, torch.cumsum(counts, 0) - counts)
+    return RowPlan(seq, pos, target_seq, target_pos, torch.cumsum(counts, 0) - counts, p, n)
 
 
 @dataclass
 class ScoredRows:
-    """A batch's union rows and their scoring on the device."""
+    """A batch's union rows (`RowPlan.row_arrays`, on the device), each with what its
+    sequence says about it: every step picks its rows and their scoring positions with
+    elementwise ops alone."""
 
-    seq: torch.Tensor  # [n] int64
-    pos: torch.Tensor  # [n] int64
-    target_start: torch.Tensor  # [B] int64: row of (b, prompt_len - 1) in the target arrays
-    lengths: torch.Tensor  # [B] int64
-    prompt_lens: torch.Tensor  # [B] int64
+    flat: torch.Tensor  # [n] int64: b * S + p, the row in a flattened [B, S] batch
+    seq: torch.Tensor  # [n] int64: b
+    pos: torch.Tensor  # [n] int64: p
+    first: torch.Tensor  # [n] int64: the sequence's prompt length (its first answer token)
+    end: torch.Tensor  # [n] int64: the sequence's length
+    base: torch.Tensor  # [n] int64: the target arrays' row of the sequence's token t is base + t
 
     def at_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(valid [n] bool: the row predicts an answer token that exists at this step,
         target_row [n]: the target array's row that scores it; 0 where not valid)."""
         t = self.pos + 2 + step
-        prompt_len = self.prompt_lens[self.seq]
-        valid = (t >= prompt_len) & (t < self.lengths[self.seq])
-        target_row = torch.where(valid, self.target_start[self.seq] + t - prompt_len, 0)
-        return valid, target_row
+        valid = (t >= self.first) & (t < self.end)
+        return valid, torch.where(valid, self.base + t, 0)

@@ -66,6 +66,16 @@ def rope_tables(
     return freqs.cos(), freqs.sin()
 
 
+def query_heads(kv: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """kv [B, L, KVH, D] -> [B, num_heads, L, D], each KV head repeated for its group of
+    query heads (GQA). NOTE: expand, not repeat_interleave: on CUDA that one computes its
+    output size on the host from a device tensor, a sync each call."""
+    b, length, kv_heads, d = kv.shape
+    group = num_heads // kv_heads
+    x = kv.transpose(1, 2)[:, :, None].expand(b, kv_heads, group, length, d)
+    return x.reshape(b, num_heads, length, d)
+
+
 def draft_step(
     drafter: LlamaForCausalLMEagle3,
     ids: torch.Tensor,
@@ -93,9 +103,7 @@ def draft_step(
     q, k, v = train_layers.rotate_qkv(qkv, *rope, attn.q_size, attn.kv_size, attn.head_dim)
     keys.append(k.view(b, s, attn.num_kv_heads, attn.head_dim))
     values.append(v.view(b, s, attn.num_kv_heads, attn.head_dim))
-    group = attn.num_heads // attn.num_kv_heads
-    all_k = torch.cat(keys, dim=1).transpose(1, 2).repeat_interleave(group, dim=1)
-    all_v = torch.cat(values, dim=1).transpose(1, 2).repeat_interleave(group, dim=1)
+    all_k, all_v = (query_heads(torch.cat(kv, dim=1), attn.num_heads) for kv in (keys, values))
     mask = ttt_mask(s, len(keys) - 1, hidden.device)
     out = F.scaled_dot_product_attention(
         q.view(b, s, attn.num_heads, attn.head_dim).transpose(1, 2),

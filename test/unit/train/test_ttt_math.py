@@ -10,7 +10,7 @@ from gyrfalcon.train.features import Features, bucketed
 from gyrfalcon.train.objective import acceptance_length, served_rounds
 from gyrfalcon.train.rows import ScoredRows, plan_rows
 from gyrfalcon.train.trainer import lr_factor
-from gyrfalcon.train.ttt import shift_left, ttt_mask
+from gyrfalcon.train.ttt import query_heads, shift_left, ttt_mask
 
 
 def test_step_zero_is_plain_causal():
@@ -44,6 +44,14 @@ def test_mask_by_rule():
     assert m.sum(1).tolist() == [p + 1 + step for p in range(s)]
 
 
+def test_query_heads_repeat_each_kv_head_for_its_group():
+    kv = torch.randn(2, 7, 3, 4)
+    got = query_heads(kv, 9)  # [B, heads, L, D]: query head h reads KV head h // 3
+    assert got.shape == (2, 9, 7, 4)
+    for h in range(9):
+        assert torch.equal(got[:, h], kv[:, :, h // 3])
+
+
 def test_shift_left():
     x = torch.arange(10).view(2, 5)
     assert shift_left(x, 0) is x
@@ -55,10 +63,7 @@ def test_shift_left():
 
 def step_mask(plan, lengths, prompt_lens, seq_len: int, step: int) -> torch.Tensor:
     """[B, S] bool: the rows `ScoredRows.at_step` counts at `step`."""
-    rows = ScoredRows(
-        plan.seq, plan.pos, plan.target_start, torch.tensor(lengths), torch.tensor(prompt_lens)
-    )
-    valid, _ = rows.at_step(step)
+    valid, _ = ScoredRows(*plan.row_arrays(seq_len)).at_step(step)
     mask = torch.zeros(len(lengths), seq_len, dtype=torch.bool)
     mask[plan.seq[valid], plan.pos[valid]] = True
     return mask
@@ -95,9 +100,8 @@ def test_scored_rows_against_the_definition(seed):
     prompt_lens = [int(torch.randint(1, n + 1, (1,), generator=gen)) for n in lengths]
     steps, s = 4, max(lengths)
     plan = plan_rows(lengths, prompt_lens, steps)
-    rows = ScoredRows(
-        plan.seq, plan.pos, plan.target_start, torch.tensor(lengths), torch.tensor(prompt_lens)
-    )
+    rows = ScoredRows(*plan.row_arrays(s))
+    assert torch.equal(rows.flat, rows.seq * s + rows.pos)
     for j in range(steps):
         want = torch.tensor(
             [[pl <= p + 2 + j < n for p in range(s)] for n, pl in zip(lengths, prompt_lens)]
