@@ -82,6 +82,7 @@ class SpecBenchDefaults:
     num_steps: int = 3
     max_tokens: int = 256
     concurrency: str = "1,16"
+    min_waves: int = 0
     device: str = "auto"
     dtype: str = "auto"
     output_dir: str = str(ROOT / "benchmarks" / "results")
@@ -119,6 +120,13 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, l
     p.add_argument("--num-prompts", type=int, default=None, help="first N questions (all)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
     p.add_argument("--concurrency", type=parse_concurrency, default=d.concurrency)
+    p.add_argument(
+        "--min-waves",
+        type=int,
+        default=d.min_waves,
+        help="at concurrency C send max(prompts, W * C) requests, the prompts cycled: a run "
+        "of 40 prompts at C = 16 lasts ~1 s on a GPU, mostly ramp and tail",
+    )
     p.add_argument("--device", default=d.device, help="server --device")
     p.add_argument("--dtype", default=d.dtype, help="server --dtype")
     p.add_argument("--device-kind", default=d.device_kind, help="machine label, in file names")
@@ -192,10 +200,22 @@ async def run_batch(
     return outputs, time.perf_counter() - start
 
 
+def cycled(items: Sequence[Any], concurrency: int, min_waves: int) -> list[Any]:
+    """The items, cycled to max(len, min_waves * concurrency) of them (item i % len at
+    i): `concurrency` requests stay in flight for at least `min_waves` waves."""
+    n = max(len(items), min_waves * concurrency)
+    return [items[i % len(items)] for i in range(n)]
+
+
 async def run_concurrencies(
-    base_url: str, samples: Sequence[SampleRequest], concurrencies: Sequence[int], timeout: float
+    base_url: str,
+    samples: Sequence[SampleRequest],
+    concurrencies: Sequence[int],
+    timeout: float,
+    min_waves: int = 0,
 ) -> Runs:
-    """After one untimed warm-up request, run_batch at each concurrency."""
+    """After one untimed warm-up request, run_batch at each concurrency (its requests
+    `cycled` to `min_waves` waves)."""
     url = base_url + ENDPOINT_PATHS["chat"]
     client_timeout = aiohttp.ClientTimeout(total=timeout)
     connector = aiohttp.TCPConnector(limit=0)
@@ -205,7 +225,10 @@ async def run_concurrencies(
         warm = await send_chat(session, url, payloads[0])
         if not warm.ok:
             raise RuntimeError(f"warm-up request failed: {warm.error}")
-        return {c: await run_batch(session, url, payloads, c) for c in concurrencies}
+        return {
+            c: await run_batch(session, url, cycled(payloads, c, min_waves), c)
+            for c in concurrencies
+        }
 
 
 # ---------------------------------------------------------------- figures
@@ -219,16 +242,20 @@ def build_report(
     runs: dict[str, Runs],
 ) -> dict[str, Any]:
     """The JSON report: setup, one row per concurrency, per-request figures (no texts)."""
-    reference = runs["plain"][ns.concurrency[0]][0]
+    first = runs["plain"][ns.concurrency[0]][0]
     rows = [
-        concurrency_row(c, runs["plain"][c], runs["spec"][c], reference) for c in ns.concurrency
+        concurrency_row(
+            c, runs["plain"][c], runs["spec"][c], cycled(first, len(runs["plain"][c][0]), 1)
+        )
+        for c in ns.concurrency
     ]
     return {
         "bench": "spec", "device_kind": ns.device_kind, "commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "model": default_model_name(ns.model), "draft_model": ns.draft_model,
         "num_steps": ns.num_steps, "dataset": Path(ns.dataset).name,
-        "num_prompts": num_prompts, "max_tokens": ns.max_tokens, "server_args": list(extra),
+        "num_prompts": num_prompts, "min_waves": ns.min_waves, "max_tokens": ns.max_tokens,
+        "server_args": list(extra),
         "commands": commands, "rows": rows,
         "per_request": {
             str(c): {name: [without_text(o) for o in runs[name][c][0]] for name in runs}
@@ -299,7 +326,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             with running_server(cmd, port, log, ns.startup_timeout) as url:
                 runs[name] = asyncio.run(
-                    run_concurrencies(url, samples, ns.concurrency, ns.request_timeout)
+                    run_concurrencies(
+                        url, samples, ns.concurrency, ns.request_timeout, ns.min_waves
+                    )
                 )
         except (RuntimeError, aiohttp.ClientError, OSError) as e:
             print(f"error ({name} server): {type(e).__name__}: {e}", file=sys.stderr)

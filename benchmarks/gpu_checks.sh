@@ -34,6 +34,8 @@
 #           weights) with host profiles of the first batch size. BENCH_SPEC=0 / STEP=0 skip
 #           either half (STEP_8B=0: the SmolLM2 shape only); SPEC_FLAGS go to both servers;
 #           their logs come back in spec_logs/. The profiles hold the kernels of 20 steps too.
+#           SPEC_WAVES=W: at concurrency C, max(40, W * C) requests (--min-waves; 40 at C = 16
+#           last ~1 s on an H100, mostly ramp and tail: the c16 speed-up swung 1.22x-1.72x).
 #   ab-decode: decode tokens/s of this tree against older ones, in turns on one machine
 #           (host-bound steps vary ~10% run to run, so one run of each says little): the
 #           trees `git archive` put in .ab/<commit>/ (carry .ab; `benchmarks/ab_trees.sh
@@ -284,7 +286,7 @@ PY
     if [ "${BENCH_SPEC:-1}" = 1 ]; then
       python3 benchmarks/bench_spec.py --model "$GYRFALCON_SMOLLM2_GGUF" \
         --draft-model "$DRAFTER" --dataset .data/mt_bench_dev.jsonl --device cuda \
-        --concurrency ${CONCURRENCY:-1,16} --device-kind "$KIND" --output-dir "$OUT" \
+        --concurrency ${CONCURRENCY:-1,16} --min-waves ${SPEC_WAVES:-0} --device-kind "$KIND" --output-dir "$OUT" \
         --log-dir "$OUT/spec_logs" --log-stats-interval 2 ${SPEC_FLAGS:-} \
         > "$OUT/bench_spec.log" 2>&1; echo "bench_spec exit $?"; tail -15 "$OUT/bench_spec.log"
       for f in "$OUT"/spec_logs/*.log; do  # NOTE: the stats lines, not every request's

@@ -153,12 +153,15 @@ def _num(value: float | None, digits: int = 2) -> str:
 def format_markdown(report: dict[str, Any]) -> str:
     """The results as a short markdown page: a header naming the setup, one row per
     concurrency."""
+    w = report.get("min_waves", 0)
+    waves = f" (cycled to at least {w} x the concurrency requests)" if w else ""
     lines = [
         f"# EAGLE3 speculative decoding vs. plain (device kind: {report['device_kind']})",
         "",
         f"Target `{report['model']}`, drafter `{report['draft_model']}`, "
         f"k = {report['num_steps']}; {report['num_prompts']} first turns of "
-        f"`{report['dataset']}`, greedy chat completions, max_tokens {report['max_tokens']}; "
+        f"`{report['dataset']}`{waves}, greedy chat completions, max_tokens "
+        f"{report['max_tokens']}; "
         f"commit {report['commit']}; server flags: `{' '.join(report['server_args']) or '-'}`. "
         "Accept length: tokens emitted per verify step (accepted + 1). Mismatches: "
         "requests whose greedy output differs between the two servers (0 in float32; in bf16 "

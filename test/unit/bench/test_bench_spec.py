@@ -239,6 +239,24 @@ def test_run_concurrencies_keeps_order_and_limit(bs: ModuleType, server: FakeCha
     assert outputs[0].spec_verify_steps == 2 and outputs[0].completion_tokens == 2
 
 
+def test_min_waves_cycle_the_prompts(bs: ModuleType, server: FakeChatServer) -> None:
+    """At concurrency C, --min-waves W sends max(prompts, W * C) requests, the prompts
+    in order and cycled; the report compares them with the first concurrency's outputs
+    of the same prompts."""
+    assert bs.cycled([1, 2, 3], 1, 2) == [1, 2, 3]
+    assert bs.cycled([1, 2, 3], 4, 2) == [1, 2, 3, 1, 2, 3, 1, 2]
+    samples = [SampleRequest(prompt=p, prompt_len=None, output_len=4) for p in ("a", "b")]
+    runs = asyncio.run(bs.run_concurrencies(server.url, samples, [1, 3], 30.0, min_waves=2))
+    assert [o.text for o in runs[1][0]] == ["echo a", "echo b"]
+    assert [o.text for o in runs[3][0]] == ["echo a", "echo b"] * 3
+    assert server.most_in_flight == 3
+    ns, extra = bs.parse_args(["--concurrency", "1,3", "--min-waves", "2"])
+    report = bs.build_report(ns, extra, 2, {"plain": [], "spec": []}, {"plain": runs, "spec": runs})
+    assert [r["requests"] for r in report["rows"]] == [2, 6]
+    assert report["rows"][1]["plain_vs_first_concurrency"] == 0 and report["min_waves"] == 2
+    assert "(cycled to at least 2 x the concurrency requests)" in bs.format_markdown(report)
+
+
 @pytest.mark.parametrize(
     "corrupt, device",
     [(False, "auto"), (True, "auto"), (True, "cuda")],
