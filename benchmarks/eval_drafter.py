@@ -40,8 +40,9 @@ from gyrfalcon.loader.resolve import resolve_model
 from gyrfalcon.models.llama_eagle3 import LlamaForCausalLMEagle3
 from gyrfalcon.train.args import TrainArgs
 from gyrfalcon.train.data import encode_prompts, generate_answers, load_prompts
+from gyrfalcon.train.evaluate import evaluate
 from gyrfalcon.train.features import compute_features
-from gyrfalcon.train.trainer import evaluate, target_runner
+from gyrfalcon.train.trainer import target_runner
 
 
 def read_prompts(path: str, skip: int, num: int, seed: int) -> list[str]:

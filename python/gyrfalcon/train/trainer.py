@@ -1,16 +1,15 @@
-"""`gyrfalcon train-eagle3`: the phases in order, the training loop, evaluation.
+"""`gyrfalcon train-eagle3`: the phases in order and the training loop.
 
 generate (with --self-instructions, instructions the target writes itself,
 `instructions`; the target's greedy answers, `data`) -> features (the target's hidden
 states, `features`) -> train (TTT unroll, `ttt` + `objective`; AdamW, warm-up then
 cosine decay, gradient clipping) with acceptance on held-out prompts every
---eval-every steps and at the end -> checkpoint (`drafter.export_drafter`) and
+--eval-every steps and at the end (`evaluate`) -> checkpoint (`drafter.export_drafter`) and
 training_args.json (the arguments and the results).
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import math
@@ -49,17 +48,12 @@ from gyrfalcon.train.drafter import (
     export_drafter,
     trainable_parameters,
 )
-from gyrfalcon.train.features import Features, TargetRunner, TrainBatch, compute_features
+from gyrfalcon.train.evaluate import Acceptance, evaluate, report, run_batch
+from gyrfalcon.train.features import Features, TargetRunner, compute_features
 from gyrfalcon.train.instructions import write_instructions
 from gyrfalcon.train.objective import (
-    StepResult,
-    TargetView,
-    acceptance_length,
     greedy_agreement,
-    served_rounds,
-    ttt_loss,
 )
-from gyrfalcon.train.ttt import ttt_unroll
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MIN_LR_RATIO = 0.1  # the cosine decays to this fraction of --lr
@@ -108,80 +102,6 @@ def batches(features: Features, batch_size: int, seed: int) -> Iterator[list[int
             out += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
         rng.shuffle(out)
         yield from out
-
-
-def autocast(device: torch.device) -> contextlib.AbstractContextManager:
-    """bfloat16 autocast on CUDA (float32 master weights); float32 elsewhere."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def run_batch(
-    drafter: LlamaForCausalLMEagle3,
-    target: torch.nn.Module,
-    batch: TrainBatch,
-    args: TrainArgs,
-    device: torch.device,
-) -> tuple[torch.Tensor, list[StepResult]]:
-    """(weighted loss, per-step results) of the unrolled drafter on one batch."""
-    view = TargetView.of(target, batch.final, drafter.draft_to_target, batch.target_argmax)
-    aux = batch.aux if device.type == "cuda" else batch.aux.float()
-    with autocast(device):
-        outs = ttt_unroll(drafter, batch.ids, aux, args.ttt_steps)
-        return ttt_loss(drafter, outs, view, batch.rows, args.step_loss_decay)
-
-
-@dataclass
-class Acceptance:
-    """A drafter measured on held-out sequences (`evaluate`)."""
-
-    rates: list[float]  # per unroll step, given the earlier drafts were right
-    served_length: float  # tokens per verify step of rounds over the sequences (`served_rounds`)
-
-    @property
-    def length(self) -> float:
-        """The mean acceptance length the rates imply (`acceptance_length`)."""
-        return acceptance_length(self.rates)
-
-
-@torch.no_grad()
-def evaluate(
-    drafter: LlamaForCausalLMEagle3,
-    target: torch.nn.Module,
-    features: Features,
-    args: TrainArgs,
-    device: torch.device,
-) -> Acceptance:
-    """Acceptance per unroll step over the held-out sequences, and the tokens per verify
-    step of speculative rounds of k = --ttt-steps drafts over them."""
-    hits = [0] * args.ttt_steps
-    rows = [0] * args.ttt_steps
-    steps = emitted = 0
-    for lo in range(0, len(features), args.batch_size):
-        idx = list(range(lo, min(lo + args.batch_size, len(features))))
-        batch = features.batch(idx, args.seq_bucket, args.ttt_steps)
-        _, results = run_batch(drafter, target, batch, args, device)
-        for j, r in enumerate(results):
-            hits[j] += int(r.hits)
-            rows[j] += r.rows
-        maps = torch.stack([r.hit_map for r in results], dim=1).cpu()  # [B, k, S]
-        for i, seq in enumerate(idx):
-            rounds, tokens = served_rounds(
-                maps[i], features.prompt_lens[seq], features.lengths[seq]
-            )
-            steps, emitted = steps + rounds, emitted + tokens
-    rates = [h / max(1, n) for h, n in zip(hits, rows)]
-    return Acceptance(rates, emitted / max(1, steps))
-
-
-def report(step: int, acc: Acceptance) -> str:
-    per_step = ", ".join(f"{r:.3f}" for r in acc.rates)
-    return (
-        f"step {step}: held-out acceptance per draft step [{per_step}], mean acceptance "
-        f"length {acc.length:.2f} (k={len(acc.rates)}), {acc.served_length:.2f} in rounds "
-        "as served"
-    )
 
 
 @dataclass

@@ -23,8 +23,8 @@ from gyrfalcon.models.registry import build_model  # noqa: E402
 from gyrfalcon.train import objective  # noqa: E402
 from gyrfalcon.train.args import TrainArgs  # noqa: E402
 from gyrfalcon.train.drafter import build_drafter, draft_config_for  # noqa: E402
+from gyrfalcon.train.evaluate import run_batch  # noqa: E402
 from gyrfalcon.train.features import Features  # noqa: E402
-from gyrfalcon.train.trainer import run_batch  # noqa: E402
 from gyrfalcon.train.ttt import ttt_unroll  # noqa: E402
 
 CPU = torch.device("cpu")

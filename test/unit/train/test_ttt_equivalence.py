@@ -22,9 +22,9 @@ from gyrfalcon.models.registry import build_model
 from gyrfalcon.train import ttt
 from gyrfalcon.train.args import TrainArgs
 from gyrfalcon.train.drafter import build_drafter, draft_config_for
+from gyrfalcon.train.evaluate import run_batch
 from gyrfalcon.train.features import Features
 from gyrfalcon.train.objective import TargetView
-from gyrfalcon.train.trainer import run_batch
 from gyrfalcon.train.ttt import draft_logits, ttt_unroll
 
 CPU = torch.device("cpu")
