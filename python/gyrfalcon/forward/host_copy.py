@@ -41,14 +41,24 @@ def _from_array(data: list, dtype: torch.dtype) -> torch.Tensor | None:
     return torch.frombuffer(buf, dtype=dtype).view(shape)
 
 
+def _pinned_for(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """CPU tensor t, pinned when it is bound for a CUDA device."""
+    return t.pin_memory() if device.type == "cuda" else t
+
+
 def host_tensor(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A CPU tensor of `data`, pinned when it is bound for a CUDA device."""
     t = _from_array(data, dtype)
     if t is None:
         t = torch.tensor(data, dtype=dtype)
-    return t.pin_memory() if device.type == "cuda" else t
+    return _pinned_for(t, device)
 
 
 def upload(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Copy a (nested) Python list to `device` without blocking the host on CUDA."""
     return host_tensor(data, dtype, device).to(device, non_blocking=True)
+
+
+def upload_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy CPU tensor t to `device` without blocking the host on CUDA."""
+    return _pinned_for(t, device).to(device, non_blocking=True)

@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from gyrfalcon.forward.batch import ForwardBatch
+from gyrfalcon.forward.host_copy import upload_tensor
 from gyrfalcon.forward.kv_cache import KVCache
 from gyrfalcon.forward.metadata import RowInput, build_batch_tensors
 from gyrfalcon.ipc.contract import DUMMY_PAGE
@@ -84,8 +85,7 @@ class Features:
             starts[plan.target_seq] + plan.target_pos,  # the scoring positions' feature rows
             *plan.row_arrays(seq_len),
         ]
-        # NOTE: one copy from pageable memory: staged at once, no wait for the device
-        on_device = torch.cat(parts).to(device, non_blocking=True)
+        on_device = upload_tensor(torch.cat(parts), device)  # NOTE: one copy, no wait
         flat_rows, target_rows, *scored = on_device.split([len(x) for x in parts])
         b = len(indices)
         return TrainBatch(

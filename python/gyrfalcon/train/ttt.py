@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from gyrfalcon.kernels import train_layers
+from gyrfalcon.kernels.rotary import build_cos_sin_cache
 from gyrfalcon.layers.norm import RMSNorm
 from gyrfalcon.models.llama_eagle3 import LlamaForCausalLMEagle3
 
@@ -55,15 +56,6 @@ def rms_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
     """`RMSNorm.forward`'s math (float32 statistics) with norm's weight, differentiable
     (`kernels.train_layers.rms_norm`: fused on CUDA)."""
     return train_layers.rms_norm(x, norm.weight, norm.eps)
-
-
-def rope_tables(
-    length: int, inv_freq: torch.Tensor, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [length, D/2] float32 of positions 0..length-1 (`RotaryEmbedding`'s
-    angles, rotate-half layout: both halves of a head share them)."""
-    freqs = torch.arange(length, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    return freqs.cos(), freqs.sin()
 
 
 def query_heads(kv: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -128,7 +120,8 @@ def ttt_unroll(
     j < steps, out_j[:, p] predicting t_{p+2+j} (module docstring)."""
     hidden = F.linear(aux, drafter.fc.weight, drafter.fc.bias)  # `fuse`
     s = ids.shape[1]
-    cos, sin = rope_tables(s + steps, drafter.midlayer.self_attn.rotary.inv_freq, ids.device)
+    table = build_cos_sin_cache(drafter.midlayer.self_attn.rotary.inv_freq, s + steps)
+    cos, sin = (t.contiguous() for t in table.chunk(2, dim=-1))  # [S + steps, D/2] each
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     outs = []

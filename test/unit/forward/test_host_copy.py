@@ -5,7 +5,7 @@ for the rest."""
 import pytest
 import torch
 
-from gyrfalcon.forward.host_copy import host_tensor, upload
+from gyrfalcon.forward.host_copy import host_tensor, upload, upload_tensor
 
 CPU = torch.device("cpu")
 
@@ -36,3 +36,9 @@ def test_lists_torch_tensor_refuses_are_refused_alike():
         host_tensor([[1], [2, 3]], torch.int64, CPU)  # ragged
     with pytest.raises(RuntimeError):
         host_tensor([2**40], torch.int32, CPU)  # out of range
+
+
+def test_upload_tensor_keeps_values_dtype_and_shape():
+    t = torch.arange(12, dtype=torch.int64).view(3, 4) * 2**40
+    got = upload_tensor(t, CPU)
+    assert got.dtype == t.dtype and torch.equal(got, t)
