@@ -411,11 +411,48 @@ def test_mixed_batch_runs_leading_decode_rows_on_the_decode_kernel(kv_dtype):
     decodes = [(n - 1, 1) for n in (1, PS, 2 * PS + 3, 45)]
     spec = decodes + [(0, 9), (6, 20), (3, 1)]
     kw = dict(num_kv_splits=4, decode_block_n=16, extend_block_m=16, extend_block_n=16)
+    kw["one_launch_max_kv_bytes"] = 0
     out, expect, tb = run_both(spec, 8, 2, 64, ForwardMode.MIXED, kv_dtype=kv_dtype, **kw)
     meta = tb.attn_meta
     assert meta.num_decode == 4 and not meta.is_decode and meta.max_q_len == 20
     torch.testing.assert_close(out, expect, **TOL)
     assert meta.scratch is not None and meta.scratch.num_kv_splits == 4
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, FP8])
+def test_mixed_batch_with_little_decode_kv_runs_in_one_extend_launch(kv_dtype, monkeypatch):
+    """A prompt arriving beside a few short decode rows: every row, the decodes as
+    extend rows of one token, in one extend launch a layer (an eager step is bound by
+    its launches); past ONE_LAUNCH_MAX_KV_BYTES of decode KV reads (per query head) the
+    decode rows go back to the decode kernel. Both equal the reference."""
+    from gyrfalcon.layers.attention import triton_backend
+
+    launches = []
+    for name in ("decode_attention", "extend_attention"):
+        real = getattr(triton_backend, name)
+
+        def record(*args, _name=name, _real=real, **kw):
+            launches.append(_name)
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(triton_backend, name, record)
+    decodes = [(n - 1, 1) for n in (1, PS, 2 * PS + 3, 45)]
+    spec = decodes + [(0, 9), (6, 20), (3, 1)]
+    kw = dict(num_kv_splits=4, decode_block_n=16, extend_block_m=16, extend_block_n=16)
+    heads, d = 8, 64
+    per_token = 2 * heads * d * (1 if kv_dtype == FP8 else 4)
+    decode_kv = sum(n + 1 for n in (0, PS - 1, 2 * PS + 2, 44)) * per_token
+    for limit, want_nd, want in ((decode_kv, 0, ["extend_attention"]),
+                                 (decode_kv - 1, 4, ["decode_attention", "extend_attention"])):  # fmt: skip
+        launches.clear()
+        out, expect, tb = run_both(
+            spec, heads, 2, d, ForwardMode.MIXED, kv_dtype=kv_dtype,
+            one_launch_max_kv_bytes=limit, **kw,
+        )  # fmt: skip
+        meta = tb.attn_meta
+        assert meta.num_decode == want_nd and meta.max_q_len == 20 and launches == want
+        assert (meta.scratch is None) == (want_nd == 0)
+        torch.testing.assert_close(out, expect, **TOL)
 
 
 @pytest.mark.parametrize("num_decode", [1, 2, 3])
@@ -424,7 +461,8 @@ def test_mixed_batch_extend_rows_start_aligned_whatever_the_decode_count(num_dec
     # start 16-byte aligned after any number of decode rows (views at row num_decode
     # would not), so mixed steps never build the extend kernel again while serving
     spec = [(n, 1) for n in (4, 7, 9)[:num_decode]] + [(0, 9), (5, 3)]
-    out, expect, tb = run_both(spec, 8, 2, 64, ForwardMode.MIXED, num_kv_splits=2)
+    kw = dict(num_kv_splits=2, one_launch_max_kv_bytes=0)
+    out, expect, tb = run_both(spec, 8, 2, 64, ForwardMode.MIXED, **kw)
     meta = tb.attn_meta
     assert meta.num_decode == num_decode and meta.max_q_len == 9
     torch.testing.assert_close(out, expect, **TOL)

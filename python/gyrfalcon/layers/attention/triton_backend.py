@@ -102,6 +102,13 @@ def decode_kv_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
 # Verify rows of up to this many query tokens run on the decode kernel
 MAX_VERIFY_TOKENS = 16
 
+# A MIXED batch's decode rows join the extend kernel's launch (one launch a layer instead
+# of two) while that kernel's reads of their KV, once per query head, stay under this
+# many bytes. An eager step (a prompt arriving beside decoding rows) is bound by its
+# host's launches; on a few short decode rows the launch saved outweighs the re-reads,
+# on many long ones the decode kernel's split-KV reads win (benchmarks/NOTES.md).
+ONE_LAUNCH_MAX_KV_BYTES = 32 << 20
+
 
 def verify_tokens(mode: ForwardMode, q_lens: list[int]) -> int:
     """T when a VERIFY or DRAFT_EXTEND batch has T query tokens in every row, 2 <= T <=
@@ -130,11 +137,14 @@ class TritonBackend(AttentionBackend):
         extend_block_m: int | None = None,
         extend_block_n: int | None = None,
         kernels: KernelPolicy = DEFAULT_KERNELS,
+        one_launch_max_kv_bytes: int = ONE_LAUNCH_MAX_KV_BYTES,
     ):
         """num_kv_splits: split-KV count of the decode kernel (its grid is
         (bs, KVH, num_kv_splits)); None picks it per batch size (decode_kv_splits).
         Block sizes default to the kernels' choice. kernels: the model's kernel policy
-        (whether the decode kernel may launch with PDL)."""
+        (whether the decode kernel may launch with PDL). one_launch_max_kv_bytes: see
+        ONE_LAUNCH_MAX_KV_BYTES (0: a MIXED batch's decode rows always take the decode
+        kernel)."""
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
         assert num_kv_splits is None or num_kv_splits >= 1, num_kv_splits
@@ -142,6 +152,7 @@ class TritonBackend(AttentionBackend):
         self.pdl = kernels.pdl
         self.decode_block_n = decode_block_n
         self.extend_block_m, self.extend_block_n = extend_block_m, extend_block_n
+        self.one_launch_max_kv_bytes = one_launch_max_kv_bytes
         self._scratch: dict[int, DecodeScratch] = {}  # eager, by split count, grown on demand
         # CUDA graphs: decode scratch by split count, rows for every bs that uses it
         self._graph_scratch: dict[int, DecodeScratch] | None = None
@@ -175,6 +186,8 @@ class TritonBackend(AttentionBackend):
         t = verify_tokens(batch.mode, batch.q_lens_cpu)
         if t:
             return self._verify_meta(batch, t, self._decode_scratch(batch.num_tokens, device))
+        if 0 < nd < batch.batch_size and self._one_launch(batch, nd):
+            nd = 0  # NOTE: the decode rows are extend rows of one token
         i32 = torch.int32
         page_table, seq_lens = batch.page_table.to(i32), batch.seq_lens.to(i32)
         ext_table, ext_lens = page_table, seq_lens
@@ -191,6 +204,12 @@ class TritonBackend(AttentionBackend):
             num_decode=nd,
             scratch=self._decode_scratch(nd, device) if nd else None,
         )
+
+    def _one_launch(self, batch: ForwardBatch, nd: int) -> bool:
+        """Whether the extend kernel takes the MIXED batch's nd decode rows too
+        (ONE_LAUNCH_MAX_KV_BYTES): its reads of their keys and values, per query head."""
+        per_token = 2 * self.num_heads * self.head_dim * batch.kv_cache.k.element_size()
+        return sum(batch.seq_lens_cpu[:nd]) * per_token <= self.one_launch_max_kv_bytes
 
     # ------------------------------------------------------------ CUDA graphs
 
