@@ -62,8 +62,12 @@ ADAM_BETAS = (0.9, 0.95)
 POSTFIX_EVERY = 10  # steps between progress-bar updates (each reads the loss: a sync)
 
 
+_STARTED = time.perf_counter()
+
+
 def log(msg: str) -> None:
-    tqdm.write(f"[train-eagle3] {msg}", file=sys.stderr)
+    """A line above the progress bars, with the seconds since the trainer was loaded."""
+    tqdm.write(f"[train-eagle3 {time.perf_counter() - _STARTED:6.1f}s] {msg}", file=sys.stderr)
 
 
 def lr_factor(step: int, warmup: int, total: int, time_share: float = 0.0) -> float:
@@ -168,6 +172,7 @@ def generate(args: TrainArgs, prompts: list[str]) -> Generated:
         attention_backend="triton" if args.device.startswith("cuda") else "auto",
     )
     engine = LocalEngine(server_args, model_dir, check_invariants=False)  # NOTE: big pool
+    log("target engine ready")
     key = data_key(args, model_dir, prompts)
     cached = load_data(args.data_cache, key) if args.data_cache else "no --data-cache"
     if isinstance(cached, tuple):
