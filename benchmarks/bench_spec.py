@@ -3,7 +3,8 @@
 
 Starts `gyrfalcon serve MODEL` twice, one after the other: plain, then with
 `--speculative-algorithm EAGLE3 --speculative-draft-model-path DRAFT
---speculative-num-steps K`. At each concurrency of --concurrency, each server
+--speculative-num-steps K` (with --rounds R > 1 both at once, the requests sent to
+them in alternating rounds). At each concurrency of --concurrency, each server
 answers the first turn of every question of --dataset as a greedy chat
 completion (temperature 0, --max-tokens, EOS honoured), at most that many in
 flight. Per concurrency it reports:
@@ -83,6 +84,7 @@ class SpecBenchDefaults:
     max_tokens: int = 256
     concurrency: str = "1,16"
     min_waves: int = 0
+    rounds: int = 1
     device: str = "auto"
     dtype: str = "auto"
     output_dir: str = str(ROOT / "benchmarks" / "results")
@@ -127,6 +129,16 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, l
         help="at concurrency C send max(prompts, W * C) requests, the prompts cycled: a run "
         "of 40 prompts at C = 16 lasts ~1 s on a GPU, mostly ramp and tail",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=d.rounds,
+        help="R >= 2: both servers up at once and, at each concurrency, R rounds of the "
+        "requests, each round sent to one server then the other (the order alternating); "
+        "the figures sum every round. A machine drifts between two runs (a server's c1 "
+        "figure moved 13%% between back-to-back runs on one H100): rounds put that drift "
+        "on both servers alike. Needs --kv-cache-memory, so the two servers fit",
+    )
     p.add_argument("--device", default=d.device, help="server --device")
     p.add_argument("--dtype", default=d.dtype, help="server --dtype")
     p.add_argument("--device-kind", default=d.device_kind, help="machine label, in file names")
@@ -136,8 +148,10 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, l
     p.add_argument("--startup-timeout", type=float, default=d.startup_timeout_s)
     p.add_argument("--request-timeout", type=float, default=d.request_timeout_s)
     ns, extra = p.parse_known_args(argv)  # NOTE: the string default goes through `type` too
-    if ns.num_steps < 1 or ns.max_tokens < 1:
-        p.error("--num-steps and --max-tokens must be >= 1")
+    if ns.num_steps < 1 or ns.max_tokens < 1 or ns.rounds < 1:
+        p.error("--num-steps, --max-tokens and --rounds must be >= 1")
+    if ns.rounds > 1 and not any(a.split("=")[0] == "--kv-cache-memory" for a in extra):
+        p.error("--rounds > 1 runs both servers at once: give --kv-cache-memory (e.g. 8GiB)")
     return ns, extra
 
 
@@ -207,6 +221,49 @@ def cycled(items: Sequence[Any], concurrency: int, min_waves: int) -> list[Any]:
     return [items[i % len(items)] for i in range(n)]
 
 
+# per server, per concurrency: each round's (completion tokens, wall seconds)
+RoundFigures = dict[str, dict[int, list[tuple[int, float]]]]
+
+
+async def run_rounds(
+    base_urls: dict[str, str],
+    samples: Sequence[SampleRequest],
+    concurrencies: Sequence[int],
+    timeout: float,
+    min_waves: int = 0,
+    rounds: int = 1,
+) -> tuple[dict[str, Runs], RoundFigures]:
+    """After one untimed warm-up request to each server, at each concurrency `rounds`
+    rounds of run_batch (its requests `cycled` to `min_waves` waves), each round on every
+    server in turn (the order of base_urls in even rounds, reversed in odd ones): per
+    server its outputs in order over the rounds and the sum of their wall times, and
+    each round's figures."""
+    client_timeout = aiohttp.ClientTimeout(total=timeout)
+    connector = aiohttp.TCPConnector(limit=0)
+    runs: dict[str, Runs] = {name: {} for name in base_urls}
+    figures: RoundFigures = {name: {} for name in base_urls}
+    async with aiohttp.ClientSession(timeout=client_timeout, connector=connector) as session:
+        payloads = {}
+        for name, base_url in base_urls.items():
+            model = (await fetch_model_ids(session, base_url))[0]
+            payloads[name] = [chat_payload(model, s) for s in samples]
+            warm = await send_chat(session, base_url + ENDPOINT_PATHS["chat"], payloads[name][0])
+            if not warm.ok:
+                raise RuntimeError(f"warm-up request failed ({name}): {warm.error}")
+        for c in concurrencies:
+            for r in range(rounds):
+                for name in list(base_urls)[:: 1 if r % 2 == 0 else -1]:
+                    url = base_urls[name] + ENDPOINT_PATHS["chat"]
+                    outs, wall = await run_batch(
+                        session, url, cycled(payloads[name], c, min_waves), c
+                    )
+                    done, total = runs[name].get(c, ([], 0.0))
+                    runs[name][c] = (done + outs, total + wall)
+                    tokens = sum(o.completion_tokens for o in outs if o.ok)
+                    figures[name].setdefault(c, []).append((tokens, wall))
+    return runs, figures
+
+
 async def run_concurrencies(
     base_url: str,
     samples: Sequence[SampleRequest],
@@ -214,21 +271,9 @@ async def run_concurrencies(
     timeout: float,
     min_waves: int = 0,
 ) -> Runs:
-    """After one untimed warm-up request, run_batch at each concurrency (its requests
-    `cycled` to `min_waves` waves)."""
-    url = base_url + ENDPOINT_PATHS["chat"]
-    client_timeout = aiohttp.ClientTimeout(total=timeout)
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(timeout=client_timeout, connector=connector) as session:
-        model = (await fetch_model_ids(session, base_url))[0]
-        payloads = [chat_payload(model, s) for s in samples]
-        warm = await send_chat(session, url, payloads[0])
-        if not warm.ok:
-            raise RuntimeError(f"warm-up request failed: {warm.error}")
-        return {
-            c: await run_batch(session, url, cycled(payloads, c, min_waves), c)
-            for c in concurrencies
-        }
+    """One server's `run_rounds`, one round."""
+    runs, _ = await run_rounds({"server": base_url}, samples, concurrencies, timeout, min_waves)
+    return runs["server"]
 
 
 # ---------------------------------------------------------------- figures
@@ -240,8 +285,10 @@ def build_report(
     num_prompts: int,
     commands: dict[str, list[str]],
     runs: dict[str, Runs],
+    figures: RoundFigures | None = None,
 ) -> dict[str, Any]:
-    """The JSON report: setup, one row per concurrency, per-request figures (no texts)."""
+    """The JSON report: setup, one row per concurrency (with `figures`: each round's
+    tok/s per server), per-request figures (no texts)."""
     first = runs["plain"][ns.concurrency[0]][0]
     rows = [
         concurrency_row(
@@ -249,12 +296,19 @@ def build_report(
         )
         for c in ns.concurrency
     ]
+    for row in rows if figures else []:
+        c = row["concurrency"]
+        row["rounds_output_throughput"] = {
+            name: [round(t / w, 1) if w > 0 else None for t, w in figures[name][c]]
+            for name in ("plain", "spec")
+        }
     return {
         "bench": "spec", "device_kind": ns.device_kind, "commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "model": default_model_name(ns.model), "draft_model": ns.draft_model,
         "num_steps": ns.num_steps, "dataset": Path(ns.dataset).name,
-        "num_prompts": num_prompts, "min_waves": ns.min_waves, "max_tokens": ns.max_tokens,
+        "num_prompts": num_prompts, "min_waves": ns.min_waves, "rounds": ns.rounds,
+        "max_tokens": ns.max_tokens,
         "server_args": list(extra),
         "commands": commands, "rows": rows,
         "per_request": {
@@ -319,21 +373,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     commands: dict[str, list[str]] = {}
     runs: dict[str, Runs] = {}
-    for name, spec in (("plain", False), ("spec", True)):
+    figures: RoundFigures = {}
+
+    def serve(name: str, spec: bool) -> contextlib.AbstractContextManager[str]:
         port = free_port()
         commands[name] = cmd = server_command(ns, extra, port, spec)
-        log = log_dir / f"server_{name}.log"
-        try:
-            with running_server(cmd, port, log, ns.startup_timeout) as url:
-                runs[name] = asyncio.run(
-                    run_concurrencies(
-                        url, samples, ns.concurrency, ns.request_timeout, ns.min_waves
-                    )
-                )
-        except (RuntimeError, aiohttp.ClientError, OSError) as e:
-            print(f"error ({name} server): {type(e).__name__}: {e}", file=sys.stderr)
-            return 2
-    report = build_report(ns, extra, len(samples), commands, runs)
+        return running_server(cmd, port, log_dir / f"server_{name}.log", ns.startup_timeout)
+
+    def measure(urls: dict[str, str]) -> None:
+        got, rounds = asyncio.run(
+            run_rounds(urls, samples, ns.concurrency, ns.request_timeout, ns.min_waves, ns.rounds)
+        )
+        runs.update(got)
+        figures.update(rounds)
+
+    servers = (("plain", False), ("spec", True))
+    try:
+        if ns.rounds == 1:  # NOTE: one server at a time, the whole device each
+            for name, spec in servers:
+                with serve(name, spec) as url:
+                    measure({name: url})
+        else:
+            with contextlib.ExitStack() as stack:
+                measure({name: stack.enter_context(serve(name, spec)) for name, spec in servers})
+    except (RuntimeError, aiohttp.ClientError, OSError) as e:
+        print(f"error (servers {', '.join(commands)}): {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    report = build_report(
+        ns, extra, len(samples), commands, runs, figures if ns.rounds > 1 else None
+    )
     out = Path(ns.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / file_tag(ns)  # NOTE: not with_suffix: tags such as llama-3.1-8b hold dots

@@ -36,6 +36,9 @@
 #           their logs come back in spec_logs/. The profiles hold the kernels of 20 steps too.
 #           SPEC_WAVES=W: at concurrency C, max(40, W * C) requests (--min-waves; 40 at C = 16
 #           last ~1 s on an H100, mostly ramp and tail: the c16 speed-up swung 1.22x-1.72x).
+#           SPEC_ROUNDS=R: both servers up at once (8 GiB of KV each), R rounds per
+#           concurrency alternating between them (--rounds; a spec server's c1 figure moved
+#           13% between back-to-back runs on one machine).
 #   ab-decode: decode tokens/s of this tree against older ones, in turns on one machine
 #           (host-bound steps vary ~10% run to run, so one run of each says little): the
 #           trees `git archive` put in .ab/<commit>/ (carry .ab; `benchmarks/ab_trees.sh
@@ -287,6 +290,7 @@ PY
       python3 benchmarks/bench_spec.py --model "$GYRFALCON_SMOLLM2_GGUF" \
         --draft-model "$DRAFTER" --dataset .data/mt_bench_dev.jsonl --device cuda \
         --concurrency ${CONCURRENCY:-1,16} --min-waves ${SPEC_WAVES:-0} --device-kind "$KIND" --output-dir "$OUT" \
+        --rounds ${SPEC_ROUNDS:-1} $([ "${SPEC_ROUNDS:-1}" -gt 1 ] && echo "--kv-cache-memory 8GiB") \
         --log-dir "$OUT/spec_logs" --log-stats-interval 2 ${SPEC_FLAGS:-} \
         > "$OUT/bench_spec.log" 2>&1; echo "bench_spec exit $?"; tail -15 "$OUT/bench_spec.log"
       for f in "$OUT"/spec_logs/*.log; do  # NOTE: the stats lines, not every request's

@@ -184,6 +184,16 @@ def format_markdown(report: dict[str, Any]) -> str:
             f"| {cmp['mismatches']} of {cmp['compared']} "
             f"| {r['plain']['failed'] + r['spec']['failed']} |"
         )
+    rounds = [
+        f"c{r['concurrency']}: "
+        + "; ".join(f"{_num(p, 0)} / {_num(s, 0)}" for p, s in zip(*per.values(), strict=True))
+        for r in report["rows"]
+        if (per := r.get("rounds_output_throughput"))
+    ]
+    if rounds:
+        lines += ["", f"{report['rounds']} rounds, both servers up at once, each round sent to "
+                  "one then the other (the order alternating); tok/s per round, plain / EAGLE3: "
+                  + ". ".join(rounds) + "."]  # fmt: skip
     drift = [f"{r['plain_vs_first_concurrency']} at {r['concurrency']}" for r in report["rows"]]
     if any(r["plain_vs_first_concurrency"] for r in report["rows"]):
         lines += ["", "Plain outputs differing from plain at the first concurrency (batch "

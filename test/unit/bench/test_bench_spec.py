@@ -190,9 +190,10 @@ class FakeChatServer(ThreadedApp):
     """Non-streamed chat completions on a free port, in a thread: the answer echoes the
     prompt; with `spec` set, usage carries the spec fields (and `corrupt` changes one)."""
 
-    def __init__(self) -> None:
+    def __init__(self, arrivals: list[tuple[int, str]] | None = None) -> None:
         self.spec = self.corrupt = False
         self.in_flight = self.most_in_flight = 0
+        self.arrivals = arrivals  # (id(self), prompt) of each request, where given
         super().__init__()
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -202,6 +203,8 @@ class FakeChatServer(ThreadedApp):
         body = await request.json()
         assert body["stream"] is False and body["temperature"] == 0.0
         prompt = body["messages"][0]["content"]
+        if self.arrivals is not None:
+            self.arrivals.append((id(self), prompt))
         if prompt == "fail":
             return web.Response(status=500, text="boom")
         self.in_flight += 1
@@ -289,3 +292,69 @@ def test_main_writes_reports(
         assert row["plain_vs_spec"]["mismatches"] == (1 if corrupt else 0)
         assert row["acceptance"]["accept_length_mean_per_request"] == 1.5
     assert "| 3 | 4 |" in (tmp_path / "spec_tiny_k3_cpu-test.md").read_text()
+
+
+def test_rounds_need_a_kv_cap_and_alternate_the_servers(bs: ModuleType) -> None:
+    """--rounds R: both servers up at once, each round of a concurrency sent to one then
+    the other, the order alternating; a server's outputs and wall time sum its rounds,
+    and each round's figures are kept."""
+    for argv in (["--rounds", "2"], ["--rounds", "0", "--kv-cache-memory", "1GiB"]):
+        with pytest.raises(SystemExit):
+            bs.parse_args(argv)
+    ns, extra = bs.parse_args(["--rounds", "2", "--kv-cache-memory=1GiB"])
+    assert ns.rounds == 2 and extra == ["--kv-cache-memory=1GiB"]
+    arrivals: list[tuple[int, str]] = []
+    with FakeChatServer(arrivals) as plain, FakeChatServer(arrivals) as spec:
+        spec.spec = True
+        samples = [SampleRequest(prompt=p, prompt_len=None, output_len=4) for p in ("a", "b")]
+        urls = {"plain": plain.url, "spec": spec.url}
+        runs, figures = asyncio.run(bs.run_rounds(urls, samples, [1, 2], 30.0, rounds=3))
+    who = {id(plain): "plain", id(spec): "spec"}
+    order = [who[s] for s, _ in arrivals[2:]]  # NOTE: after one warm-up request each
+    even, odd = ["plain"] * 2 + ["spec"] * 2, ["spec"] * 2 + ["plain"] * 2
+    assert order == (even + odd + even) * 2  # rounds 0, 1, 2 at concurrency 1, then 2
+    for name in ("plain", "spec"):
+        for c in (1, 2):
+            outputs, wall = runs[name][c]
+            assert [o.text for o in outputs] == ["echo a", "echo b"] * 3
+            assert len(figures[name][c]) == 3 and [t for t, _ in figures[name][c]] == [4] * 3
+            assert wall == pytest.approx(sum(w for _, w in figures[name][c]))
+    ns, extra = bs.parse_args(["--concurrency", "1,2", "--rounds", "3", "--kv-cache-memory=1G"])
+    report = bs.build_report(ns, extra, 2, {"plain": [], "spec": []}, runs, figures)
+    assert report["rounds"] == 3 and [r["requests"] for r in report["rows"]] == [6, 6]
+    assert all(len(r["rounds_output_throughput"]["spec"]) == 3 for r in report["rows"])
+    assert "3 rounds, both servers up at once" in bs.format_markdown(report)
+
+
+def test_main_with_rounds_runs_both_servers_at_once(
+    bs: ModuleType, tmp_path: Path, monkeypatch
+) -> None:
+    open_now: list[str] = []
+    most_open = 0
+    with FakeChatServer() as plain, FakeChatServer() as spec:
+        spec.spec = True
+
+        @contextlib.contextmanager
+        def fake_server(cmd: list[str], port: int, log: Path, timeout: float) -> Iterator[str]:
+            nonlocal most_open
+            name = "spec" if "--speculative-algorithm" in cmd else "plain"
+            open_now.append(name)
+            most_open = max(most_open, len(open_now))
+            try:
+                yield (spec if name == "spec" else plain).url
+            finally:
+                open_now.remove(name)
+
+        monkeypatch.setattr(bs, "running_server", fake_server)
+        data = tmp_path / "q.jsonl"
+        data.write_text("".join(json.dumps({"turns": [f"q{i}"]}) + "\n" for i in range(3)))
+        argv = ["--dataset", str(data), "--concurrency", "2", "--output-dir", str(tmp_path),
+                "--device-kind", "cpu-test", "--model", "/models/tiny", "--rounds", "2",
+                "--kv-cache-memory", "1GiB"]  # fmt: skip
+        assert bs.main(argv) == 0
+    assert most_open == 2 and not open_now
+    report = json.loads((tmp_path / "spec_tiny_k3_cpu-test.json").read_text())
+    assert report["rows"][0]["requests"] == 6 and report["server_args"] == [
+        "--kv-cache-memory",
+        "1GiB",
+    ]
