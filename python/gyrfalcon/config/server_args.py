@@ -224,6 +224,14 @@ class ServerArgs:
         default=False,
         metadata={"help": "plan each step only after the previous one's result is back"},
     )
+    separate_prefill_steps: bool = field(
+        default=False,
+        metadata={
+            "help": "run prompts and prefill chunks in steps of their own, never beside "
+            "decoding or verifying rows (SGLang without --enable-mixed-chunk); with "
+            "EAGLE3 a step holding a prompt runs the drafter's round eagerly over all rows"
+        },
+    )
     disable_prefix_caching: bool = field(
         default=False,
         metadata={"help": "compute every prompt in full (default: KV pages shared by content)"},

@@ -45,6 +45,9 @@ class Limits:
     # KV positions the drafter writes past a sampling row's last emitted token (its
     # draft steps after the first: k - 1 with EAGLE3); held with the row's pages
     draft_lookahead: int = 0
+    # a step holds prefill rows (chunks, admissions) or decode rows, never both
+    # (--separate-prefill-steps): prefill first, decodes when no prefill row is planned
+    separate_prefill: bool = False
 
 
 # Output tokens counted per request in the admission reserve, at most: a request
@@ -191,7 +194,9 @@ def schedule(
     computed from the start).
 
     reserve_ratio: the share of each request's remaining output kept free at
-    admission (0 admits whenever the prompt fits).
+    admission (0 admits whenever the prompt fits). limits.separate_prefill: the
+    decodes are planned only in a step without prefill rows (after 2 and 3, if those
+    planned none) instead of first.
     """
     ps = limits.page_size
     out = Decision()
@@ -199,31 +204,36 @@ def schedule(
     prefill_budget = limits.chunked_prefill_size
     picked: set[str] = set()
 
-    # 1) decodes, oldest first; preempt the newest when pages run out
-    for req in sorted(running, key=lambda r: r.arrival):
-        if budget <= 0:
-            break
-        if req.remaining != 1 or req.status is not Status.RUNNING:
-            continue
-        if req.num_pending_drafts and not floats(req, limits):
-            continue  # NOTE: its row in flight may emit 1..d+1 tokens: wait for them
-        left = req.tokens_left(limits.max_model_len) - req.num_pending_drafts
-        if left <= 0:
-            continue  # its last token is in flight; the result finishes it
-        room = req.room(limits.max_model_len) - req.num_pending_drafts
-        d = draft_slots(limits.num_draft, room) if drafts_for(req, limits) else 0
-        while pages_needed(len(req.pages), row_end(req, 1, d, limits), ps) > alloc.num_free:
-            victims = [r for r in running if r.rid not in picked]
-            victim = max(victims, key=lambda r: r.arrival)
-            preempt(victim, alloc, running, waiting)
-            out.preempted.append(victim)
-            if victim is req:
+    def decodes() -> None:
+        """1) decodes, oldest first; preempt the newest when pages run out"""
+        nonlocal budget
+        for req in sorted(running, key=lambda r: r.arrival):
+            if budget <= 0:
                 break
-        if req.status is not Status.RUNNING:
-            continue
-        out.rows.append(_take(req, 1, alloc, limits, d))
-        picked.add(req.rid)
-        budget -= 1 + d  # the forward computes the input and the d drafts
+            if req.remaining != 1 or req.status is not Status.RUNNING:
+                continue
+            if req.num_pending_drafts and not floats(req, limits):
+                continue  # NOTE: its row in flight may emit 1..d+1 tokens: wait for them
+            left = req.tokens_left(limits.max_model_len) - req.num_pending_drafts
+            if left <= 0:
+                continue  # its last token is in flight; the result finishes it
+            room = req.room(limits.max_model_len) - req.num_pending_drafts
+            d = draft_slots(limits.num_draft, room) if drafts_for(req, limits) else 0
+            while pages_needed(len(req.pages), row_end(req, 1, d, limits), ps) > alloc.num_free:
+                victims = [r for r in running if r.rid not in picked]
+                victim = max(victims, key=lambda r: r.arrival)
+                preempt(victim, alloc, running, waiting)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not Status.RUNNING:
+                continue
+            out.rows.append(_take(req, 1, alloc, limits, d))
+            picked.add(req.rid)
+            budget -= 1 + d  # the forward computes the input and the d drafts
+
+    if not limits.separate_prefill:
+        decodes()
 
     # 2) running requests still in (chunked) prefill
     for req in sorted(running, key=lambda r: r.arrival):
@@ -275,4 +285,6 @@ def schedule(
         picked.add(req.rid)
         budget -= n
         prefill_budget -= n
+    if limits.separate_prefill and not out.rows:
+        decodes()
     return out

@@ -54,6 +54,7 @@ class SchedulerConfig:
     float_rows: bool = False  # workers start floating rows on the device (policy.floats)
     max_queue_len: int = 0  # waiting requests beyond which arrivals are refused (0: none)
     prefix_caching: bool = False  # KV pages shared by content (prefix_cache.py)
+    separate_prefill: bool = False  # prefill rows never beside decode rows (policy.Limits)
 
     @classmethod
     def from_args(
@@ -86,6 +87,7 @@ class SchedulerConfig:
             float_rows=float_rows and not args.disable_overlap_schedule,
             max_queue_len=args.max_queue_len or 0,
             prefix_caching=not args.disable_prefix_caching,
+            separate_prefill=args.separate_prefill_steps,
         )
 
 
@@ -101,6 +103,7 @@ class Scheduler:
             cfg.num_draft_tokens,
             draft_lookahead=max(0, cfg.num_draft_tokens - 1),
             float_rows=cfg.float_rows,
+            separate_prefill=cfg.separate_prefill,
         )
         self.ranks = []
         for r in range(cfg.dp_size):

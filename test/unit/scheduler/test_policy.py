@@ -64,6 +64,33 @@ def test_decodes_first_then_prefill_within_budget():
     assert d.num_tokens == 8
 
 
+def test_separate_prefill_steps_never_hold_prefill_and_decode_rows_together():
+    """--separate-prefill-steps: the arriving prompt's chunks run in steps of their own
+    (with the whole token budget), the running request's decodes wait for them, then
+    both decode together."""
+    alloc = PageAllocator(64)
+    limits = Limits(
+        max_num_batched_tokens=8,
+        chunked_prefill_size=8,
+        max_num_seqs=8,
+        page_size=4,
+        separate_prefill=True,
+    )
+    a, b = req("a", 3, 0), req("b", 12, 1)
+    running, waiting = [], deque([a])
+    advance(schedule(running, waiting, alloc, limits))  # a prefilled, sampled
+    advance(schedule(running, waiting, alloc, limits))  # a decodes: nothing to prefill
+    waiting.append(b)
+    steps = []
+    for _ in range(3):
+        d = schedule(running, waiting, alloc, limits)
+        steps.append([(s.req.rid, s.num_tokens) for s in d.rows])
+        advance(d)
+    assert steps == [[("b", 8)], [("b", 4)], [("a", 1), ("b", 1)]]
+    assert a.output_ids == [7, 7, 7] and b.output_ids == [7, 7]
+    alloc.check_integrity([a.pages, b.pages])
+
+
 def test_max_num_seqs_limits_admission():
     alloc = PageAllocator(64)
     limits = Limits(100, 100, max_num_seqs=2, page_size=4)

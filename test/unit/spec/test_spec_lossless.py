@@ -19,7 +19,7 @@ from spec_util import (
     run,
 )
 
-from gyrfalcon.ipc.messages import SamplingParams
+from gyrfalcon.ipc.messages import ForwardMode, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 LENS = [5, 17, 9, 30]
@@ -42,6 +42,25 @@ def test_random_drafter_is_lossless(pair, plain, k):
     got = run(engine(target, draft, k, chunked_prefill_size=8), prompts(1, LENS), GREEDY)
     assert got.ids == plain.ids
     assert got.verify_steps > 0
+
+
+def test_separate_prefill_steps_are_lossless(pair, plain):
+    """--separate-prefill-steps with EAGLE3: prompts and chunks run in steps of their own
+    (no MIXED step; the same prompts mix without the flag), outputs equal plain, no
+    page leaked (run checks)."""
+    target, draft = pair
+    modes = {}
+    for apart in (False, True):
+        eng = engine(target, draft, 3, chunked_prefill_size=8, separate_prefill_steps=apart)
+        seen = modes[apart] = []
+        submit = eng.worker.submit
+        eng.worker.submit = lambda plan, seen=seen, submit=submit: (
+            seen.append(plan.batches[0].forward_mode) or submit(plan)
+        )
+        got = run(eng, prompts(1, LENS), GREEDY)
+        assert got.ids == plain.ids and got.verify_steps > 0
+    assert ForwardMode.MIXED in modes[False] and ForwardMode.MIXED not in modes[True]
+    assert ForwardMode.VERIFY in modes[True] and ForwardMode.PREFILL in modes[True]
 
 
 PATTERNS = {
