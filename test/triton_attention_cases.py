@@ -1,0 +1,104 @@
+"""Cases of the Triton attention backend's interpreter tests (test/unit/layers/
+test_triton_attention*.py): ragged paged batches run by the backend and by torch_ref on
+the same inputs. Importing this module sets TRITON_INTERPRET before triton is imported
+and skips the importing test module on a GPU machine (test/gpu covers CUDA) or where the
+kernels were compiled already."""
+
+import os
+
+_PRIOR_INTERPRET = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"  # NOTE: must precede every import of triton
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if torch.cuda.is_available():
+    # NOTE: kernels are interpreted or compiled once per session, when their module is
+    # imported; on a GPU machine they must compile (test/gpu covers them there).
+    if _PRIOR_INTERPRET is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = _PRIOR_INTERPRET
+    pytest.skip("CPU interpreter tests; test/gpu covers CUDA", allow_module_level=True)
+pytest.importorskip("triton")
+
+from gyrfalcon.forward.batch import ForwardBatch  # noqa: E402
+from gyrfalcon.forward.kv_cache import KVCache  # noqa: E402
+from gyrfalcon.forward.metadata import RowInput, build_batch_tensors  # noqa: E402
+from gyrfalcon.kernels import attention_decode  # noqa: E402
+from gyrfalcon.layers.attention.torch_ref import TorchRefBackend  # noqa: E402
+from gyrfalcon.layers.attention.triton_backend import TritonBackend  # noqa: E402
+
+if type(attention_decode._decode_split_kernel).__name__ != "InterpretedFunction":
+    pytest.skip(
+        "the kernels were imported in compiled mode before TRITON_INTERPRET was set",
+        allow_module_level=True,
+    )
+
+CPU = torch.device("cpu")
+PS = 4  # page size
+LAYER = 1  # a non-zero layer, so per-layer cache offsets are exercised
+TOL = dict(atol=1e-4, rtol=1e-4)
+
+
+def make_case(spec, num_kv_heads, head_dim, seed, pad_rows=0, kv_dtype=torch.float32):
+    """spec: (prefix, q_len) per row -> (cache, rows); pages are scrambled, page 0 unused.
+
+    Prefix KV is written as an earlier step would have; pad_rows decode rows of
+    length 1 on the dummy page are appended.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-(p + n) // PS) for p, n in spec]
+    perm = (torch.randperm(sum(need) + 3, generator=gen) + 1).tolist()
+    cache = KVCache(2, sum(need) + 4, PS, num_kv_heads, head_dim, kv_dtype, CPU)
+    # garbage everywhere (the dummy page included)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=gen).to(kv_dtype))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=gen).to(kv_dtype))
+    rows = []
+    for (prefix, n), count in zip(spec, need):
+        pages, perm = perm[:count], perm[count:]
+        rows.append(RowInput(prefix, [0] * n, pages))
+    rows += [RowInput(0, [0], [0])] * pad_rows
+    return cache, rows
+
+
+def make_batch(rows, cache, backend, mode):
+    bt = build_batch_tensors(rows, PS, CPU)
+    batch = ForwardBatch.from_tensors(mode, bt, PS, cache, backend)
+    batch.attn_meta = backend.build_metadata(batch)
+    return batch
+
+
+def run_both(
+    spec, heads, kv_heads, head_dim, mode, seed=0, pad_rows=0, kv_dtype=torch.float32, **kw
+):
+    """(triton output, torch_ref output, triton batch) on the same inputs."""
+    cache, rows = make_case(spec, kv_heads, head_dim, seed, pad_rows, kv_dtype)
+    scale = head_dim**-0.5
+    tri = TritonBackend(heads, kv_heads, head_dim, scale, **kw)
+    ref = TorchRefBackend(heads, kv_heads, head_dim, scale)
+    tb = make_batch(rows, cache, tri, mode)
+    rb = make_batch(rows, cache, ref, mode)
+    gen = torch.Generator().manual_seed(seed + 1)
+    # real tokens come first in [T]; padded rows' tokens get inputs of their own, so
+    # real rows see the same q, k, v whatever pad_rows is
+    n_real = sum(n for _, n in spec)
+    q = torch.randn(n_real, heads, head_dim, generator=gen)
+    k = torch.randn(n_real, kv_heads, head_dim, generator=gen)
+    v = torch.randn(n_real, kv_heads, head_dim, generator=gen)
+    if pad_rows:
+        q = torch.cat([q, 100 * torch.randn(pad_rows, heads, head_dim)])
+        k = torch.cat([k, 100 * torch.randn(pad_rows, kv_heads, head_dim)])
+        v = torch.cat([v, 100 * torch.randn(pad_rows, kv_heads, head_dim)])
+    if tb.attn_meta.scratch is not None:  # stale partials must never leak into outputs
+        tb.attn_meta.scratch.mid_o.fill_(float("nan"))
+        tb.attn_meta.scratch.mid_lse.fill_(float("nan"))
+    # both write the same k, v to the same slots, so the order does not matter
+    out = tri.forward(q, k, v, LAYER, tb)
+    expect = ref.forward(q, k, v, LAYER, rb)
+    return out, expect, tb
+
+
+FP8 = torch.float8_e4m3fn
+# ragged extend rows: (prefix, new tokens), page edges and one-token rows included
+EXTEND_SPEC = [(0, 7), (9, 5), (3, 37), (12, 4), (PS - 1, 4), (5, 1), (0, 1)]

@@ -1,0 +1,273 @@
+"""Triton attention backend (Triton interpreter on CPU): its metadata for CUDA-graph
+replay, mixed batches of decode and extend rows, RoPE inside the decode kernel, and the
+warm-up's kernel builds; against torch_ref where outputs are compared."""
+
+import pytest
+import torch
+from triton_attention_cases import (  # NOTE: sets TRITON_INTERPRET
+    CPU,
+    EXTEND_SPEC,
+    FP8,
+    LAYER,
+    PS,
+    TOL,
+    make_batch,
+    make_case,
+    run_both,
+)
+
+from gyrfalcon.forward.kv_cache import KVCache
+from gyrfalcon.forward.metadata import RowInput, build_batch_tensors
+from gyrfalcon.ipc.messages import ForwardMode
+from gyrfalcon.layers.attention.registry import create_backend
+from gyrfalcon.layers.attention.torch_ref import TorchRefBackend
+from gyrfalcon.layers.attention.triton_backend import TritonBackend, decode_kv_splits
+
+
+def test_replay_metadata_views_the_graph_runners_static_batch():
+    """capture_buffers + prepare_replay on the graph runner's static buffers: the
+    metadata views them (no copies), so every replay of one size reads the same
+    tensors, refilled in place, and attention matches torch_ref for each fill."""
+    from gyrfalcon.worker.cuda_graph import GraphKey, StaticBuffers
+
+    tri = TritonBackend(4, 2, 64, 64**-0.5, num_kv_splits=4, decode_block_n=16)
+    tri.capture_buffers(max_bs=8, max_pages=16, device=CPU)
+    buf = StaticBuffers.allocate(8, 16, PS, CPU)
+    key = GraphKey(ForwardMode.DECODE, 6, 1)
+    ref = TorchRefBackend(4, 2, 64, 64**-0.5)
+    ptrs = set()
+    for seed, lens in enumerate([[5, 1, 33, 2, 9], [17, 2, 8, 4, 40]]):
+        cache, rows = make_case([(n - 1, 1) for n in lens], 2, 64, seed, pad_rows=1)
+        bt = build_batch_tensors(rows, PS, CPU)
+        tb = buf.forward_batch(key, buf.fill(bt, key), cache, tri)
+        tb.attn_meta = tri.prepare_replay(tb)
+        meta = tb.attn_meta
+        assert meta.is_decode and meta.page_table.data_ptr() == buf.page_table.data_ptr()
+        ptrs.add((meta.page_table.data_ptr(), meta.seq_lens.data_ptr()))
+        rb = make_batch(rows, cache, ref, ForwardMode.DECODE)
+        q = torch.randn(len(rows), 4, 64)
+        k, v = torch.randn(len(rows), 2, 64), torch.randn(len(rows), 2, 64)
+        out = tri.forward(q, k, v, LAYER, tb)
+        expect = ref.forward(q, k, v, LAYER, rb)
+        torch.testing.assert_close(out[: len(lens)], expect[: len(lens)], **TOL)
+    assert len(ptrs) == 1, "replays of one size must read the same tensors"
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_verify_replay_metadata_views_the_static_batch(k):
+    """A VERIFY key: the decode kernel, a program row per query token, reads the static
+    buffers' page table and lengths (its grid and scratch depend on the key alone:
+    padded rows x (k + 1)); two fills of one key read the same tensors and match
+    torch_ref on the real rows."""
+    from gyrfalcon.worker.cuda_graph import GraphKey, StaticBuffers
+
+    t, padded = k + 1, 4
+    tri = TritonBackend(4, 2, 64, 64**-0.5, extend_block_m=16, extend_block_n=16)
+    tri.capture_buffers(8, 16, CPU, ForwardMode.VERIFY, t)
+    buf = StaticBuffers.allocate(8, 16, PS, CPU, tokens_per_row=(1, t))
+    ref = TorchRefBackend(4, 2, 64, 64**-0.5)
+    key = GraphKey(ForwardMode.VERIFY, padded, t)
+    ptrs = set()
+    for seed, prefixes in enumerate([[1, PS - 1, 2 * PS + 1], [9, 30, 2]]):
+        cache, rows = make_case([(p, t) for p in prefixes], 2, 64, seed)
+        bt = build_batch_tensors(rows, PS, CPU)
+        tb = buf.forward_batch(key, buf.fill(bt, key), cache, tri)
+        tb.attn_meta = meta = tri.prepare_replay(tb)
+        assert meta.max_q_len == t and meta.num_decode == 0 and meta.verify_tokens == t
+        assert meta.scratch is not None and meta.scratch.mid_o.shape[0] >= padded * t
+        assert meta.q_starts.tolist() == [0, t, 2 * t, 3 * t] and meta.q_lens.tolist() == [t] * 4
+        assert meta.page_table.data_ptr() == buf.page_table.data_ptr()
+        ptrs.add((meta.page_table.data_ptr(), meta.seq_lens.data_ptr(), meta.q_starts.data_ptr()))
+        assert not tri.fuses_rope(tb)
+        padded_rows = rows + [RowInput(0, [0] * t, [0])] * (padded - len(rows))
+        rb = make_batch(padded_rows, cache, ref, ForwardMode.VERIFY)
+        n = len(rows) * t
+        gen = torch.Generator().manual_seed(seed)
+        q = torch.randn(padded * t, 4, 64, generator=gen)
+        k_new, v_new = torch.randn(padded * t, 2, 64, generator=gen), torch.randn(padded * t, 2, 64)
+        out = tri.forward(q, k_new, v_new, LAYER, tb)
+        expect = ref.forward(q, k_new, v_new, LAYER, rb)
+        torch.testing.assert_close(out[:n], expect[:n], **TOL)
+        assert torch.isfinite(out).all()
+    assert len(ptrs) == 1, "replays of one key must read the same tensors"
+
+
+def test_metadata_rejects_inconsistent_batches():
+    cache, rows = make_case([(3, 1), (8, 1)], 2, 64, 0)
+    tri = TritonBackend(4, 2, 64, 0.125)
+    batch = make_batch(rows, cache, tri, ForwardMode.DECODE)
+    # a multi-step slot list [bs * steps] against [bs] lengths (spec bug class 4)
+    batch.out_cache_loc = torch.cat([batch.out_cache_loc, batch.out_cache_loc])
+    with pytest.raises(AssertionError):
+        tri.build_metadata(batch)
+    batch = make_batch(rows, cache, tri, ForwardMode.DECODE)
+    batch.seq_lens_cpu = [4, 0]  # a zero length (spec bug class 5)
+    with pytest.raises(AssertionError):
+        tri.build_metadata(batch)
+    batch = make_batch(rows, cache, tri, ForwardMode.DECODE)
+    batch.seq_lens_cpu = [4, 9 * PS]  # beyond the row's page capacity
+    with pytest.raises(AssertionError):
+        tri.build_metadata(batch)
+
+
+def test_registry_creates_triton():
+    backend = create_backend("triton", 8, 2, 64, 0.125)
+    assert isinstance(backend, TritonBackend) and backend.name == "triton"
+    assert backend.supports_cuda_graph
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.MIXED])
+def test_q_as_a_strided_view_of_qkv(mode):
+    """The model hands q over as a view of its fused qkv projection: no copy is made,
+    and the result equals the contiguous q's, for 1 split (direct store) and several."""
+    heads, kv_heads, d = 4, 2, 64
+    spec = [(n - 1, 1) for n in [3, 18, 40]] if mode is ForwardMode.DECODE else EXTEND_SPEC
+    for splits in (1, 4):
+        cache, rows = make_case(spec, kv_heads, d, seed=5)
+        tri = TritonBackend(heads, kv_heads, d, d**-0.5, num_kv_splits=splits, extend_block_m=16)
+        batch = make_batch(rows, cache, tri, mode)
+        T = batch.num_tokens
+        qkv = torch.randn(T, (heads + 2 * kv_heads) * d, generator=torch.Generator().manual_seed(6))
+        q, k, v = (t.view(T, -1, d) for t in qkv.split([heads * d, kv_heads * d, kv_heads * d], -1))
+        assert not q.is_contiguous()
+        got = tri.forward(q, k, v, LAYER, batch)
+        want = tri.forward(q.contiguous(), k, v, LAYER, batch)
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, FP8])
+def test_mixed_batch_runs_leading_decode_rows_on_the_decode_kernel(kv_dtype):
+    # decodes first (as the scheduler orders them), then prefill chunks, then a
+    # one-token row after an extend row (it stays with the extend kernel)
+    decodes = [(n - 1, 1) for n in (1, PS, 2 * PS + 3, 45)]
+    spec = decodes + [(0, 9), (6, 20), (3, 1)]
+    kw = dict(num_kv_splits=4, decode_block_n=16, extend_block_m=16, extend_block_n=16)
+    kw["one_launch_max_kv_bytes"] = 0
+    out, expect, tb = run_both(spec, 8, 2, 64, ForwardMode.MIXED, kv_dtype=kv_dtype, **kw)
+    meta = tb.attn_meta
+    assert meta.num_decode == 4 and not meta.is_decode and meta.max_q_len == 20
+    torch.testing.assert_close(out, expect, **TOL)
+    assert meta.scratch is not None and meta.scratch.num_kv_splits == 4
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, FP8])
+def test_mixed_batch_with_little_decode_kv_runs_in_one_extend_launch(kv_dtype, monkeypatch):
+    """A prompt arriving beside a few short decode rows: every row, the decodes as
+    extend rows of one token, in one extend launch a layer (an eager step is bound by
+    its launches); past ONE_LAUNCH_MAX_KV_BYTES of decode KV reads (per query head) the
+    decode rows go back to the decode kernel. Both equal the reference."""
+    from gyrfalcon.layers.attention import triton_backend
+
+    launches = []
+    for name in ("decode_attention", "extend_attention"):
+        real = getattr(triton_backend, name)
+
+        def record(*args, _name=name, _real=real, **kw):
+            launches.append(_name)
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(triton_backend, name, record)
+    decodes = [(n - 1, 1) for n in (1, PS, 2 * PS + 3, 45)]
+    spec = decodes + [(0, 9), (6, 20), (3, 1)]
+    kw = dict(num_kv_splits=4, decode_block_n=16, extend_block_m=16, extend_block_n=16)
+    heads, d = 8, 64
+    per_token = 2 * heads * d * (1 if kv_dtype == FP8 else 4)
+    decode_kv = sum(n + 1 for n in (0, PS - 1, 2 * PS + 2, 44)) * per_token
+    for limit, want_nd, want in ((decode_kv, 0, ["extend_attention"]),
+                                 (decode_kv - 1, 4, ["decode_attention", "extend_attention"])):  # fmt: skip
+        launches.clear()
+        out, expect, tb = run_both(
+            spec, heads, 2, d, ForwardMode.MIXED, kv_dtype=kv_dtype,
+            one_launch_max_kv_bytes=limit, **kw,
+        )  # fmt: skip
+        meta = tb.attn_meta
+        assert meta.num_decode == want_nd and meta.max_q_len == 20 and launches == want
+        assert (meta.scratch is None) == (want_nd == 0)
+        torch.testing.assert_close(out, expect, **TOL)
+
+
+@pytest.mark.parametrize("num_decode", [1, 2, 3])
+def test_mixed_batch_extend_rows_start_aligned_whatever_the_decode_count(num_decode):
+    # Triton builds a kernel per pointer-alignment class: the extend rows' index tensors
+    # start 16-byte aligned after any number of decode rows (views at row num_decode
+    # would not), so mixed steps never build the extend kernel again while serving
+    spec = [(n, 1) for n in (4, 7, 9)[:num_decode]] + [(0, 9), (5, 3)]
+    kw = dict(num_kv_splits=2, one_launch_max_kv_bytes=0)
+    out, expect, tb = run_both(spec, 8, 2, 64, ForwardMode.MIXED, **kw)
+    meta = tb.attn_meta
+    assert meta.num_decode == num_decode and meta.max_q_len == 9
+    torch.testing.assert_close(out, expect, **TOL)
+    for t in (meta.ext_page_table, meta.ext_seq_lens, meta.q_starts, meta.q_lens):
+        assert t.data_ptr() % 16 == 0 and t.shape[0] == 2
+
+
+@pytest.mark.parametrize(
+    "kv_heads,head_dim,splits,kv_dtype",
+    [(2, 64, 1, torch.float32), (2, 64, 4, torch.float32), (1, 96, 3, FP8), (4, 128, 2, FP8)],
+)
+def test_decode_with_rope_in_the_kernel(kv_heads, head_dim, splits, kv_dtype):
+    """attend_rope (RoPE of q and k, and the K/V write, inside the decode kernel) equals
+    the torch rotary, the K/V store kernel and torch_ref attention, and leaves the same
+    cache. NOTE: the store kernel stands in for KVCache.write because triton's
+    interpreter converts some values to fp8 differently from torch (the GPU test
+    compares with torch)."""
+    from gyrfalcon.kernels.kv_store import store_kv
+    from gyrfalcon.kernels.rotary import build_cos_sin_cache
+    from gyrfalcon.layers.context import LayerContext
+    from gyrfalcon.layers.rotary import RotaryEmbedding
+
+    heads = 2 * kv_heads
+    spec = [(n - 1, 1) for n in (1, PS, PS + 1, 29, 61)]
+    (cache, rows), (ref_cache, _) = (
+        make_case(spec, kv_heads, head_dim, 9, pad_rows=2, kv_dtype=kv_dtype) for _ in range(2)
+    )
+    tri = TritonBackend(heads, kv_heads, head_dim, head_dim**-0.5, num_kv_splits=splits)
+    ref = TorchRefBackend(heads, kv_heads, head_dim, head_dim**-0.5)
+    tb = make_batch(rows, cache, tri, ForwardMode.DECODE)
+    rb = make_batch(rows, ref_cache, ref, ForwardMode.DECODE)
+    assert tri.fuses_rope(tb)
+    gen = torch.Generator().manual_seed(10)
+    q, k, v = (
+        torch.randn(len(rows), h, head_dim, generator=gen) for h in (heads,) + 2 * (kv_heads,)
+    )
+    rope = RotaryEmbedding(head_dim, 10000.0, None, 128, LayerContext())
+    cos_sin = build_cos_sin_cache(rope.inv_freq, 128)
+    out = tri.attend_rope(q, k, v, tb.positions, cos_sin, LAYER, tb)
+    q_rot, k_rot = rope(rb.positions, q, k)
+    store_kv(k_rot, v, ref_cache.k[LAYER], ref_cache.v[LAYER], rb.out_cache_loc)
+    expect = ref.attend(q_rot, LAYER, rb)
+    n = len(spec)  # padded rows share the dummy slot: only real rows are compared
+    torch.testing.assert_close(out[:n], expect[:n], **TOL)
+    slots = tb.out_cache_loc[:n]
+    for got, want in ((cache.k, ref_cache.k), (cache.v, ref_cache.v)):
+        torch.testing.assert_close(got[LAYER][slots].float(), want[LAYER][slots].float(), **TOL)
+    assert not tb.attn_meta.scratch.counts.any()
+
+
+def test_warm_up_launches_the_decode_kernel_at_every_split_count_of_eager_rows(monkeypatch):
+    """A MIXED step's decode rows run the decode kernel without RoPE at a split count
+    that depends on their number; each count is its own kernel build, so the warm-up
+    launches every count 1..max_rows rows can pick (the interpreter's 8 SMs: 32
+    programs), with q a view of a qkv row as `attend` gets it."""
+    from gyrfalcon.layers.attention import triton_backend
+
+    launches = []
+    real = triton_backend.decode_attention
+
+    def record(q, *args, **kw):
+        launches.append((q.shape[0], args[5].num_kv_splits, q.stride(0), kw.get("rope")))
+        return real(q, *args, **kw)
+
+    monkeypatch.setattr(triton_backend, "decode_attention", record)
+    heads, kv_heads, d = 4, 2, 16
+    tri = TritonBackend(heads, kv_heads, d, d**-0.5, decode_block_n=16)
+    cache = KVCache(2, 8, PS, kv_heads, d, torch.float32, CPU)
+    tri.warm_up_kernels(cache, torch.float32, 20, PS)
+    want = {decode_kv_splits(n, kv_heads, 8) for n in range(1, 21)}
+    assert {splits for _, splits, _, _ in launches} == want == {1, 2, 4, 8, 16}
+    assert len(launches) == len(want)
+    for rows, splits, stride, rope in launches:
+        assert decode_kv_splits(rows, kv_heads, 8) == splits and rope is None
+        # NOTE: Triton specializes an int on == 1 and % 16: a qkv row's width or, for
+        # a single row, the contiguous H * D (torch's stride of a size-1 dim)
+        assert stride in ((heads + 2 * kv_heads) * d, heads * d) and stride % 16 == 0
