@@ -65,6 +65,7 @@ from gyrfalcon.bench.spec_report import (
     concurrency_row,
     format_markdown,
     parse_chat_response,
+    throughput,
     without_text,
 )
 from gyrfalcon.loader.resolve import default_model_name
@@ -259,7 +260,7 @@ async def run_rounds(
                     )
                     done, total = runs[name].get(c, ([], 0.0))
                     runs[name][c] = (done + outs, total + wall)
-                    tokens = sum(o.completion_tokens for o in outs if o.ok)
+                    tokens = throughput(outs, wall)["output_tokens"]
                     figures[name].setdefault(c, []).append((tokens, wall))
     return runs, figures
 

@@ -1,39 +1,15 @@
 """Cases of the Triton attention backend's interpreter tests (test/unit/layers/
 test_triton_attention*.py): ragged paged batches run by the backend and by torch_ref on
-the same inputs. Importing this module sets TRITON_INTERPRET before triton is imported
-and skips the importing test module on a GPU machine (test/gpu covers CUDA) or where the
-kernels were compiled already."""
+the same inputs. Importing it runs the kernels in the interpreter (`triton_interpret`)."""
 
-import os
+import torch
+import triton_interpret  # noqa: F401  NOTE: first of the gyrfalcon imports
 
-_PRIOR_INTERPRET = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"  # NOTE: must precede every import of triton
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-if torch.cuda.is_available():
-    # NOTE: kernels are interpreted or compiled once per session, when their module is
-    # imported; on a GPU machine they must compile (test/gpu covers them there).
-    if _PRIOR_INTERPRET is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = _PRIOR_INTERPRET
-    pytest.skip("CPU interpreter tests; test/gpu covers CUDA", allow_module_level=True)
-pytest.importorskip("triton")
-
-from gyrfalcon.forward.batch import ForwardBatch  # noqa: E402
-from gyrfalcon.forward.kv_cache import KVCache  # noqa: E402
-from gyrfalcon.forward.metadata import RowInput, build_batch_tensors  # noqa: E402
-from gyrfalcon.kernels import attention_decode  # noqa: E402
-from gyrfalcon.layers.attention.torch_ref import TorchRefBackend  # noqa: E402
-from gyrfalcon.layers.attention.triton_backend import TritonBackend  # noqa: E402
-
-if type(attention_decode._decode_split_kernel).__name__ != "InterpretedFunction":
-    pytest.skip(
-        "the kernels were imported in compiled mode before TRITON_INTERPRET was set",
-        allow_module_level=True,
-    )
+from gyrfalcon.forward.batch import ForwardBatch
+from gyrfalcon.forward.kv_cache import KVCache
+from gyrfalcon.forward.metadata import RowInput, build_batch_tensors
+from gyrfalcon.layers.attention.torch_ref import TorchRefBackend
+from gyrfalcon.layers.attention.triton_backend import TritonBackend
 
 CPU = torch.device("cpu")
 PS = 4  # page size

@@ -4,32 +4,13 @@ fused greedy step and the general path's round graph set up every backend they
 attend with (the drafter's extend backend inside the target's graph included) and
 stay token-identical to plain decoding on torch_ref."""
 
-import os
+import triton_interpret  # noqa: F401  NOTE: before spec_util, which imports the kernels
 
-_PRIOR_INTERPRET = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"  # NOTE: must precede every import of triton
+# isort: split
+import pytest
+from spec_util import engine, make_pair, prompts, record_graph_runs, run
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-if torch.cuda.is_available():
-    if _PRIOR_INTERPRET is None:  # NOTE: compiled on a GPU machine; test/gpu covers it
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = _PRIOR_INTERPRET
-    pytest.skip("CPU interpreter tests; test/gpu covers CUDA", allow_module_level=True)
-pytest.importorskip("triton")
-
-from spec_util import engine, make_pair, prompts, record_graph_runs, run  # noqa: E402
-
-from gyrfalcon.ipc.messages import SamplingParams  # noqa: E402
-from gyrfalcon.kernels import attention_decode  # noqa: E402
-
-if type(attention_decode._decode_split_kernel).__name__ != "InterpretedFunction":
-    pytest.skip(
-        "the kernels were imported in compiled mode before TRITON_INTERPRET was set",
-        allow_module_level=True,
-    )
+from gyrfalcon.ipc.messages import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 LENS = [5, 7, 6]
