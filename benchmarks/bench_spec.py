@@ -36,6 +36,7 @@ import datetime
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -140,6 +141,14 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, l
         "figure moved 13%% between back-to-back runs on one H100): rounds put that drift "
         "on both servers alike. Needs --kv-cache-memory, so the two servers fit",
     )
+    p.add_argument(
+        "--spec-flags",
+        type=shlex.split,
+        default=[],
+        help="more `gyrfalcon serve` flags for the EAGLE3 server only, one string (e.g. "
+        "'--separate-prefill-steps'): a scheduling choice measured against the same plain "
+        "server",
+    )
     p.add_argument("--device", default=d.device, help="server --device")
     p.add_argument("--dtype", default=d.dtype, help="server --dtype")
     p.add_argument("--device-kind", default=d.device_kind, help="machine label, in file names")
@@ -170,7 +179,7 @@ def server_command(
     cmd += ["--port", str(port), "--device", ns.device, "--dtype", ns.dtype, *extra]
     if spec:
         cmd += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path"]
-        cmd += [ns.draft_model, "--speculative-num-steps", str(ns.num_steps)]
+        cmd += [ns.draft_model, "--speculative-num-steps", str(ns.num_steps), *ns.spec_flags]
     return cmd
 
 
@@ -310,7 +319,7 @@ def build_report(
         "num_steps": ns.num_steps, "dataset": Path(ns.dataset).name,
         "num_prompts": num_prompts, "min_waves": ns.min_waves, "rounds": ns.rounds,
         "max_tokens": ns.max_tokens,
-        "server_args": list(extra),
+        "server_args": list(extra), "spec_flags": ns.spec_flags,
         "commands": commands, "rows": rows,
         "per_request": {
             str(c): {name: [without_text(o) for o in runs[name][c][0]] for name in runs}

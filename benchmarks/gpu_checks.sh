@@ -286,14 +286,17 @@ PY
     if [ ! -d "$DRAFTER" ] && compgen -G ".drafter/drafter.tgz.part*" >/dev/null; then
       mkdir -p /tmp/drafters && cat .drafter/drafter.tgz.part* | tar xzf - -C /tmp/drafters
     fi
-    if [ "${BENCH_SPEC:-1}" = 1 ]; then
+    if [ "${BENCH_SPEC:-1}" = 1 ]; then  # SPEC_ONLY_FLAGS: flags of the EAGLE3 server alone;
+      # SPEC_TAG names this run's files (two runs in one $OUT)
+      T=${SPEC_TAG:+_$SPEC_TAG}
       python3 benchmarks/bench_spec.py --model "$GYRFALCON_SMOLLM2_GGUF" \
         --draft-model "$DRAFTER" --dataset .data/mt_bench_dev.jsonl --device cuda \
         --concurrency ${CONCURRENCY:-1,16} --min-waves ${SPEC_WAVES:-0} --device-kind "$KIND" --output-dir "$OUT" \
         --rounds ${SPEC_ROUNDS:-1} $([ "${SPEC_ROUNDS:-1}" -gt 1 ] && echo "--kv-cache-memory 8GiB") \
-        --log-dir "$OUT/spec_logs" --log-stats-interval 2 ${SPEC_FLAGS:-} \
-        > "$OUT/bench_spec.log" 2>&1; echo "bench_spec exit $?"; tail -15 "$OUT/bench_spec.log"
-      for f in "$OUT"/spec_logs/*.log; do  # NOTE: the stats lines, not every request's
+        ${SPEC_TAG:+--tag "smollm2$T"} --spec-flags "${SPEC_ONLY_FLAGS:-}" \
+        --log-dir "$OUT/spec_logs$T" --log-stats-interval 2 ${SPEC_FLAGS:-} \
+        > "$OUT/bench_spec$T.log" 2>&1; echo "bench_spec exit $?"; tail -15 "$OUT/bench_spec$T.log"
+      for f in "$OUT"/spec_logs"$T"/*.log; do  # NOTE: the stats lines, not every request's
         grep -avE "HTTP/1.1|it/s\]" "$f" | tail -c 4000000 > "$f.tmp" && mv "$f.tmp" "$f"
       done
     fi

@@ -56,7 +56,8 @@ def test_parse_concurrency(bs: ModuleType) -> None:
 
 
 def test_server_commands_parse_as_server_args(bs: ModuleType) -> None:
-    argv = ["--model", "/m", "--draft-model", "/d", "--num-steps", "2", "--load-format", "dummy"]
+    argv = ["--model", "/m", "--draft-model", "/d", "--num-steps", "2", "--load-format", "dummy",
+            "--spec-flags", "--separate-prefill-steps --max-num-seqs 7"]  # fmt: skip
     ns, extra = bs.parse_args(argv)
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
@@ -72,6 +73,9 @@ def test_server_commands_parse_as_server_args(bs: ModuleType) -> None:
         )  # fmt: skip
         assert steps == ((2, 3) if spec else (None, None))
         assert args.speculative_draft_model_path == ("/d" if spec else None)
+        # --spec-flags reach the EAGLE3 server alone
+        assert args.separate_prefill_steps is spec
+        assert args.max_num_seqs == (7 if spec else ServerArgs.max_num_seqs)
     ns, _ = bs.parse_args([])
     assert bs.server_command(ns, [], 1, False)[4] == "--port"  # no model: the embedded one
 
