@@ -204,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
         help="also measure a request of this many prompt tokens arriving into the batch",
     )  # fmt: skip
     p.add_argument("--arrival-every", type=int, default=12, help="steps between arrivals")
+    p.add_argument(
+        "--separate-prefill-steps", action="store_true",
+        help="both engines plan an arriving prompt in a step of its own (the server flag)",
+    )  # fmt: skip
     p.add_argument("--arrivals", type=int, default=12)
     p.add_argument("--device-kind", default="unknown")
     p.add_argument("--output-dir", default="benchmarks/results")
@@ -220,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         model=ns.model, device=ns.device, dtype=ns.dtype, load_format=ns.load_format,
         attention_backend=ns.attention_backend,
         kv_cache_memory=ns.kv_cache_memory, max_num_seqs=max(sizes), disable_pdl=ns.disable_pdl,
-        cuda_graph_max_bs=max(sizes),
+        cuda_graph_max_bs=max(sizes), separate_prefill_steps=ns.separate_prefill_steps,
     )  # fmt: skip
     spec = dict(
         speculative_algorithm="EAGLE3",
@@ -260,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     report = dict(
         bench="spec_step", model=ns.model, draft=ns.draft, load_format=ns.load_format,
         k=ns.num_steps, prompt_len=ns.prompt_len, arrival_len=ns.arrival_len,
-        arrival_every=ns.arrival_every, device_kind=ns.device_kind,
+        arrival_every=ns.arrival_every, separate_prefill_steps=ns.separate_prefill_steps,
+        device_kind=ns.device_kind,
         commit=os.environ.get("GYRFALCON_COMMIT") or git_commit(), rows=rows,
     )  # fmt: skip
     os.makedirs(ns.output_dir, exist_ok=True)

@@ -293,7 +293,7 @@ PY
         --draft-model "$DRAFTER" --dataset .data/mt_bench_dev.jsonl --device cuda \
         --concurrency ${CONCURRENCY:-1,16} --min-waves ${SPEC_WAVES:-0} --device-kind "$KIND" --output-dir "$OUT" \
         --rounds ${SPEC_ROUNDS:-1} $([ "${SPEC_ROUNDS:-1}" -gt 1 ] && echo "--kv-cache-memory 8GiB") \
-        ${SPEC_TAG:+--tag "smollm2$T"} --spec-flags "${SPEC_ONLY_FLAGS:-}" \
+        ${SPEC_TAG:+--tag "smollm2$T"} --spec-flags="${SPEC_ONLY_FLAGS:-}" \
         --log-dir "$OUT/spec_logs$T" --log-stats-interval 2 ${SPEC_FLAGS:-} \
         > "$OUT/bench_spec$T.log" 2>&1; echo "bench_spec exit $?"; tail -15 "$OUT/bench_spec$T.log"
       for f in "$OUT"/spec_logs"$T"/*.log; do  # NOTE: the stats lines, not every request's
