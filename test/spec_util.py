@@ -195,9 +195,11 @@ def record_accepts(eng: LocalEngine) -> list[list[tuple[str, int]]]:
     return steps
 
 
-def record_graph_runs(eng: LocalEngine) -> list[tuple]:
-    """(mode name, *variant, rows) of every run through the target's graph runner."""
-    graphs, runs = eng.worker.executor.graphs, []
+def record_graph_runs(eng: LocalEngine, drafter: bool = False) -> list[tuple]:
+    """(mode name, *variant, rows) of every run through the target's graph runner (the
+    drafter's with `drafter`)."""
+    owner = eng.worker.drafter if drafter else eng.worker.executor
+    graphs, runs = owner.graphs, []
     assert graphs is not None
     replay = graphs.run
 

@@ -1,6 +1,7 @@
-"""Speculative decoding on CUDA with real graphs (VERIFY and the one-replay draft
-round): greedy output == plain output, for a random drafter and for forced
-acceptance patterns, zero leaked pages; the draft round's replay == its eager run.
+"""Speculative decoding on CUDA with real graphs (VERIFY, the one-replay draft round,
+the draft steps after an eager extend): greedy output == plain output, for a random
+drafter and for forced acceptance patterns, zero leaked pages; the draft round's
+replays == their eager runs.
 
 Run on the GPU machine: `python -m pytest -q -m gpu test/gpu/test_spec_gpu.py`.
 """
@@ -15,6 +16,7 @@ from spec_util import (
     prompts,
     random_pattern,
     record_accepts,
+    record_graph_runs,
     run,
 )
 
@@ -80,9 +82,12 @@ def test_draft_round_replay_equals_eager(pair, backend):
     target, draft = pair
     eng = cuda_engine(target, draft, backend, 3)
     eng.worker.fused = None  # NOTE: the general path's round graph (fused: in the step)
+    runs = record_graph_runs(eng, drafter=True)
     compared = check_round_replay(eng, exact=False)
     run(eng, prompts(4, [6, 7, 5]), GREEDY)
     assert compared and min(same for _, same in compared) == 1.0, compared
+    # both graphs: rounds of verify rows, and the steps after the prompts' eager extend
+    assert ("DRAFT_EXTEND", 3) in runs and ("DRAFT_DECODE", 3) in runs, runs
     torch.cuda.synchronize()
 
 

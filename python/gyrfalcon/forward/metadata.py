@@ -158,7 +158,8 @@ def advanced_rows(
     seq_lens_bound: list[int],
 ) -> BatchTensors:
     """A draft step's batch, one token per row, built on the device: row r computes
-    input_ids[r] at position p_r = min(anchor[r] + step, last_pos[r]) (anchor: the
+    input_ids[r] at position p_r = min(anchor[r] + step, last_pos[r]) (step 0: the rows
+    at their anchors, which the drafter's steps graph starts from; anchor: the
     position of the row's last verified token, known on the device only; last_pos: the
     last position its pages and the context hold, where further steps' garbage goes),
     KV slot `slot_of(page_table[r], p_r)`, sequence length p_r + 1.
@@ -169,7 +170,7 @@ def advanced_rows(
     """
     m = input_ids.shape[0]
     assert anchor.shape == last_pos.shape == (m,) and page_table.shape[0] == m
-    assert len(seq_lens_bound) == m and step >= 1
+    assert len(seq_lens_bound) == m and step >= 0
     pos = torch.minimum(anchor + step, last_pos)  # [m]
     page = page_table.gather(1, (pos // page_size)[:, None]).squeeze(1)  # [m]
     # [3, m], rows 16-byte aligned (`aligned_token_rows`)

@@ -31,6 +31,13 @@ batches built on the device inside it. The extend's metadata is planned before t
 replay from the static batch, as for VERIFY; the accept lengths, aux states and
 last positions ride in static buffers of their own (`RoundInputs`), padded rows
 with zeros (accept 0, position 0 on the dummy page).
+
+Any other round (a step with prompts or prefill chunks, rows of fewer drafts) runs
+its extend eagerly (rows of any length), then everything after it as ONE replay
+keyed DRAFT_DECODE, one row per proposing row (`_after_extend`): draft 1 from the
+extend's output at each anchor and the k - 1 draft steps. Its static batch holds
+each row at its anchor (position, page table), the anchor's hidden state and last
+position in `RoundInputs`; padded rows as above.
 """
 
 from __future__ import annotations
@@ -91,6 +98,7 @@ class RoundInputs:
     aux: torch.Tensor  # [max_bs * (k + 1), 3 * H_target] the extend tokens' aux states
     accept: torch.Tensor  # [max_bs] int64 drafts each row accepted
     last_pos: torch.Tensor  # [max_bs] int64 last position each row may write
+    hidden: torch.Tensor  # [max_bs, H] the extend's output at each anchor (DRAFT_DECODE)
 
 
 class Drafter:
@@ -163,11 +171,15 @@ class Drafter:
                             device=self.device),
             accept=torch.zeros(max_bs, **i64),
             last_pos=torch.zeros(max_bs, **i64),
+            hidden=torch.zeros(max_bs, self.cfg.hidden_size, dtype=self.dtype, device=self.device),
         )  # fmt: skip
-        spec = GraphSpec(ForwardMode.DRAFT_EXTEND, k1, self._round, extend)
+        specs = [GraphSpec(ForwardMode.DRAFT_EXTEND, k1, self._round, extend)]
+        decode = self.backends.decode
+        if mode == "static" or decode.supports_cuda_graph:
+            specs.append(GraphSpec(ForwardMode.DRAFT_DECODE, 1, self._after_extend, decode))
         pages = -(-max_model_len // self.page_size)
         self.graphs = GraphRunner(
-            [spec], self.kv_cache, self.page_size, max_bs, pages, self.device, mode,
+            specs, self.kv_cache, self.page_size, max_bs, pages, self.device, mode,
             args.graph_batch_sizes(),
         )  # fmt: skip
         self.graphs.capture()
@@ -181,6 +193,18 @@ class Drafter:
         st = self.static
         drafts = self.verify_round(batch, st.aux[: bs * k1], st.accept[:bs], st.last_pos[:bs])
         return (torch.cat([drafts, drafts.new_zeros(bs, 1)], dim=1).view(-1),)
+
+    def _after_extend(self, batch: ForwardBatch) -> tuple[torch.Tensor]:
+        """The captured steps after an eager extend, over a static DRAFT_DECODE batch of
+        one row per proposing row at its anchor (module docstring) -> its [bs, k] drafts."""
+        assert self.static is not None
+        bs, st = batch.batch_size, self.static
+        cap = batch.page_table.shape[1] * self.page_size - 1
+        bound = [n - 1 for n in batch.seq_lens_cpu]  # NOTE: the anchors' host bounds
+        drafts = self._steps(
+            st.hidden[:bs], batch.positions, st.last_pos[:bs], batch.page_table, bound, [cap] * bs
+        )
+        return (drafts,)
 
     def verify_round(
         self,
@@ -274,14 +298,19 @@ class Drafter:
             if not rnd.slots.numel():
                 return
             accepted = accept_len[rnd.accept_row]  # [m]
-            drafts = self._steps(
-                out[rnd.anchor_idx + accepted],
-                rnd.ext.positions[rnd.anchor_idx] + accepted,
-                rnd.last_pos,
-                rnd.ext.page_table[rnd.ext_row],
-                rnd.anchor_pos_cpu,
-                rnd.last_pos_cpu,
-            )
+            hidden = out[rnd.anchor_idx + accepted]
+            anchor = rnd.ext.positions[rnd.anchor_idx] + accepted
+            table = rnd.ext.page_table[rnd.ext_row]
+            at = None
+            if graphs is not None:  # NOTE: ids unread; host bounds: every draft accepted
+                bound = [a + 1 for a in rnd.anchor_pos_cpu]
+                at = advanced_rows(anchor, anchor, 0, rnd.last_pos, table, self.page_size, bound)
+            if at is not None and graphs.can_run(ForwardMode.DRAFT_DECODE, at):
+                drafts = self._replay_after_extend(at, hidden, rnd.last_pos, graphs)
+            else:
+                drafts = self._steps(
+                    hidden, anchor, rnd.last_pos, table, rnd.anchor_pos_cpu, rnd.last_pos_cpu
+                )
         draft_tokens.index_copy_(0, rnd.slots, drafts)
 
     def _replay(
@@ -301,6 +330,22 @@ class Drafter:
             st.last_pos[bs:padded].zero_()
         (flat,) = graphs.run(ForwardMode.DRAFT_EXTEND, rnd.ext)
         return flat.view(bs, k1)[:, : self.k]
+
+    def _replay_after_extend(
+        self, at: BatchTensors, hidden: torch.Tensor, last_pos: torch.Tensor, graphs: GraphRunner
+    ) -> torch.Tensor:
+        """The steps after an eager extend through the graph runner (`_after_extend`):
+        at, the rows at their anchors; hidden [m, H] the extend's output there -> [m, k]."""
+        assert self.static is not None
+        st, m = self.static, hidden.shape[0]
+        padded = padded_batch_size(m, graphs.sizes)
+        st.hidden[:m].copy_(hidden)
+        st.last_pos[:m].copy_(last_pos)
+        if padded > m:
+            st.hidden[m:padded].zero_()
+            st.last_pos[m:padded].zero_()
+        (drafts,) = graphs.run(ForwardMode.DRAFT_DECODE, at)
+        return drafts
 
     def draft_step(
         self,

@@ -16,20 +16,23 @@ from typing import Any
 
 import torch
 
-from gyrfalcon.forward.batch import ForwardBatch
+from gyrfalcon.forward.batch import SINGLE_TOKEN_MODES, ForwardBatch
 from gyrfalcon.forward.kv_cache import KVCache
 from gyrfalcon.ipc.messages import ForwardMode
 
 # The modes graphs are captured for: DECODE (one query token per row), VERIFY (k + 1),
-# DRAFT_EXTEND (a drafter's round over verify rows: k + 1 per row, worker/drafter.py)
-CAPTURED_MODES = (ForwardMode.DECODE, ForwardMode.VERIFY, ForwardMode.DRAFT_EXTEND)
+# DRAFT_EXTEND (a drafter's round over verify rows: k + 1 per row) and DRAFT_DECODE (a
+# drafter's steps after an eager extend, one row per proposing request; worker/drafter.py)
+CAPTURED_MODES = (
+    ForwardMode.DECODE, ForwardMode.VERIFY, ForwardMode.DRAFT_EXTEND, ForwardMode.DRAFT_DECODE
+)  # fmt: skip
 
 
 def check_capture(mode: ForwardMode, tokens_per_row: int) -> None:
-    """A capture request a backend can serve: DECODE of one token per row, VERIFY and
-    DRAFT_EXTEND of k + 1 >= 2 (extend rows of a constant length)."""
+    """A capture request a backend can serve: DECODE and DRAFT_DECODE of one token per
+    row, VERIFY and DRAFT_EXTEND of k + 1 >= 2 (extend rows of a constant length)."""
     assert mode in CAPTURED_MODES, f"no graphs for {mode.name}"
-    assert (mode == ForwardMode.DECODE) == (tokens_per_row == 1), (mode.name, tokens_per_row)
+    assert (mode in SINGLE_TOKEN_MODES) == (tokens_per_row == 1), (mode.name, tokens_per_row)
 
 
 def replay_tokens_per_row(batch: ForwardBatch) -> int:

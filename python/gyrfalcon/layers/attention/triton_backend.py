@@ -265,7 +265,7 @@ class TritonBackend(AttentionBackend):
         t = replay_tokens_per_row(batch)
         bs = batch.batch_size
         assert self._graph_scratch is not None, "capture_buffers must run before prepare_replay"
-        if batch.mode != ForwardMode.DECODE:  # VERIFY, DRAFT_EXTEND: rows of k + 1 tokens
+        if t > 1:  # VERIFY, DRAFT_EXTEND: rows of k + 1 tokens
             scratch = self._graph_scratch[self.kv_splits(bs * t, batch.seq_lens.device)]
             return self._verify_meta(batch, t, scratch)
         return TritonMeta(
