@@ -51,6 +51,20 @@ def backend_for(drafter, name: str):
     )
 
 
+def assert_near(got: torch.Tensor, want: torch.Tensor, own: torch.Tensor | None, dtype) -> None:
+    """got (CUDA) near want (CPU float32). float32: within TF32's error in the attention
+    kernels' dots. bf16: rounding alone moves a position after the cached prefix by up
+    to ~6% of the largest output of these random weights, as torch's own bf16 math on
+    the CPU (`own`) shows: the kernels may stray at most twice as far as it does."""
+    scale = want.abs().max().item()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=2e-3 * scale, rtol=2e-3)
+        return
+    assert own is not None
+    err, own_err = (got - want).abs().max().item(), (own - want).abs().max().item()
+    assert err <= max(3e-2 * scale, 2 * own_err), (err, own_err, scale)
+
+
 @pytest.mark.parametrize(
     "backend,dtype",
     [("triton", torch.float32), ("triton", torch.bfloat16), ("flashinfer", torch.bfloat16)],
@@ -65,14 +79,16 @@ def test_drafter_on_cuda_matches_the_cpu(pair_dirs, backend, dtype, lens):
     want = run_draft_round(cpu, backend_for(cpu, "torch_ref"), PS, lens)
     gpu = build(pair_dirs, "cuda", dtype)
     got = run_draft_round(gpu, backend_for(gpu, backend), PS, lens)
-    # float32: TF32 in the attention kernels' dots; bf16: ~3 significant digits
-    tol = 2e-3 if dtype == torch.float32 else 3e-2
-    for g, w in zip(got.outs, want.outs):
-        torch.testing.assert_close(g, w, atol=tol * w.abs().max().item(), rtol=tol)
+    own = None
+    if dtype != torch.float32:  # NOTE: how far torch's own bf16 math strays (assert_near)
+        ref = build(pair_dirs, "cpu", dtype)
+        own = run_draft_round(ref, backend_for(ref, "torch_ref"), PS, lens)
+    for i, (g, w) in enumerate(zip(got.outs, want.outs)):
+        assert_near(g, w, None if own is None else own.outs[i], dtype)
     with torch.inference_mode():
         logits = gpu.compute_logits(got.outs[0].to("cuda", dtype)).float().cpu()
         want_logits = cpu.compute_logits(want.outs[0])
-    scale = want_logits.abs().max().item()
-    torch.testing.assert_close(logits, want_logits, atol=tol * scale, rtol=tol)
+        own_logits = None if own is None else ref.compute_logits(own.outs[0].to(dtype)).float()
+    assert_near(logits, want_logits, own_logits, dtype)
     ids = torch.arange(gpu.cfg.draft_vocab_size, device="cuda")
     assert torch.equal(gpu.to_target_ids(ids).cpu(), cpu.to_target_ids(ids.cpu()))
