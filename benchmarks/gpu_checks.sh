@@ -32,7 +32,8 @@
 #           in drafters/smollm2-eagle3 (or staged: .drafter/drafter.tgz.part* carried with a
 #           stage part), then bench_spec_step.py for the 8B and SmolLM2 shapes (dummy
 #           weights) with host profiles of the first batch size. BENCH_SPEC=0 / STEP=0 skip
-#           either half (STEP_8B=0: the SmolLM2 shape only); SPEC_FLAGS go to both servers;
+#           either half (STEP_8B=0: the SmolLM2 shape only); SPEC_FLAGS go to both servers,
+#           SPEC_ONLY_FLAGS to the EAGLE3 server alone; SPEC_TAG names the run's files;
 #           their logs come back in spec_logs/. The profiles hold the kernels of 20 steps too.
 #           SPEC_WAVES=W: at concurrency C, max(40, W * C) requests (--min-waves; 40 at C = 16
 #           last ~1 s on an H100, mostly ramp and tail: the c16 speed-up swung 1.22x-1.72x).
