@@ -329,6 +329,11 @@ PY
       $B --model benchmarks/models/llama-3.1-8b --load-format dummy --batch-sizes "$PDL_BS" \
         --disable-pdl --output-json "$OUT/decode_llama8b_nopdl.json" 2>&1 | tail -8
     fi
+    # NOTE: the first SmolLM2 run on a fresh machine JIT-builds flashinfer's head-dim-64
+    # prefill module; the two runs that did read the launch-bound figure 36-52% low (889 at 67ca719,
+    # 1,181 at 69a382f): one short untimed run builds it first
+    $B --model benchmarks/models/smollm2-135m --load-format dummy --batch-sizes 1 --steps 8 \
+      --output-json /tmp/decode_smollm2_warm.json >/dev/null 2>&1
     $B --model benchmarks/models/smollm2-135m --load-format dummy --batch-sizes 1 --steps 256 \
       --output-json "$OUT/decode_smollm2_graphs.json" $PS 2>&1 | tail -4
     $B --model benchmarks/models/smollm2-135m --load-format dummy --batch-sizes 1 --steps 256 \
