@@ -4,10 +4,8 @@ the same inputs. Importing it runs the kernels in the interpreter (`triton_inter
 
 import torch
 import triton_interpret  # noqa: F401  NOTE: first of the gyrfalcon imports
+from paged_cases import paged_batch, paged_case
 
-from gyrfalcon.forward.batch import ForwardBatch
-from gyrfalcon.forward.kv_cache import KVCache
-from gyrfalcon.forward.metadata import RowInput, build_batch_tensors
 from gyrfalcon.layers.attention.torch_ref import TorchRefBackend
 from gyrfalcon.layers.attention.triton_backend import TritonBackend
 
@@ -18,31 +16,12 @@ TOL = dict(atol=1e-4, rtol=1e-4)
 
 
 def make_case(spec, num_kv_heads, head_dim, seed, pad_rows=0, kv_dtype=torch.float32):
-    """spec: (prefix, q_len) per row -> (cache, rows); pages are scrambled, page 0 unused.
-
-    Prefix KV is written as an earlier step would have; pad_rows decode rows of
-    length 1 on the dummy page are appended.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    need = [-(-(p + n) // PS) for p, n in spec]
-    perm = (torch.randperm(sum(need) + 3, generator=gen) + 1).tolist()
-    cache = KVCache(2, sum(need) + 4, PS, num_kv_heads, head_dim, kv_dtype, CPU)
-    # garbage everywhere (the dummy page included)
-    cache.k.copy_(torch.randn(cache.k.shape, generator=gen).to(kv_dtype))
-    cache.v.copy_(torch.randn(cache.v.shape, generator=gen).to(kv_dtype))
-    rows = []
-    for (prefix, n), count in zip(spec, need):
-        pages, perm = perm[:count], perm[count:]
-        rows.append(RowInput(prefix, [0] * n, pages))
-    rows += [RowInput(0, [0], [0])] * pad_rows
-    return cache, rows
+    """`paged_case` at this module's page size, on the CPU."""
+    return paged_case(spec, num_kv_heads, head_dim, PS, seed, pad_rows, kv_dtype)
 
 
 def make_batch(rows, cache, backend, mode):
-    bt = build_batch_tensors(rows, PS, CPU)
-    batch = ForwardBatch.from_tensors(mode, bt, PS, cache, backend)
-    batch.attn_meta = backend.build_metadata(batch)
-    return batch
+    return paged_batch(rows, cache, backend, mode, PS)
 
 
 def run_both(

@@ -12,9 +12,8 @@ import importlib.util
 
 import pytest
 import torch
+from paged_cases import paged_batch, paged_case
 
-from gyrfalcon.forward.batch import ForwardBatch
-from gyrfalcon.forward.kv_cache import KVCache
 from gyrfalcon.forward.metadata import RowInput, build_batch_tensors
 from gyrfalcon.ipc.messages import ForwardMode
 from gyrfalcon.layers.attention.torch_ref import TorchRefBackend
@@ -64,28 +63,13 @@ def triton_backend_cls():
 
 
 def make_case(spec, kv_heads, head_dim, seed, pad_rows=0, kv_dtype=torch.bfloat16):
-    """(prefix, q_len) rows on scrambled pages of a bf16 (or fp8) cache; prefix KV
-    pre-written."""
+    """`paged_case` at this module's page size on a bf16 (or fp8) cache on the GPU."""
     dev = torch.device("cuda")
-    gen = torch.Generator().manual_seed(seed)
-    need = [-(-(p + n) // PS) for p, n in spec]
-    perm = (torch.randperm(sum(need) + 7, generator=gen) + 1).tolist()
-    cache = KVCache(2, sum(need) + 8, PS, kv_heads, head_dim, kv_dtype, dev)
-    cache.k.copy_(torch.randn(cache.k.shape, device=dev).to(kv_dtype))
-    cache.v.copy_(torch.randn(cache.v.shape, device=dev).to(kv_dtype))
-    rows = []
-    for (prefix, n), count in zip(spec, need):
-        pages, perm = perm[:count], perm[count:]
-        rows.append(RowInput(prefix, [0] * n, pages))
-    rows += [RowInput(0, [0], [0])] * pad_rows
-    return cache, rows
+    return paged_case(spec, kv_heads, head_dim, PS, seed, pad_rows, kv_dtype, dev, spare_pages=7)
 
 
 def make_batch(rows, cache, backend, mode):
-    bt = build_batch_tensors(rows, PS, cache.k.device)
-    batch = ForwardBatch.from_tensors(mode, bt, PS, cache, backend)
-    batch.attn_meta = backend.build_metadata(batch)
-    return batch
+    return paged_batch(rows, cache, backend, mode, PS)
 
 
 def compare(
