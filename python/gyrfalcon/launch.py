@@ -121,7 +121,9 @@ def serve(args: ServerArgs) -> int:
     # results) is written for layout.world_size
     layout = RankLayout(dp_size=args.dp_size, tp_size=args.tp_size)
     if args.joins_process_groups() and args.dist_init_addr is None:
-        args = dataclasses.replace(args, dist_init_addr=f"tcp://127.0.0.1:{free_port()}")
+        # NOTE: not the HTTP port: the server binds it only after the ranks start
+        port = free_port(avoid=args.port)
+        args = dataclasses.replace(args, dist_init_addr=f"tcp://127.0.0.1:{port}")
     local = args.node_ranks()  # NOTE: all ranks but on several nodes
     ports, nodes = None, None
     if args.nnodes > 1:

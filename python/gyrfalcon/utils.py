@@ -173,10 +173,14 @@ def configure_logging(level: str, name: str = "main") -> None:
     )
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on host now (the OS's pick; another process may take it later)."""
+def free_port(host: str = "127.0.0.1", avoid: int | None = None) -> int:
+    """A TCP port free on host now (the OS's pick; another process may take it later),
+    never `avoid` (a port picked already but not bound yet, e.g. the HTTP server's)."""
     import socket
 
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    while True:
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        if port != avoid:
+            return port
