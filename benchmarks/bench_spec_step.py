@@ -40,7 +40,7 @@ from gyrfalcon.bench.provenance import git_commit
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.engine import LocalEngine
 from gyrfalcon.ipc.messages import SamplingParams
-from gyrfalcon.profiling import host_profile
+from gyrfalcon.profiling import SectionTimes, host_profile
 
 
 def step_times(
@@ -176,6 +176,63 @@ def profile(eng: LocalEngine, bs: int, ns: argparse.Namespace, path: str) -> Non
         f.write(f"\n{table}\n")
 
 
+def time_sections(eng: LocalEngine, bs: int, ns: argparse.Namespace, name: str) -> None:
+    """SectionTimes of steady steps at batch bs, then of arrivals (with --arrival-len),
+    to <output-dir>/sections_<engine>_bs<bs>.md."""
+    planned: list[int] = []
+    with SectionTimes(section_targets()) as steady:
+        step_times(eng, bs, ns.prompt_len, ns.steps, bs, planned=planned)
+    text = f"# {name} engine, batch {bs}: {planned[0]} steady steps\n\n"
+    text += steady.table(planned[0], "step")
+    if ns.arrival_len:
+        with SectionTimes(section_targets()) as arr:
+            arrival_cost(eng, bs, ns, 0.0, 1)
+        text += (
+            f"\n{ns.arrivals} arrivals of {ns.arrival_len} tokens, one every "
+            f"{ns.arrival_every} steps (the steps between them included)\n\n"
+        )
+        text += arr.table(ns.arrivals, "arrival")
+    os.makedirs(ns.output_dir, exist_ok=True)
+    with open(os.path.join(ns.output_dir, f"sections_{name}_bs{bs}{ns.tag}.md"), "w") as f:
+        f.write(text)
+    print(text)
+
+
+def section_targets() -> dict[str, tuple[object, str]]:
+    """The worker's and scheduler's step phases `--time-sections` times (SectionTimes)."""
+    from triton.runtime.jit import JITFunction
+
+    from gyrfalcon.layers.attention import triton_backend
+    from gyrfalcon.scheduler.scheduler import Scheduler
+    from gyrfalcon.worker import drafter, step_worker
+    from gyrfalcon.worker.cuda_graph import GraphRunner
+    from gyrfalcon.worker.executor import ModelExecutor
+    from gyrfalcon.worker.piecewise_graph import PiecewiseGraphs
+
+    return {
+        "engine step": (LocalEngine, "step"),
+        "scheduler build_plan": (Scheduler, "build_plan"),
+        "scheduler process_result": (Scheduler, "process_result"),
+        "worker launch (all steps)": (step_worker.StepWorker, "_launch"),
+        "worker launch fused": (step_worker.StepWorker, "_launch_fused"),
+        "worker build_batch_tensors": (step_worker, "build_batch_tensors"),
+        "target forward (eager path)": (ModelExecutor, "forward"),
+        "piecewise run": (PiecewiseGraphs, "run"),
+        "piecewise attention": (PiecewiseGraphs, "_attend"),
+        "triton build_metadata": (triton_backend.TritonBackend, "build_metadata"),
+        "extend_attention launch": (triton_backend, "extend_attention"),
+        "graph replay (any)": (torch.cuda.CUDAGraph, "replay"),
+        "verify_sample": (step_worker, "verify_sample"),
+        "sample": (step_worker, "sample"),
+        "drafter draft_step": (drafter.Drafter, "draft_step"),
+        "drafter build_batch_tensors": (drafter, "build_batch_tensors"),
+        "drafter eager forward": (drafter.Drafter, "_forward"),
+        "drafter replay after extend": (drafter.Drafter, "_replay_after_extend"),
+        "graph runner run": (GraphRunner, "run"),
+        "Triton launches (all)": (JITFunction, "run"),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model")
@@ -209,6 +266,11 @@ def main(argv: list[str] | None = None) -> int:
         help="both engines plan an arriving prompt in a step of its own (the server flag)",
     )  # fmt: skip
     p.add_argument("--arrivals", type=int, default=12)
+    p.add_argument(
+        "--time-sections", action="store_true",
+        help="also time the worker's step phases (host wall time, no profiler) over the "
+        "first batch size's steady steps and its arrivals; tables beside the results",
+    )  # fmt: skip
     p.add_argument("--device-kind", default="unknown")
     p.add_argument("--output-dir", default="benchmarks/results")
     p.add_argument("--tag", default="")
@@ -241,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
             arrivals[name] = {
                 bs: arrival_cost(eng, bs, ns, results[name][bs][0], bs) for bs in sizes
             }
+        if ns.time_sections:
+            time_sections(eng, sizes[0], ns, name)
         if ns.profile_dir:
             profile(eng, sizes[0], ns, os.path.join(ns.profile_dir, f"host_{name}.txt"))
             if ns.arrival_len:

@@ -112,3 +112,57 @@ class KernelWindow:
                 "kernel profile of plans %d .. %d written to %s", self.first, self.last, path
             )
             self.prof = None
+
+
+class SectionTimes:
+    """Host wall time of named callables over a block, without a profiler's inflation:
+    each target `(owner, attribute)` (a class's method, or a module's function where
+    its caller looks it up) is wrapped by a perf_counter pair while the block runs,
+    then restored. Totals include the callees (nested sections overlap); nothing
+    waits for the device, so a section's time is its host cost (its launches)."""
+
+    def __init__(self, targets: dict[str, tuple[object, str]]):
+        self.targets = targets
+        self.calls = dict.fromkeys(targets, 0)
+        self.seconds = dict.fromkeys(targets, 0.0)
+        self._saved: list[tuple[object, str, object]] = []
+
+    def __enter__(self) -> SectionTimes:
+        import functools
+        import time
+
+        for name, (owner, attr) in self.targets.items():
+            fn, raw = getattr(owner, attr), vars(owner)[attr]
+            assert not isinstance(raw, (staticmethod, classmethod)), name
+            self._saved.append((owner, attr, raw))
+
+            def timed(*a, _fn=fn, _name=name, **kw):
+                t0 = time.perf_counter()
+                try:
+                    return _fn(*a, **kw)
+                finally:
+                    self.seconds[_name] += time.perf_counter() - t0
+                    self.calls[_name] += 1
+
+            setattr(owner, attr, functools.wraps(fn)(timed))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, attr, original in reversed(self._saved):
+            setattr(owner, attr, original)
+        self._saved = []
+
+    def table(self, per: int, per_name: str) -> str:
+        """Markdown rows: each section's calls, total ms, ms per `per_name` (total / per)
+        and us per call."""
+        lines = [
+            f"| section | calls | total ms | ms per {per_name} | us per call |",
+            "| --- | ---: | ---: | ---: | ---: |",
+        ]
+        for name in self.targets:
+            n, s = self.calls[name], self.seconds[name]
+            lines.append(
+                f"| {name} | {n} | {s * 1e3:.1f} | {s * 1e3 / max(per, 1):.3f} | "
+                f"{s * 1e6 / max(n, 1):.1f} |"
+            )
+        return "\n".join(lines) + "\n"
