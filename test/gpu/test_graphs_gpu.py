@@ -85,8 +85,9 @@ def test_programmatic_dependent_launch_changes_no_token(tiny_gpu_dir, gpu_engine
 
 @pytest.mark.parametrize("backend,dtype", [("triton", "float32"), ("flashinfer", "bfloat16")])
 def test_piecewise_graphs_match_eager_prefill(tiny_gpu_dir, gpu_engine, backend, dtype):
-    """Prefill chunks and mixed steps through piecewise CUDA graphs (sizes 16 .. 64)
-    give the eager engine's greedy tokens; some steps too large for them run eagerly."""
+    """Prefill chunks and mixed steps through piecewise CUDA graphs (sizes 16 .. 64;
+    whole graphs on triton) give the eager engine's greedy tokens; some steps too large
+    for them run eagerly."""
     gen = torch.Generator().manual_seed(1)
     lens = (3, 17, 40, 9, 70, 33)
     prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in lens]
@@ -102,5 +103,6 @@ def test_piecewise_graphs_match_eager_prefill(tiny_gpu_dir, gpu_engine, backend,
     else:  # bf16: padded GEMMs may pick other kernels; near-identical
         same = sum(a == b for x, y in zip(got, want) for a, b in zip(x, y))
         assert same >= 0.9 * sum(len(x) for x in want)
-    assert pw.worker.stats.kinds["piecewise"].steps > 0
+    # NOTE: triton attends inside one graph over any rows (whole), flashinfer between pieces
+    assert pw.worker.stats.kinds["whole" if backend == "triton" else "piecewise"].steps > 0
     pw.check_integrity()

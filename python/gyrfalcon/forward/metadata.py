@@ -41,6 +41,8 @@ class BatchTensors:
     extra: list[torch.Tensor]  # the caller's `extra` int lists, uploaded with the rest
     token_rows: torch.Tensor  # [3, T] view: input_ids, positions, out_cache_loc
     leading_single_rows: int  # rows [0, n) have one new token each (host value)
+    # [3, bs] view: seq_lens, q_lens, q_starts (where they are one block of the upload)
+    row_lens: torch.Tensor | None = None
 
 
 # int64 elements per 16 bytes: Triton specializes a kernel on whether each pointer it
@@ -126,6 +128,8 @@ def build_batch_tensors(
     t_ids, t_pos, t_slots, t_seq, t_q, t_starts, t_last, *t_extra = views
     t_table = packed[sum(sizes) :]
     width = aligned_len(len(ids))
+    bs_width = aligned_len(len(rows))  # NOTE: seq_lens, q_lens, q_starts follow the tokens
+    row_lens = packed[3 * width : 3 * width + 3 * bs_width].view(3, bs_width)[:, : len(rows)]
 
     bt = BatchTensors(
         input_ids=t_ids,
@@ -142,6 +146,7 @@ def build_batch_tensors(
         extra=t_extra,
         token_rows=packed[: 3 * width].view(3, width)[:, : len(ids)],
         leading_single_rows=leading_single_token_rows(q_lens),
+        row_lens=row_lens,
     )
     assert bt.input_ids.shape == bt.positions.shape == bt.out_cache_loc.shape
     assert bt.seq_lens.shape[0] == bt.q_lens.shape[0] == bt.page_table.shape[0] == len(rows)

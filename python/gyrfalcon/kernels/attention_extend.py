@@ -9,6 +9,15 @@ q_len == 1, a verify row the case q_len == k + 1.
 One program per (query block, row, query head) runs an online softmax over key
 blocks gathered through the page table. The grid is (cdiv(max_q_len, BLOCK_M),
 bs, H); programs whose query block lies past their row's q_len exit at once.
+
+Flat grid (`flat=True`, for CUDA graphs over batches whose rows change from replay to
+replay): the grid is (cdiv(T, BLOCK_M) + min(bs, T), 1, H), a bound on the query
+blocks of any rows of T tokens in all (each row's cdiv(q_len, BLOCK_M) <= q_len /
+BLOCK_M + 1). Program i finds its (row, block) on the device from the q_lens alone:
+with nb_r = cdiv(q_len_r, BLOCK_M) and cum_r = nb_0 + .. + nb_r, its row is the count
+of rows with cum_r <= i and its block i - (cum_row - nb_row); past the last block it
+exits. Rows of q_len 0 own no block (the spare rows of a graph's static batch), and
+tokens no row covers are left unwritten.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ from gyrfalcon.kernels.attention_decode import LOG2E, dot_precision
 
 # NOTE: the page table's row stride varies from batch to batch (specialized, a new
 # value class would build the kernel again while serving: worker/compile_watch.py)
-@triton.jit(do_not_specialize=["stride_pt"])
+@triton.jit(do_not_specialize=["stride_pt", "num_rows"])
 def _extend_kernel(
     q_ptr,
     k_ptr,
@@ -42,6 +51,7 @@ def _extend_kernel(
     stride_ot,
     stride_oh,
     stride_pt,
+    num_rows,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -49,10 +59,23 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
+    FLAT: tl.constexpr,
+    ROWS_BLOCK: tl.constexpr,
 ):
-    mblk = tl.program_id(0)
-    row = tl.program_id(1)
     head = tl.program_id(2)
+    if FLAT:  # NOTE: module docstring: (row, block) from the q_lens' block counts
+        i = tl.program_id(0)
+        offs_r = tl.arange(0, ROWS_BLOCK)
+        lens = tl.load(q_lens_ptr + offs_r, mask=offs_r < num_rows, other=0)
+        blocks = (lens + BLOCK_M - 1) // BLOCK_M
+        ends = tl.cumsum(blocks, 0)
+        row = tl.sum((ends <= i).to(tl.int32), 0)
+        if row >= num_rows:
+            return
+        mblk = i - tl.sum(tl.where(offs_r < row, blocks, 0), 0)
+    else:
+        mblk = tl.program_id(0)
+        row = tl.program_id(1)
     q_len = tl.load(q_lens_ptr + row)
     if mblk * BLOCK_M >= q_len:
         return
@@ -126,12 +149,15 @@ def extend_attention(
     scale: float,
     block_m: int | None = None,
     block_n: int | None = None,
+    flat: bool = False,
 ) -> None:
     """Paged causal attention of each row's new tokens, written into `o` in place.
 
     q: [T, H, D]; k_cache, v_cache: [slots, KVH, D]; page_table: [bs, max_pages]
     int32/int64; q_starts, q_lens, seq_lens: [bs] with 1 <= q_len <= seq_len;
-    o: [T, H, D]; max_q_len >= every q_len (sets the grid).
+    o: [T, H, D]; max_q_len >= every q_len (sets the grid and the query block).
+    flat: the flat grid (module docstring), whose size depends on T and bs only; rows
+    may then have q_len 0 (no work), their q_lens summing to at most T.
     NOTE: tokens of [T] that no row covers are left unwritten in `o`.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -151,7 +177,10 @@ def extend_attention(
     default_m, default_n = extend_block_sizes(max_q_len, head_dim)
     block_m = block_m or default_m
     block_n = block_n or default_n
-    grid = (triton.cdiv(max_q_len, block_m), bs, num_heads)
+    if flat:
+        grid = (triton.cdiv(num_tokens, block_m) + min(bs, num_tokens), 1, num_heads)
+    else:
+        grid = (triton.cdiv(max_q_len, block_m), bs, num_heads)
     _extend_kernel[grid](
         q,
         k_cache,
@@ -171,6 +200,7 @@ def extend_attention(
         o.stride(0),
         o.stride(1),
         page_table.stride(0),
+        bs,
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
@@ -178,6 +208,8 @@ def extend_attention(
         BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),  # tl.dot needs K >= 16
         PRECISION=dot_precision(q.dtype),
+        FLAT=flat,
+        ROWS_BLOCK=triton.next_power_of_2(bs) if flat else 1,
         num_warps=4,
         num_stages=2,
     )

@@ -47,7 +47,8 @@ class ForwardOutput:
     # [T, 3 * hidden] every token's aux hidden states (`aux_layers`), concatenated in
     # their order: what an EAGLE3 drafter fuses; None unless the executor captures them
     aux: torch.Tensor | None = None
-    ran: str = "eager"  # how: "graph", "piecewise" (worker/piecewise_graph.py) or "eager"
+    # how: "graph", "whole" or "piecewise" (worker/piecewise_graph.py), or "eager"
+    ran: str = "eager"
 
 
 class ModelExecutor:
@@ -167,12 +168,13 @@ class ModelExecutor:
         )
         with self.ctx.parallel.rows_agreed():  # NOTE: graphs run only at agreed sizes
             self.graphs.capture()
-        self._setup_piecewise(mode)
+        self._setup_piecewise(mode, -(-max_model_len // self.page_size))
 
-    def _setup_piecewise(self, mode: str) -> None:
+    def _setup_piecewise(self, mode: str, max_pages: int) -> None:
         """Piecewise graphs for the eager path (worker/piecewise_graph.py), up to
-        --piecewise-cuda-graph-max-tokens tokens; none where the ranks bring their own
-        tokens to the MoE layers (DP attention: their gathers exchange row counts)."""
+        --piecewise-cuda-graph-max-tokens tokens, whole ones over up to --max-num-seqs
+        rows where the backend serves them; none where the ranks bring their own tokens
+        to the MoE layers (DP attention: their gathers exchange row counts)."""
         self.piecewise = None
         sizes = piecewise_sizes(self.args.piecewise_cuda_graph_max_tokens)
         if not sizes or self.ctx.parallel.moe_group[1]:
@@ -180,7 +182,7 @@ class ModelExecutor:
         assert self.kv_cache is not None
         self.piecewise = PiecewiseGraphs(
             self._model_outputs, self.backends.extend, self.kv_cache, self.dtype,
-            self.page_size, self.device, mode, sizes,
+            self.page_size, self.device, mode, sizes, self.args.max_num_seqs, max_pages,
         )  # fmt: skip
         self.piecewise.capture()
 
@@ -257,7 +259,8 @@ class ModelExecutor:
         attn, ran = self.backend_for(mode), "eager"
         if graph_rows != 0 and self.piecewise is not None and self.piecewise.can_run(bt):
             hidden, *rest = self.piecewise.run(mode, bt, attn)
-            aux, ran = (rest[0] if rest else None), "piecewise"
+            aux = rest[0] if rest else None
+            ran = "whole" if self.piecewise.last_whole else "piecewise"
         else:
             batch = ForwardBatch.from_tensors(mode, bt, self.page_size, self.kv_cache, attn)
             batch.attn_meta = attn.build_metadata(batch)

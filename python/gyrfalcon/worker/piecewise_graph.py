@@ -27,6 +27,15 @@ attention call and begins the next, all in one memory pool. On the CPU (or with
 mode "static") the same pass runs eagerly on the static buffers at the padded size,
 the stand-in running the real attention at once: CI covers the padding, the staging
 and the output buffer.
+
+Whole graphs: where the attention backend can attend over any rows inside a graph
+(`AttentionBackend.supports_any_rows_graph`: the Triton extend kernel's flat grid),
+each size is also captured as ONE graph, attention included, over static row buffers
+(lengths, query starts and counts, page table) of up to max_rows rows: a step copies
+its rows in (spare rows get q_len 0) and replays once. A step the backend's eager
+metadata would split (`any_rows_fit`: decode rows beside it too long to join the
+extend kernel's launch) runs the pieces. The whole pass's padding tokens belong to no
+row: their attention output is zero.
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ import torch
 
 from gyrfalcon.forward.batch import ForwardBatch
 from gyrfalcon.forward.kv_cache import KVCache
-from gyrfalcon.forward.metadata import BatchTensors
+from gyrfalcon.forward.metadata import BatchTensors, aligned_len
 from gyrfalcon.ipc.contract import DUMMY_PAGE
 from gyrfalcon.ipc.messages import ForwardMode
 from gyrfalcon.layers.attention.base import AttentionBackend
@@ -100,9 +109,12 @@ class PiecewiseGraphs:
         device: torch.device,
         mode: str,
         sizes: list[int],
+        max_rows: int = 0,
+        max_pages: int = 0,
     ):
-        """forward: the model's forward over a batch -> per-token outputs; like: a
-        backend with the model's head shape (this rank's heads)."""
+        """forward: the model's forward over a batch -> per-token outputs; like: the
+        backend the steps attend with (this rank's heads). max_rows, max_pages: the
+        whole graphs' row capacity and page-table width (0: pieces only)."""
         assert mode in ("cuda", "static") and sizes, (mode, sizes)
         self.forward, self.kv_cache, self.page_size = forward, kv_cache, page_size
         self.device, self.mode, self.sizes = device, mode, sizes
@@ -120,6 +132,20 @@ class PiecewiseGraphs:
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self.num_runs = 0
+        # whole graphs (module docstring): static rows [3, R] (seq_lens, q_lens, q_starts;
+        # R even: each row 16-byte aligned) and page table [R, max_pages]
+        self.like = like
+        self.whole = like.supports_any_rows_graph and max_rows > 0 and max_pages > 0
+        r = aligned_len(max(max_rows, 1))
+        self.rows = torch.zeros(3, r if self.whole else 0, dtype=torch.int64, device=device)
+        self.rows[0] = 1
+        self.table = torch.full(
+            (r, max_pages) if self.whole else (0, 0), DUMMY_PAGE, dtype=torch.int64, device=device
+        )
+        self.whole_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.whole_outputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.num_whole_runs = 0
+        self.last_whole = False  # whether the last `run` replayed a whole graph
         # the pass in progress: "warm" (no attention), "capture", or "run" (static mode:
         # attention at once, for `_real` and its `_num_tokens`)
         self._phase = "warm"
@@ -145,6 +171,39 @@ class PiecewiseGraphs:
             seq_lens_cpu=[size], q_lens_cpu=[size], page_size=self.page_size,
             kv_cache=self.kv_cache, attn_backend=self.split, num_decode_rows=0,
         )  # fmt: skip
+
+    def _whole_batch(self, size: int) -> ForwardBatch:
+        """A whole pass's batch: the static token and row buffers (R rows, host lengths
+        at their bound), the real backend attending on the flat grid."""
+        r, cap = self.rows.shape[1], self.table.shape[1] * self.page_size
+        batch = ForwardBatch(
+            mode=ForwardMode.MIXED, input_ids=self.tokens[0, :size],
+            positions=self.tokens[1, :size], out_cache_loc=self.tokens[2, :size],
+            seq_lens=self.rows[0], q_lens=self.rows[1], q_starts=self.rows[2],
+            page_table=self.table, seq_lens_cpu=[cap] * r, q_lens_cpu=[1] * r,
+            page_size=self.page_size, kv_cache=self.kv_cache, attn_backend=self.like,
+            num_decode_rows=0,
+        )  # fmt: skip
+        batch.attn_meta = self.like.prepare_any_rows(batch)
+        return batch
+
+    def _fill_rows(self, bt: BatchTensors) -> None:
+        """Write bt's rows into the static row buffers; the rows after them get q_len 0."""
+        bs, width = len(bt.seq_lens_cpu), bt.page_table.shape[1]
+        if bt.row_lens is not None:
+            self.rows[:, :bs].copy_(bt.row_lens)
+        else:
+            for i, t in enumerate((bt.seq_lens, bt.q_lens, bt.q_starts)):
+                self.rows[i, :bs].copy_(t)
+        self.rows[1, bs:].zero_()
+        self.table[:bs, :width].copy_(bt.page_table)
+
+    def _fits_whole(self, real: ForwardBatch, size: int) -> bool:
+        return (
+            (size in self.whole_graphs or (self.mode == "static" and self.whole))
+            and real.batch_size <= self.rows.shape[1]
+            and real.attn_backend.any_rows_fit(real)
+        )
 
     def _fill(self, bt: BatchTensors | None, size: int) -> int:
         """Write bt's token rows and padding up to size; returns bt's token count."""
@@ -210,16 +269,25 @@ class PiecewiseGraphs:
         for size in reversed(self.sizes):
             self._fill(None, size)
             self._pass("warm", size)
+        if self.whole and self.mode == "cuda":  # NOTE: every row spare: the kernel builds
+            self.rows[1].zero_()
+            for size in reversed(self.sizes):
+                self._fill(None, size)
+                self.forward(self._whole_batch(size))
         if self.mode == "cuda":
             gc.collect()
             gc.disable()  # NOTE: as GraphRunner.capture: no collection mid-capture
             try:
                 self._capture_all()
+                if self.whole:
+                    self._capture_whole()
             finally:
                 gc.enable()
         logger.info(
-            "piecewise graphs for %d sizes up to %d tokens (%d pieces each) in %.1f s",
-            len(self.sizes), self.sizes[-1], len(self.layers) + 1, time.perf_counter() - t0,
+            "piecewise graphs for %d sizes up to %d tokens (%d pieces each%s) in %.1f s",
+            len(self.sizes), self.sizes[-1], len(self.layers) + 1,
+            f", and whole over up to {self.rows.shape[1]} rows" if self.whole else "",
+            time.perf_counter() - t0,
         )  # fmt: skip
 
     def _capture_all(self) -> None:
@@ -237,17 +305,48 @@ class PiecewiseGraphs:
             self.graphs[size], self._pieces = self._pieces, []
         torch.cuda.synchronize(self.device)
 
+    def _capture_whole(self) -> None:
+        """One graph per size, attention included, into the pieces' memory pool."""
+        stream = capture_stream(self.device)
+        self.rows[1].zero_()
+        for size in reversed(self.sizes):
+            self._fill(None, size)
+            batch = self._whole_batch(size)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(stream):
+                graph.capture_begin(pool=self._pool)
+                try:
+                    self.whole_outputs[size] = self.forward(batch)
+                finally:
+                    graph.capture_end()
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            self.whole_graphs[size] = graph
+        torch.cuda.synchronize(self.device)
+
     def run(
         self, mode: ForwardMode, bt: BatchTensors, backend: AttentionBackend
     ) -> tuple[torch.Tensor, ...]:
         """The forward of bt (`can_run`) attending with `backend` -> each output's rows of
-        bt's tokens (views of static buffers: valid until the next run)."""
+        bt's tokens (views of static buffers: valid until the next run): one whole graph
+        where it fits (module docstring), else the pieces."""
         size = padded_batch_size(bt.input_ids.shape[0], self.sizes, "token count")
         n = self._fill(bt, size)
         real = ForwardBatch.from_tensors(mode, bt, self.page_size, self.kv_cache, backend)
+        self.num_runs += 1
+        self.last_whole = self._fits_whole(real, size)
+        if self.last_whole:
+            real.check()  # NOTE: the host checks of its eager metadata (none is built)
+            self._fill_rows(bt)
+            self.num_whole_runs += 1
+            if self.mode == "cuda":
+                self.whole_graphs[size].replay()
+                out = self.whole_outputs[size]
+            else:
+                out = self.forward(self._whole_batch(size))
+            return tuple(x[:n] for x in out)
         real.attn_meta = backend.build_metadata(real)
         self._real, self._num_tokens = real, n
-        self.num_runs += 1
         try:
             if self.mode == "cuda":
                 pieces = self.graphs[size]

@@ -1,8 +1,9 @@
 """Where a worker's time goes, per kind of step: logged when the worker stops.
 
 Kinds: `fused` (the whole greedy spec step in one replay), `graph` (the target's
-forward replayed from a graph), `piecewise` (a prefill chunk or mixed step through
-piecewise graphs, worker/piecewise_graph.py), `eager` (the target's forward launched
+forward replayed from a graph), `whole` (a prefill chunk or mixed step as one graph
+over any rows) or `piecewise` (one through piecewise graphs, worker/piecewise_graph.py),
+`eager` (the target's forward launched
 op by op: a size no graph serves) and `idle` (a DP rank's dummy row). For each:
 how many steps, their mean rows, and the host time spent launching them. `waited`
 sums the gaps under `SHORT_GAP_S` in which the worker had nothing in flight and
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 STEP_TIMES_ENV = "GYRFALCON_STEP_TIMES"
-KINDS = ("fused", "graph", "piecewise", "eager", "idle")
+KINDS = ("fused", "graph", "whole", "piecewise", "eager", "idle")
 SHORT_GAP_S = 0.1
 
 

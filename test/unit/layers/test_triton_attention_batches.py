@@ -271,3 +271,72 @@ def test_warm_up_launches_the_decode_kernel_at_every_split_count_of_eager_rows(m
         # NOTE: Triton specializes an int on == 1 and % 16: a qkv row's width or, for
         # a single row, the contiguous H * D (torch's stride of a size-1 dim)
         assert stride in ((heads + 2 * kv_heads) * d, heads * d) and stride % 16 == 0
+
+
+def _static_rows_batch(bt, cache, backend, rows_buf, table, num_tokens):
+    """The real rows of bt copied into static buffers of R rows (spare rows q_len 0) and
+    num_tokens tokens (padding on the dummy page's first slot), as a whole piecewise
+    graph holds them (worker/piecewise_graph.py)."""
+    from gyrfalcon.forward.batch import ForwardBatch
+
+    bs, n, r = len(bt.seq_lens_cpu), bt.input_ids.shape[0], rows_buf.shape[1]
+    rows_buf[:, :bs].copy_(bt.row_lens)
+    rows_buf[1, bs:].zero_()
+    table[:bs, : bt.page_table.shape[1]].copy_(bt.page_table)
+    tokens = torch.zeros(3, num_tokens, dtype=torch.int64)
+    tokens[:, :n] = bt.token_rows
+    batch = ForwardBatch(
+        mode=ForwardMode.MIXED, input_ids=tokens[0], positions=tokens[1],
+        out_cache_loc=tokens[2], seq_lens=rows_buf[0], q_lens=rows_buf[1],
+        q_starts=rows_buf[2], page_table=table, seq_lens_cpu=[table.shape[1] * PS] * r,
+        q_lens_cpu=[1] * r, page_size=PS, kv_cache=cache, attn_backend=backend,
+        num_decode_rows=0,
+    )  # fmt: skip
+    batch.attn_meta = backend.prepare_any_rows(batch)
+    return batch
+
+
+def test_any_rows_metadata_serves_every_fill_of_one_static_batch():
+    """One static batch of 10 rows and 96 tokens (a whole graph's): ragged extend rows,
+    then decodes beside extend rows, each copied in with the rest of the rows spare
+    (q_len 0); the flat grid attends exactly as torch_ref over the real tokens, the
+    padding tokens get zeros, and both fills read the same tensors."""
+    heads, kvh, d = 4, 2, 32
+    tri = TritonBackend(heads, kvh, d, d**-0.5)
+    ref = TorchRefBackend(heads, kvh, d, d**-0.5)
+    rows_buf = torch.ones(3, 10, dtype=torch.int64)
+    table = torch.zeros(10, 16, dtype=torch.int64)
+    ptrs = set()
+    specs = [EXTEND_SPEC, [(5, 1), (30, 1), (0, 9), (12, 4), (7, 22)]]
+    for seed, spec in enumerate(specs):
+        cache, rows = make_case(spec, kvh, d, seed)
+        bt = build_batch_tensors(rows, PS, CPU)
+        n = bt.input_ids.shape[0]
+        tb = _static_rows_batch(bt, cache, tri, rows_buf, table, 96)
+        meta = tb.attn_meta
+        assert meta.flat and meta.num_decode == 0 and not meta.is_decode
+        ptrs.add((meta.page_table.data_ptr(), meta.q_lens.data_ptr(), meta.seq_lens.data_ptr()))
+        gen = torch.Generator().manual_seed(seed)
+        q = torch.randn(96, heads, d, generator=gen)
+        k, v = torch.randn(96, kvh, d, generator=gen), torch.randn(96, kvh, d, generator=gen)
+        rb = make_batch(rows, cache, ref, ForwardMode.MIXED)
+        expect = ref.forward(q[:n], k[:n], v[:n], LAYER, rb)
+        out = tri.forward(q, k, v, LAYER, tb)
+        torch.testing.assert_close(out[:n], expect, **TOL)
+        assert out[n:].eq(0).all(), "padding tokens belong to no row"
+    assert len(ptrs) == 1, "every fill is read through the same tensors"
+
+
+def test_any_rows_graphs_serve_what_one_extend_launch_would():
+    """`any_rows_fit`: extend rows and prefill fit; decode rows beside them fit while
+    their KV is small enough to join the extend launch (ONE_LAUNCH_MAX_KV_BYTES), not
+    beyond; uniform verify rows (the decode kernel's) never."""
+    tri = TritonBackend(4, 2, 32, 32**-0.5)
+    cache, rows = make_case([(0, 7), (9, 5)], 2, 32, 0)
+    assert tri.any_rows_fit(make_batch(rows, cache, tri, ForwardMode.PREFILL))
+    cache, rows = make_case([(20, 1), (0, 6)], 2, 32, 0)
+    assert tri.any_rows_fit(make_batch(rows, cache, tri, ForwardMode.MIXED))
+    tri.one_launch_max_kv_bytes = 0
+    assert not tri.any_rows_fit(make_batch(rows, cache, tri, ForwardMode.MIXED))
+    cache, rows = make_case([(20, 4), (3, 4)], 2, 32, 0)
+    assert not tri.any_rows_fit(make_batch(rows, cache, tri, ForwardMode.VERIFY))

@@ -57,6 +57,9 @@ class AttentionBackend(ABC):
     # the device alone (`forward.metadata.advanced_rows`), and a verify row may start
     # where the device says (floating rows, `forward.metadata.shift_rows`).
     device_lengths: bool = False
+    # Whether `prepare_any_rows` serves: one graph over batches of any rows (a token
+    # count's piecewise pass captured whole: worker/piecewise_graph.py)
+    supports_any_rows_graph: bool = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -126,6 +129,17 @@ class AttentionBackend(ABC):
         """Build, before serving, the kernel variants the eager steps of batches up to
         max_rows rows may need beyond those the warm-up steps met (nothing by default)."""
         return None  # NOTE: backends with nothing to build keep this
+
+    def any_rows_fit(self, batch: ForwardBatch) -> bool:
+        """Whether a graph of `prepare_any_rows` may serve this (real) batch as well as
+        its eager metadata would (host values only)."""
+        return False
+
+    def prepare_any_rows(self, batch: ForwardBatch) -> Any:
+        """Metadata that views a static batch of R rows (spare rows of q_len 0, tokens no
+        row covers) for a graph captured once and replayed for any rows of at most its
+        tokens: every launch's grid depends on the token count and R alone."""
+        raise NotImplementedError(f"{self.name} has no graphs over any rows")
 
     def prepare_replay(self, batch: ForwardBatch) -> Any:
         """Metadata in the static buffers for the graph runner's static `batch` of a

@@ -73,6 +73,9 @@ class TritonMeta:
     # batch then runs on the decode kernel, one query token per program row
     # (`decode_attention(tokens_per_row=T)`), scratch rows [0, bs * T) used
     verify_tokens: int = 0
+    # every row on the extend kernel's flat grid (`prepare_any_rows`): q_lens may hold
+    # spare rows of 0, and max_q_len is the token count
+    flat: bool = False
 
     @property
     def is_decode(self) -> bool:
@@ -125,6 +128,7 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graph = True
     device_lengths = True  # NOTE: both kernels read each row's length on the device
+    supports_any_rows_graph = True
 
     def __init__(
         self,
@@ -258,6 +262,35 @@ class TritonBackend(AttentionBackend):
                 block_n=self.decode_block_n, pdl=self.pdl,
             )  # fmt: skip
 
+    def any_rows_fit(self, batch: ForwardBatch) -> bool:
+        """The flat grid runs every row on the extend kernel: a batch fits when its
+        eager metadata would too (no decode rows, or few enough to join that launch:
+        `_one_launch`), and never a batch of verify rows (the decode kernel's split-KV
+        serves those; `verify_tokens`)."""
+        nd = batch.num_decode_rows
+        if verify_tokens(batch.mode, batch.q_lens_cpu):
+            return False
+        return nd == 0 or (nd < batch.batch_size and self._one_launch(batch, nd))
+
+    def prepare_any_rows(self, batch: ForwardBatch) -> TritonMeta:
+        """Views of the static batch's rows: every row on the extend kernel's flat grid
+        (kernels/attention_extend.py), sized by the token count T and the row count."""
+        t = batch.num_tokens
+        assert batch.q_lens.shape == batch.seq_lens.shape == batch.q_starts.shape
+        assert batch.page_table.shape[0] == batch.q_lens.shape[0]
+        return TritonMeta(
+            page_table=batch.page_table,
+            seq_lens=batch.seq_lens,
+            ext_page_table=batch.page_table,
+            ext_seq_lens=batch.seq_lens,
+            q_starts=batch.q_starts,
+            q_lens=batch.q_lens,
+            max_q_len=t,
+            num_decode=0,
+            scratch=None,
+            flat=True,
+        )
+
     def prepare_replay(self, batch: ForwardBatch) -> TritonMeta:
         """Metadata that views the batch's own page table, lengths and query offsets:
         under graphs the batch is the graph runner's static buffers, refilled before
@@ -332,8 +365,9 @@ class TritonBackend(AttentionBackend):
         cache = batch.kv_cache
         k_all, v_all = cache.k[layer], cache.v[layer]  # [slots, KVH, D]
         # NOTE: q may be a strided view of the qkv projection: the kernels take its
-        # strides, so no copy
-        out = q.new_empty(q.shape)  # [T, H, D], contiguous
+        # strides, so no copy. On the flat grid no row covers a graph's padding tokens:
+        # their output is zero, not whatever the memory held.
+        out = q.new_zeros(q.shape) if meta.flat else q.new_empty(q.shape)  # [T, H, D]
         if meta.verify_tokens:
             assert meta.scratch is not None
             decode_attention(
@@ -373,5 +407,6 @@ class TritonBackend(AttentionBackend):
                 self.scale,
                 block_m=self.extend_block_m,
                 block_n=self.extend_block_n,
+                flat=meta.flat,
             )
         return out.view(num_tokens, -1)
