@@ -36,6 +36,10 @@ def test_one_upload_carries_extra_lists_and_token_rows_view_it():
     assert bt.token_rows.tolist() == [[5, 6, 9], [0, 1, 5], [12, 13, 33]]
     bt.input_ids[2] = 4  # e.g. the worker's placeholder fill: the rows view the same ids
     assert bt.token_rows[0].tolist() == [5, 6, 4]
+    # the rows' lengths, one [3, bs] view (what a whole piecewise graph copies in at once)
+    assert bt.row_lens.tolist() == [[2, 6], [2, 1], [0, 2]]
+    bt.seq_lens[1] = 5  # e.g. a floating row's shift, in place
+    assert bt.row_lens[0].tolist() == [2, 5]
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -51,6 +55,7 @@ def test_every_index_tensor_starts_16_byte_aligned(lens):
     bt = build_batch_tensors(rows, 4, torch.device("cpu"), extra=[[1, 2, 3], [4], []])
     fields = [bt.input_ids, bt.positions, bt.out_cache_loc, bt.seq_lens, bt.q_lens]
     fields += [bt.q_starts, bt.last_token_idx, bt.page_table, *bt.extra, *bt.token_rows]
+    fields += list(bt.row_lens)
     assert all(_aligned(t) for t in fields)
     assert bt.token_rows.tolist() == [bt.input_ids.tolist(), bt.positions.tolist(),
                                       bt.out_cache_loc.tolist()]  # fmt: skip
