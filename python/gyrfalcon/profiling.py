@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import cProfile
+import functools
 import logging
 import os
 import pstats
+import time
 from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
@@ -128,9 +130,6 @@ class SectionTimes:
         self._saved: list[tuple[object, str, object]] = []
 
     def __enter__(self) -> SectionTimes:
-        import functools
-        import time
-
         for name, (owner, attr) in self.targets.items():
             fn, raw = getattr(owner, attr), vars(owner)[attr]
             assert not isinstance(raw, (staticmethod, classmethod)), name

@@ -190,17 +190,15 @@ class PiecewiseGraphs:
     def _fill_rows(self, bt: BatchTensors) -> None:
         """Write bt's rows into the static row buffers; the rows after them get q_len 0."""
         bs, width = len(bt.seq_lens_cpu), bt.page_table.shape[1]
-        if bt.row_lens is not None:
-            self.rows[:, :bs].copy_(bt.row_lens)
-        else:
-            for i, t in enumerate((bt.seq_lens, bt.q_lens, bt.q_starts)):
-                self.rows[i, :bs].copy_(t)
+        assert bt.row_lens is not None, "a step's rows, from build_batch_tensors"
+        self.rows[:, :bs].copy_(bt.row_lens)
         self.rows[1, bs:].zero_()
         self.table[:bs, :width].copy_(bt.page_table)
 
-    def _fits_whole(self, real: ForwardBatch, size: int) -> bool:
+    def _fits_whole(self, real: ForwardBatch) -> bool:
+        # NOTE: capture() made a whole graph of every size (cuda mode)
         return (
-            (size in self.whole_graphs or (self.mode == "static" and self.whole))
+            self.whole
             and real.batch_size <= self.rows.shape[1]
             and real.attn_backend.any_rows_fit(real)
         )
@@ -308,8 +306,7 @@ class PiecewiseGraphs:
     def _capture_whole(self) -> None:
         """One graph per size, attention included, into the pieces' memory pool."""
         stream = capture_stream(self.device)
-        self.rows[1].zero_()
-        for size in reversed(self.sizes):
+        for size in reversed(self.sizes):  # NOTE: every row spare since the warm passes
             self._fill(None, size)
             batch = self._whole_batch(size)
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -334,7 +331,7 @@ class PiecewiseGraphs:
         n = self._fill(bt, size)
         real = ForwardBatch.from_tensors(mode, bt, self.page_size, self.kv_cache, backend)
         self.num_runs += 1
-        self.last_whole = self._fits_whole(real, size)
+        self.last_whole = self._fits_whole(real)
         if self.last_whole:
             real.check()  # NOTE: the host checks of its eager metadata (none is built)
             self._fill_rows(bt)

@@ -275,21 +275,9 @@ class TritonBackend(AttentionBackend):
     def prepare_any_rows(self, batch: ForwardBatch) -> TritonMeta:
         """Views of the static batch's rows: every row on the extend kernel's flat grid
         (kernels/attention_extend.py), sized by the token count T and the row count."""
-        t = batch.num_tokens
         assert batch.q_lens.shape == batch.seq_lens.shape == batch.q_starts.shape
         assert batch.page_table.shape[0] == batch.q_lens.shape[0]
-        return TritonMeta(
-            page_table=batch.page_table,
-            seq_lens=batch.seq_lens,
-            ext_page_table=batch.page_table,
-            ext_seq_lens=batch.seq_lens,
-            q_starts=batch.q_starts,
-            q_lens=batch.q_lens,
-            max_q_len=t,
-            num_decode=0,
-            scratch=None,
-            flat=True,
-        )
+        return self._rows_meta(batch, batch.num_tokens, flat=True)
 
     def prepare_replay(self, batch: ForwardBatch) -> TritonMeta:
         """Metadata that views the batch's own page table, lengths and query offsets:
@@ -315,8 +303,14 @@ class TritonBackend(AttentionBackend):
 
     @staticmethod
     def _verify_meta(batch: ForwardBatch, t: int, scratch: DecodeScratch) -> TritonMeta:
-        """Rows of t query tokens each on the decode kernel (`verify_tokens`): views of
-        the batch's page table and lengths, nothing built."""
+        """Rows of t query tokens each on the decode kernel (`verify_tokens`)."""
+        return TritonBackend._rows_meta(batch, t, scratch=scratch, verify_tokens=t)
+
+    @staticmethod
+    def _rows_meta(batch: ForwardBatch, max_q_len: int, **kw) -> TritonMeta:
+        """Every row an extend row, viewing the batch's own page table, lengths and query
+        offsets (nothing built); kw: the remaining TritonMeta fields (scratch, how the
+        rows attend)."""
         return TritonMeta(
             page_table=batch.page_table,
             seq_lens=batch.seq_lens,
@@ -324,10 +318,10 @@ class TritonBackend(AttentionBackend):
             ext_seq_lens=batch.seq_lens,
             q_starts=batch.q_starts,
             q_lens=batch.q_lens,
-            max_q_len=t,
+            max_q_len=max_q_len,
             num_decode=0,
-            scratch=scratch,
-            verify_tokens=t,
+            scratch=kw.pop("scratch", None),
+            **kw,
         )
 
     # ------------------------------------------------------------ forward
