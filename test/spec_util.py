@@ -157,8 +157,7 @@ def random_pattern(seed: int, k: int) -> Pattern:
 
 def check_round_replay(eng: LocalEngine, exact: bool = True) -> list[tuple[int, float]]:
     """Make every draft round that runs through the drafter's graph runner run eagerly
-    too (no graph, no piecewise extend), from the same state (rewriting the same KV),
-    and compare the drafts. Returns
+    too, from the same state (rewriting the same KV), and compare the drafts. Returns
     (rows, fraction of drafts equal) per compared round; `exact` asserts all equal."""
     drafter = eng.worker.drafter
     assert isinstance(drafter, Drafter) and drafter.graphs is not None
@@ -171,11 +170,10 @@ def check_round_replay(eng: LocalEngine, exact: bool = True) -> list[tuple[int, 
             return  # not a round of verify rows only: eager already
         replayed = draft_tokens[rnd.slots].clone()
         graphs, drafter.graphs = drafter.graphs, None
-        pieces, drafter.piecewise = drafter.piecewise, None  # NOTE: the extend eager too
         try:
             real(rnd, ids, aux, accept_len, draft_tokens)
         finally:
-            drafter.graphs, drafter.piecewise = graphs, pieces
+            drafter.graphs = graphs
         same = (draft_tokens[rnd.slots] == replayed).float().mean().item()
         assert not exact or same == 1.0, "replayed drafts differ from eager ones"
         compared.append((len(rnd.slots), same))

@@ -33,9 +33,7 @@ last positions ride in static buffers of their own (`RoundInputs`), padded rows
 with zeros (accept 0, position 0 on the dummy page).
 
 Any other round (a step with prompts or prefill chunks, rows of fewer drafts) runs
-its extend through the drafter's own piecewise graphs (worker/piecewise_graph.py: one
-whole replay on triton; the aux states ride in a static buffer), eagerly where none
-serves its size, then everything after it as ONE replay
+its extend eagerly (rows of any length), then everything after it as ONE replay
 keyed DRAFT_DECODE, one row per proposing row (`_after_extend`): draft 1 from the
 extend's output at each anchor and the k - 1 draft steps. Its static batch holds
 each row at its anchor (position, page table), the anchor's hidden state and last
@@ -68,7 +66,6 @@ from gyrfalcon.layers.context import LayerContext
 from gyrfalcon.layers.embedding import VocabEmbedding
 from gyrfalcon.models.registry import build_draft_model
 from gyrfalcon.worker.cuda_graph import GraphRunner, GraphSpec, padded_batch_size
-from gyrfalcon.worker.piecewise_graph import PiecewiseGraphs, piecewise_sizes
 from gyrfalcon.worker.sampler import argmax_rows
 from gyrfalcon.worker.spec_accept import last_accepted_indices
 from gyrfalcon.worker.step_layout import StepLayout
@@ -140,9 +137,6 @@ class Drafter:
         self.kv_cache: KVCache | None = None
         self.graphs: GraphRunner | None = None
         self.static: RoundInputs | None = None
-        # the eager rounds' extend (module docstring) and its static aux states
-        self.piecewise: PiecewiseGraphs | None = None
-        self.ext_aux: torch.Tensor | None = None
 
     def init_kv_cache(self, num_pages: int, kv_dtype: torch.dtype) -> None:
         """The drafter's own pages: as many as the target's, one layer each."""
@@ -188,43 +182,7 @@ class Drafter:
             specs, self.kv_cache, self.page_size, max_bs, pages, self.device, mode,
             args.graph_batch_sizes(),
         )  # fmt: skip
-        # NOTE: the piecewise graphs before the round graphs: captured after them, every
-        # steady spec step ran 8-11% slower on the host (nvidia-h100-x1, benchmarks/NOTES.md
-        # stop 37); captured before, no slower. The mechanism is not known.
-        self._setup_piecewise(mode, pages)
         self.graphs.capture()
-
-    def _setup_piecewise(self, mode: str, max_pages: int) -> None:
-        """Piecewise graphs for the eager rounds' extend, as the target's (executor.py:
-        the same sizes, none where the target has none)."""
-        sizes = piecewise_sizes(self.args.piecewise_cuda_graph_max_tokens)
-        if not sizes or self.model.ctx.parallel.moe_group[1]:
-            return
-        assert self.kv_cache is not None
-        width = 3 * self.cfg.target_hidden_size
-        self.ext_aux = torch.zeros(sizes[-1], width, dtype=self.dtype, device=self.device)
-        self.piecewise = PiecewiseGraphs(
-            self._extend_outputs, self.backends.extend, self.kv_cache, self.dtype,
-            self.page_size, self.device, mode, sizes, self.args.max_num_seqs, max_pages,
-        )  # fmt: skip
-        self.piecewise.capture()
-
-    def _extend_outputs(self, batch: ForwardBatch) -> tuple[torch.Tensor]:
-        """A piecewise pass of the extend: its tokens' aux states from `ext_aux`."""
-        assert self.ext_aux is not None
-        return (self.model(batch, self.model.fuse(self.ext_aux[: batch.num_tokens])),)
-
-    def _extend(self, ext: BatchTensors, aux: torch.Tensor, aux_idx: torch.Tensor) -> torch.Tensor:
-        """An eager round's extend over ext (aux: the target's states, aux_idx: each
-        extend token's row of them) -> its output [Te, H]: through the piecewise graphs
-        where they serve ext's size (the aux rows gathered straight into `ext_aux`)."""
-        pw = self.piecewise
-        if pw is None or not pw.can_run(ext):
-            return self._forward(ForwardMode.DRAFT_EXTEND, ext, self.model.fuse(aux[aux_idx]))
-        assert self.ext_aux is not None
-        torch.index_select(aux, 0, aux_idx, out=self.ext_aux[: aux_idx.shape[0]])
-        (out,) = pw.run(ForwardMode.DRAFT_EXTEND, ext, self.backends.extend)
-        return out
 
     def _round(self, batch: ForwardBatch) -> tuple[torch.Tensor]:
         """The captured round over a static batch of verify rows (k + 1 tokens each) ->
@@ -331,12 +289,12 @@ class Drafter:
         the target's [T, 3H] aux states; accept_len: [S] drafts accepted by each
         sampling row of the step (0 for rows without drafts)."""
         rnd.ext.input_ids.copy_(ids[rnd.ext_ids_src])
+        aux_rows = aux[rnd.ext_aux_idx]  # [Te, 3 * H_target]
         graphs = self.graphs
         if rnd.uniform and graphs is not None and graphs.can_run(ForwardMode.DRAFT_EXTEND, rnd.ext):
-            aux_rows = aux[rnd.ext_aux_idx]  # [Te, 3 * H_target]
             drafts = self._replay(rnd, aux_rows, accept_len[rnd.accept_row], graphs)
         else:
-            out = self._extend(rnd.ext, aux, rnd.ext_aux_idx)
+            out = self._forward(ForwardMode.DRAFT_EXTEND, rnd.ext, self.model.fuse(aux_rows))
             if not rnd.slots.numel():
                 return
             accepted = accept_len[rnd.accept_row]  # [m]

@@ -156,8 +156,7 @@ class StepWorker:
         ex = self.executor
         ex.graphs = ex.piecewise = ex.kv_cache = None
         if self.drafter is not None:
-            d = self.drafter
-            d.graphs = d.static = d.kv_cache = d.piecewise = d.ext_aux = None
+            self.drafter.graphs = self.drafter.static = self.drafter.kv_cache = None
         self.fused = None
 
     # ------------------------------------------------------------ execution
