@@ -41,6 +41,7 @@ from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.engine import LocalEngine
 from gyrfalcon.ipc.messages import SamplingParams
 from gyrfalcon.profiling import SectionTimes, host_profile
+from gyrfalcon.worker.sections import worker_sections
 
 
 def step_times(
@@ -199,38 +200,15 @@ def time_sections(eng: LocalEngine, bs: int, ns: argparse.Namespace, name: str) 
 
 
 def section_targets() -> dict[str, tuple[object, str]]:
-    """The worker's and scheduler's step phases `--time-sections` times (SectionTimes)."""
-    from triton.runtime.jit import JITFunction
-
-    from gyrfalcon.layers.attention import triton_backend
+    """The engine's and scheduler's step phases, then the worker's (worker/sections.py),
+    that `--time-sections` times (SectionTimes)."""
     from gyrfalcon.scheduler.scheduler import Scheduler
-    from gyrfalcon.worker import drafter, step_worker
-    from gyrfalcon.worker.cuda_graph import GraphRunner
-    from gyrfalcon.worker.executor import ModelExecutor
-    from gyrfalcon.worker.piecewise_graph import PiecewiseGraphs
 
     return {
         "engine step": (LocalEngine, "step"),
         "scheduler build_plan": (Scheduler, "build_plan"),
         "scheduler process_result": (Scheduler, "process_result"),
-        "worker launch (all steps)": (step_worker.StepWorker, "_launch"),
-        "worker launch fused": (step_worker.StepWorker, "_launch_fused"),
-        "worker build_batch_tensors": (step_worker, "build_batch_tensors"),
-        "target forward (eager path)": (ModelExecutor, "forward"),
-        "piecewise run": (PiecewiseGraphs, "run"),
-        "piecewise attention": (PiecewiseGraphs, "_attend"),
-        "triton build_metadata": (triton_backend.TritonBackend, "build_metadata"),
-        "extend_attention launch": (triton_backend, "extend_attention"),
-        "graph replay (any)": (torch.cuda.CUDAGraph, "replay"),
-        "verify_sample": (step_worker, "verify_sample"),
-        "sample": (step_worker, "sample"),
-        "drafter draft_step": (drafter.Drafter, "draft_step"),
-        "drafter build_batch_tensors": (drafter, "build_batch_tensors"),
-        "drafter eager forward": (drafter.Drafter, "_forward"),
-        "drafter replay after extend": (drafter.Drafter, "_replay_after_extend"),
-        "graph runner run": (GraphRunner, "run"),
-        "Triton launches (all)": (JITFunction, "run"),
-    }
+    } | worker_sections()
 
 
 def main(argv: list[str] | None = None) -> int:

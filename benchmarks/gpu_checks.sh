@@ -290,6 +290,8 @@ PY
     if [ "${BENCH_SPEC:-1}" = 1 ]; then  # SPEC_ONLY_FLAGS: flags of the EAGLE3 server alone;
       # SPEC_TAG names this run's files (two runs in one $OUT)
       T=${SPEC_TAG:+_$SPEC_TAG}
+      # SPEC_SECTIONS=1: every served worker's step sections (GYRFALCON_SECTION_TIMES)
+      ${SPEC_SECTIONS:+env GYRFALCON_SECTION_TIMES=$OUT/sections$T} \
       python3 benchmarks/bench_spec.py --model "$GYRFALCON_SMOLLM2_GGUF" \
         --draft-model "$DRAFTER" --dataset .data/mt_bench_dev.jsonl --device cuda \
         --concurrency ${CONCURRENCY:-1,16} --min-waves ${SPEC_WAVES:-0} --device-kind "$KIND" --output-dir "$OUT" \

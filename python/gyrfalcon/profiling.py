@@ -5,6 +5,11 @@ worker process from start to stop and writes `DIR/<process>.txt` (the top functi
 by own time, then by cumulative time) when the process ends: where a served step's
 host time goes, which `bench_*.py --profile-dir` cannot see (they drive an
 in-process engine). The profiler costs the profiled process some speed.
+
+`GYRFALCON_SECTION_TIMES=DIR gyrfalcon serve ...` times the named step phases of
+every worker (`worker/sections.py`) with perf_counter pairs only (`SectionTimes`: no
+profiler's inflation) while it serves, and writes `DIR/sections_<process>_<pid>.md`
+at its end: the same table `bench_spec_step.py --time-sections` makes in-process.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import logging
 import os
 import pstats
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -165,3 +170,30 @@ class SectionTimes:
                 f"{s * 1e6 / max(n, 1):.1f} |"
             )
         return "\n".join(lines) + "\n"
+
+
+SECTION_TIMES_ENV = "GYRFALCON_SECTION_TIMES"  # DIR
+
+
+@contextlib.contextmanager
+def process_sections(
+    name: str, targets: Callable[[], dict[str, tuple[object, str]]], plans: Callable[[], int]
+) -> Iterator[None]:
+    """SectionTimes of `targets()` over the block, written per plan (`plans()` at the
+    end: how many ran) to $GYRFALCON_SECTION_TIMES/sections_<name>_<pid>.md when the
+    block ends; nothing (targets() not even called) when the variable is unset."""
+    root = os.environ.get(SECTION_TIMES_ENV)
+    if not root:
+        yield
+        return
+    path = os.path.join(root, f"sections_{name}_{os.getpid()}.md")
+    logger.info("host time of this process's step sections goes to %s at its end", path)
+    times = SectionTimes(targets())
+    try:
+        with times:
+            yield
+    finally:
+        n = plans()
+        os.makedirs(root, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(f"# {name} (pid {os.getpid()}): {n} plans\n\n{times.table(n, 'plan')}")

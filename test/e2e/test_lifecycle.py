@@ -1,6 +1,7 @@
 """Process lifecycle: health before ready, clean SIGTERM shutdown, a dying child."""
 
 import os
+import re
 import signal
 import time
 
@@ -39,12 +40,14 @@ def test_sigterm_stops_every_process(smollm2_dir, tmp_path):
     assert not [k for k in kids if alive(k)], "child processes outlived the server"
 
 
-def test_profile_dir_gets_a_host_profile_of_every_engine_process(
+def test_profile_dirs_get_host_profiles_and_section_times_of_the_engine(
     smollm2_dir, tmp_path, monkeypatch
 ):
     """GYRFALCON_PROFILE_DIR: the scheduler and the worker write their cProfile stats
-    when the server stops (docs/profiling: a served step's host time)."""
+    when the server stops (docs/profiling: a served step's host time);
+    GYRFALCON_SECTION_TIMES: the worker writes its step sections' host time per plan."""
     monkeypatch.setenv("GYRFALCON_PROFILE_DIR", str(tmp_path / "prof"))
+    monkeypatch.setenv("GYRFALCON_SECTION_TIMES", str(tmp_path / "sections"))
     log = str(tmp_path / "log")
     srv = start_server(smollm2_dir, log, "--num-kv-pages", "64", "--served-model-name", "m")
     body = {"model": "m", "prompt": "Hello", "max_tokens": 3}
@@ -54,6 +57,12 @@ def test_profile_dir_gets_a_host_profile_of_every_engine_process(
     worker = (tmp_path / "prof" / "worker0.txt").read_text()
     assert "host profile of worker0" in worker and "submit_batch" in worker
     assert "build_plan" in (tmp_path / "prof" / "scheduler.txt").read_text()
+    (name,) = os.listdir(tmp_path / "sections")
+    assert re.fullmatch(r"sections_worker0_\d+\.md", name)
+    table = (tmp_path / "sections" / name).read_text()
+    plans = int(re.search(r": (\d+) plans", table).group(1))
+    launches = int(re.search(r"\| worker launch \(all steps\) \| (\d+) \|", table).group(1))
+    assert 3 <= launches <= plans  # NOTE: a plan that only ends requests launches nothing
 
 
 def test_ctrl_c_stops_every_process(smollm2_dir, tmp_path):

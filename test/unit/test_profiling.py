@@ -1,11 +1,14 @@
 """The kernel-profile window of a served worker (`GYRFALCON_KERNEL_PROFILE`), and the
-host section timer of the benchmarks (`SectionTimes`)."""
+host section timer of the benchmarks and served workers (`SectionTimes`,
+`GYRFALCON_SECTION_TIMES`)."""
 
+import os
 import types
 
 import torch
 
-from gyrfalcon.profiling import KernelWindow, SectionTimes
+from gyrfalcon.profiling import KernelWindow, SectionTimes, process_sections
+from gyrfalcon.worker.sections import worker_sections
 
 
 class _Stepper:
@@ -49,3 +52,28 @@ def test_kernel_window_is_off_without_the_variable(tmp_path, monkeypatch):
     for _ in range(400):
         window.plan(torch.device("cpu"))
     assert window.prof is None and not list(tmp_path.iterdir())
+
+
+def test_process_sections_time_the_block_per_plan_or_do_nothing(tmp_path, monkeypatch):
+    """GYRFALCON_SECTION_TIMES=DIR: the sections' table, per plan, in DIR at the block's
+    end; unset: the targets are never even built."""
+    monkeypatch.delenv("GYRFALCON_SECTION_TIMES", raising=False)
+    with process_sections("worker0", lambda: 1 / 0, lambda: 0):
+        pass  # NOTE: 1 / 0 would raise if the targets were built
+    monkeypatch.setenv("GYRFALCON_SECTION_TIMES", str(tmp_path))
+    with process_sections("worker1", lambda: {"step": (_Stepper, "step")}, lambda: 4):
+        s = _Stepper()
+        for i in range(8):
+            s.step(i)
+    (name,) = os.listdir(tmp_path)
+    assert name == f"sections_worker1_{os.getpid()}.md"
+    text = (tmp_path / name).read_text()
+    assert text.startswith("# worker1") and ": 4 plans" in text and "| step | 8 |" in text
+    assert "ms per plan" in text and "step" in _Stepper.__dict__  # NOTE: restored
+
+
+def test_the_worker_sections_name_callables_that_exist():
+    """Every section of worker/sections.py names a callable that exists (a renamed
+    method would otherwise drop out of the served and in-process tables)."""
+    for name, (owner, attr) in worker_sections().items():
+        assert callable(getattr(owner, attr)), name

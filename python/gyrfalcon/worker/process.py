@@ -21,9 +21,10 @@ from gyrfalcon.forward.distributed import destroy_distributed
 from gyrfalcon.ipc.contract import RankLayout
 from gyrfalcon.ipc.messages import SchedulerToWorker, Shutdown, StepPlan, WorkerError, WorkerReady
 from gyrfalcon.ipc.sockets import Channel, WorkerEndpoints
-from gyrfalcon.profiling import KernelWindow, process_profile
+from gyrfalcon.profiling import KernelWindow, process_profile, process_sections
 from gyrfalcon.utils import ChildStop, set_torch_threads, setup_child
 from gyrfalcon.worker.bootstrap import build_worker
+from gyrfalcon.worker.sections import worker_sections
 
 if TYPE_CHECKING:
     from gyrfalcon.worker.step_worker import StepWorker
@@ -79,7 +80,10 @@ def _serve(
     )
     stop.serving()
     try:
-        _run_plans(runner, inbox, outbox, stop, reports, KernelWindow(f"worker{rank}"))
+        spec = "-" + args.speculative_algorithm.lower() if args.speculative_algorithm else ""
+        plans = lambda: runner.num_plans  # noqa: E731
+        with process_sections(f"worker{rank}{spec}", worker_sections, plans):
+            _run_plans(runner, inbox, outbox, stop, reports, KernelWindow(f"worker{rank}"))
     finally:  # NOTE: however it stops (Shutdown, the stop flag, its parent gone)
         logger.info("rank %d: %s", rank, runner.summary())
 
