@@ -15,7 +15,8 @@ from conftest import make_tiny_eagle3, make_tiny_hf_model
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.engine import LocalEngine
 from gyrfalcon.ipc.messages import ForwardMode, RequestOutput, SamplingParams
-from gyrfalcon.worker.drafter import Drafter, DraftRound
+from gyrfalcon.worker.draft_round import DraftRound
+from gyrfalcon.worker.drafter import Drafter
 from gyrfalcon.worker.spec_step_graph import VARIANT
 
 VOCAB = 256

@@ -53,42 +53,19 @@ from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.forward.batch import ForwardBatch
 from gyrfalcon.forward.kv_cache import KVCache
-from gyrfalcon.forward.metadata import (
-    BatchTensors,
-    advanced_rows,
-    aligned_token_rows,
-    build_batch_tensors,
-    shift_rows,
-)
+from gyrfalcon.forward.metadata import BatchTensors, advanced_rows
 from gyrfalcon.ipc.messages import ForwardMode
 from gyrfalcon.layers.attention.registry import backend_class, create_backends
 from gyrfalcon.layers.context import LayerContext
 from gyrfalcon.layers.embedding import VocabEmbedding
 from gyrfalcon.models.registry import build_draft_model
 from gyrfalcon.worker.cuda_graph import GraphRunner, GraphSpec, padded_batch_size
+from gyrfalcon.worker.draft_round import DraftRound, build_round, round_ids
 from gyrfalcon.worker.sampler import argmax_rows
 from gyrfalcon.worker.spec_accept import last_accepted_indices
 from gyrfalcon.worker.step_layout import StepLayout
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class DraftRound:
-    """The drafting rows of one step, as index lists the step's upload carries."""
-
-    ext: BatchTensors  # DRAFT_EXTEND batch: every token of the drafting rows
-    ext_ids_src: torch.Tensor  # [Te] index of each extend token's id in the step's ids
-    ext_aux_idx: torch.Tensor  # [Te] index of each extend token in the target batch
-    # per proposing row (the drafting rows that sample), m of them:
-    anchor_idx: torch.Tensor  # [m] extend index of the row's last input token
-    accept_row: torch.Tensor  # [m] the row's index among the step's sampling rows
-    ext_row: torch.Tensor  # [m] the row's index among the extend rows
-    last_pos: torch.Tensor  # [m] last position its pages and the context hold
-    slots: torch.Tensor  # [m] its request's slot in draft_tokens
-    anchor_pos_cpu: list[int]  # anchor positions with every draft accepted (host bound)
-    last_pos_cpu: list[int]
-    uniform: bool = False  # every extend row is a verify row of k drafts (graphs serve it)
 
 
 @dataclass
@@ -361,34 +338,9 @@ class Drafter:
     ) -> None:
         """The round over a target step's drafting rows (`draft`): layout and bt are the
         step's, emitted / accept_len its sampled ids, next_ids the next prompt tokens of
-        drafted chunks, aux the target's aux hidden states; floating: the floating rows'
-        shifts and their tokens' rows (as in the step's batch); shared: the round's index
-        lists when every row drafts, its extend batch then being the step's batch (moved
-        already) with ids of its own. The drafts go to draft_tokens (the request table's)."""
-        ps = self.page_size
-        if shared is not None:
-            rows = aligned_token_rows(bt.token_rows)  # the drafter's ids go in [0]
-            ext = dataclasses.replace(
-                bt, input_ids=rows[0], positions=rows[1], out_cache_loc=rows[2],
-                token_rows=rows, extra=shared,
-            )  # fmt: skip
-            fields = shared
-        else:
-            ext = build_batch_tensors(
-                layout.ext_rows,
-                ps,
-                self.device,
-                extra=layout.draft_lists() + layout.float_ext_lists(),
-            )
-            *fields, fl_rows_t, fl_tokens_t = ext.extra
-            if floating is not None:
-                shift, token_rows = floating
-                shift_rows(ext, fl_rows_t, shift, fl_tokens_t, token_rows, ps)
-        rnd = DraftRound(ext, *fields, layout.anchor_pos_cpu, layout.last_pos_cpu, layout.uniform)
-        s = layout.num_emitted // layout.width
-        if emitted is None:  # NOTE: no sampling rows: the chunks' ids only
-            emitted = bt.input_ids.new_zeros(0)
-        if accept_len is None:
-            accept_len = bt.input_ids.new_zeros(s)
-        ids = torch.cat([bt.input_ids, emitted.reshape(-1).clamp_min(0), next_ids])
+        drafted chunks, aux the target's aux hidden states; floating and shared as
+        `draft_round.build_round` takes them. The drafts go to draft_tokens (the request
+        table's)."""
+        rnd = build_round(layout, bt, floating, shared, self.page_size, self.device)
+        ids, accept_len = round_ids(layout, bt, emitted, accept_len, next_ids)
         self.draft(rnd, ids, aux, accept_len, draft_tokens)

@@ -16,7 +16,7 @@ def worker_sections() -> dict[str, tuple[object, str]]:
     from triton.runtime.jit import JITFunction
 
     from gyrfalcon.layers.attention import triton_backend
-    from gyrfalcon.worker import drafter, step_worker
+    from gyrfalcon.worker import draft_round, drafter, step_worker
     from gyrfalcon.worker.cuda_graph import GraphRunner
     from gyrfalcon.worker.executor import ModelExecutor
     from gyrfalcon.worker.piecewise_graph import PiecewiseGraphs
@@ -34,7 +34,7 @@ def worker_sections() -> dict[str, tuple[object, str]]:
         "verify_sample": (step_worker, "verify_sample"),
         "sample": (step_worker, "sample"),
         "drafter draft_step": (drafter.Drafter, "draft_step"),
-        "drafter build_batch_tensors": (drafter, "build_batch_tensors"),
+        "drafter build_batch_tensors": (draft_round, "build_batch_tensors"),
         "drafter eager forward": (drafter.Drafter, "_forward"),
         "drafter replay after extend": (drafter.Drafter, "_replay_after_extend"),
         "graph runner run": (GraphRunner, "run"),

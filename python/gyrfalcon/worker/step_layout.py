@@ -52,7 +52,7 @@ class StepLayout:
     fl_token_rows: list[int] = field(default_factory=list)
     fl_ext_rows: list[int] = field(default_factory=list)
     fl_ext_tokens: list[int] = field(default_factory=list)
-    # the drafter's round (drafter.DraftRound)
+    # the drafter's round (draft_round.DraftRound)
     ext_rows: list[RowInput] = field(default_factory=list)
     ext_ids_src: list[int] = field(default_factory=list)
     ext_aux_idx: list[int] = field(default_factory=list)
