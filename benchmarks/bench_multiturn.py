@@ -64,6 +64,7 @@ try:
 except ImportError:  # running from a checkout without an installed package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
+from gyrfalcon.bench import report_json
 from gyrfalcon.bench.client import (
     DONE_SENTINEL,
     ENDPOINT_PATHS,
@@ -611,8 +612,7 @@ async def benchmark(ns: argparse.Namespace) -> int:
             "summary": summary,
             "per_request": [request_row(r, start) for r in results],
         }
-        with open(ns.output_json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2, allow_nan=False)
+        report_json.write(ns.output_json, report)
         print(f"Wrote {ns.output_json}")
     return 0 if summary["failed"] == 0 else 1
 

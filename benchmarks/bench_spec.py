@@ -33,7 +33,6 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime
-import json
 import os
 import re
 import shlex
@@ -57,6 +56,7 @@ try:
 except ImportError:  # running from a checkout without an installed package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
+from gyrfalcon.bench import report_json
 from gyrfalcon.bench.client import ENDPOINT_PATHS, ERROR_BODY_CHARS, build_payload, fetch_model_ids
 from gyrfalcon.bench.datasets import SampleRequest, load_jsonl_requests
 from gyrfalcon.bench.provenance import git_commit
@@ -415,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(ns.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / file_tag(ns)  # NOTE: not with_suffix: tags such as llama-3.1-8b hold dots
-    Path(f"{stem}.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+    report_json.write(f"{stem}.json", report)
     markdown = format_markdown(report)
     Path(f"{stem}.md").write_text(markdown)
     print(markdown + f"Wrote {stem}.json, {stem}.md (server logs in {log_dir})")

@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import datetime
 import importlib.util
-import json
 import math
 import os
 import sys
@@ -24,6 +23,7 @@ import aiohttp
 import numpy as np
 from tqdm import tqdm
 
+from gyrfalcon.bench import report_json
 from gyrfalcon.bench.client import ENDPOINT_PATHS, build_payload, fetch_model_ids, send_request
 from gyrfalcon.bench.datasets import (
     SampleRequest,
@@ -188,8 +188,7 @@ async def benchmark(args: argparse.Namespace, samples: list[SampleRequest]) -> i
             "summary": summary,
             "per_request": per_request_lists(results),
         }
-        with open(args.output_json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2, allow_nan=False)
+        report_json.write(args.output_json, report)
         print(f"Wrote {args.output_json}")
     if args.plot:
         plot_run(results, args.plot, f"{model}, {args.endpoint}, {len(samples)} requests")
