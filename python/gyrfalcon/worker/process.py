@@ -81,8 +81,7 @@ def _serve(
     stop.serving()
     try:
         spec = "-" + args.speculative_algorithm.lower() if args.speculative_algorithm else ""
-        plans = lambda: runner.num_plans  # noqa: E731
-        with process_sections(f"worker{rank}{spec}", worker_sections, plans):
+        with process_sections(f"worker{rank}{spec}", worker_sections, lambda: runner.num_plans):
             _run_plans(runner, inbox, outbox, stop, reports, KernelWindow(f"worker{rank}"))
     finally:  # NOTE: however it stops (Shutdown, the stop flag, its parent gone)
         logger.info("rank %d: %s", rank, runner.summary())
