@@ -8,12 +8,14 @@ per KV head (the extend kernel would read it once per query head, without
 splits). VERIFY and DRAFT_EXTEND batches whose rows all hold T (2..16) query
 tokens run entirely on the decode kernel, one program row per query token
 (`verify_tokens`): split-KV and one program per KV head, where the extend kernel
-would run one program per query head over each row's whole KV. Everything that
-needs host values (max_q_len) is computed once per step in build_metadata, so
-`forward` launches kernels without host syncs.
+would run one program per query head over each row's whole KV; where a row's T
+tokens' query heads of a KV head fit one program (`packs`), that program holds them
+all and reads the row's keys once. Everything that needs host values (max_q_len) is
+computed once per step in build_metadata, so `forward` launches kernels without
+host syncs.
 
-DECODE batches take RoPE and the new K/V write inside the decode kernel
-(`attend_rope`), one launch less per layer.
+DECODE batches, and verify rows that pack, take RoPE and the new K/V write inside
+the decode kernel (`attend_rope`), one launch less per layer.
 
 The decode kernel splits each row's KV into `decode_kv_splits(bs, ...)` parts
 (unless fixed in the constructor): enough (batch x KV head x split) programs to
@@ -41,6 +43,7 @@ from gyrfalcon.kernels.attention_decode import (
     DecodeScratch,
     alloc_decode_scratch,
     decode_attention,
+    packs,
 )
 from gyrfalcon.kernels.attention_extend import extend_attention
 from gyrfalcon.kernels.device import num_sms
@@ -167,18 +170,29 @@ class TritonBackend(AttentionBackend):
             return self.num_kv_splits
         return decode_kv_splits(bs, self.num_kv_heads, num_sms(device))
 
+    def packs(self, tokens_per_row: int) -> bool:
+        """Whether verify rows of this many tokens run packed (kernels/attention_decode)."""
+        return packs(tokens_per_row, self.num_heads // self.num_kv_heads)
+
+    def _program_rows(self, bs: int, t: int) -> tuple[int, int]:
+        """(the decode kernel's program rows, query tokens each) for bs rows of t tokens:
+        (bs, t) packed, else (bs * t, 1)."""
+        return (bs, t) if self.packs(t) else (bs * t, 1)
+
     # ------------------------------------------------------------ metadata
 
-    def _decode_scratch(self, bs: int, device: torch.device) -> DecodeScratch:
-        """Eager-mode scratch with at least bs rows (reused across steps and layers).
+    def _decode_scratch(self, bs: int, device: torch.device, tokens: int = 1) -> DecodeScratch:
+        """Eager-mode scratch for bs program rows of `tokens` query tokens each (packed
+        verify rows; else 1): the split count of bs rows, bs * tokens scratch rows
+        (reused across steps and layers).
 
         NOTE: reuse is safe because every layer's launch merges its partials before
         the next launch on the same stream overwrites them.
         """
-        splits = self.kv_splits(bs, device)
+        splits, need = self.kv_splits(bs, device), bs * tokens
         s = self._scratch.get(splits)
-        if s is None or s.mid_o.shape[0] < bs or s.mid_o.device != device:
-            rows = max(bs, 2 * s.mid_o.shape[0] if s is not None else 1)
+        if s is None or s.mid_o.shape[0] < need or s.mid_o.device != device:
+            rows = max(need, 2 * s.mid_o.shape[0] if s is not None else 1)
             s = alloc_decode_scratch(rows, self.num_heads, self.head_dim, splits, device)
             self._scratch[splits] = s
         return s
@@ -189,7 +203,8 @@ class TritonBackend(AttentionBackend):
         device = batch.seq_lens.device
         t = verify_tokens(batch.mode, batch.q_lens_cpu)
         if t:
-            return self._verify_meta(batch, t, self._decode_scratch(batch.num_tokens, device))
+            rows, per_row = self._program_rows(batch.batch_size, t)
+            return self._verify_meta(batch, t, self._decode_scratch(rows, device, per_row))
         if 0 < nd < batch.batch_size and self._one_launch(batch, nd):
             nd = 0  # NOTE: the decode rows are extend rows of one token
         i32 = torch.int32
@@ -226,11 +241,14 @@ class TritonBackend(AttentionBackend):
         tokens_per_row: int = 1,
     ) -> None:
         """Decode scratch per split count, for up to max_bs * tokens_per_row query rows
-        (VERIFY and DRAFT_EXTEND run on the decode kernel too: `verify_tokens`); kept
-        across calls where large enough, so every mode's graphs share it."""
+        (VERIFY and DRAFT_EXTEND run on the decode kernel too: `verify_tokens`; packed,
+        their split count is that of their rows); kept across calls where large
+        enough, so every mode's graphs share it."""
         check_capture(mode, tokens_per_row)
         have = self._graph_scratch or {}
-        for s, n in self._rows_by_splits(max_bs * tokens_per_row, device).items():
+        rows, per_row = self._program_rows(max_bs, tokens_per_row)
+        need = {s: n * per_row for s, n in self._rows_by_splits(rows, device).items()}
+        for s, n in need.items():
             if s not in have or have[s].mid_o.shape[0] < n:
                 if s in have:  # NOTE: graphs captured before may point into it: kept alive
                     self._retired_scratch.append(have[s])
@@ -287,7 +305,8 @@ class TritonBackend(AttentionBackend):
         bs = batch.batch_size
         assert self._graph_scratch is not None, "capture_buffers must run before prepare_replay"
         if t > 1:  # VERIFY, DRAFT_EXTEND: rows of k + 1 tokens
-            scratch = self._graph_scratch[self.kv_splits(bs * t, batch.seq_lens.device)]
+            rows, _ = self._program_rows(bs, t)
+            scratch = self._graph_scratch[self.kv_splits(rows, batch.seq_lens.device)]
             return self._verify_meta(batch, t, scratch)
         return TritonMeta(
             page_table=batch.page_table,
@@ -327,11 +346,12 @@ class TritonBackend(AttentionBackend):
     # ------------------------------------------------------------ forward
 
     def fuses_rope(self, batch: ForwardBatch) -> bool:
-        return batch.attn_meta.is_decode
+        meta: TritonMeta = batch.attn_meta
+        return meta.is_decode or (meta.verify_tokens > 1 and self.packs(meta.verify_tokens))
 
     def attend_rope(self, q, k, v, positions, cos_sin, layer, batch) -> torch.Tensor:
         meta: TritonMeta = batch.attn_meta
-        assert meta.is_decode and meta.scratch is not None
+        assert self.fuses_rope(batch) and meta.scratch is not None
         bs = q.shape[0]
         assert q.shape == (bs, self.num_heads, self.head_dim), q.shape
         cache = batch.kv_cache
@@ -349,6 +369,7 @@ class TritonBackend(AttentionBackend):
             block_n=self.decode_block_n,
             pdl=self.pdl,
             rope=DecodeRope(k, v, positions, cos_sin, batch.out_cache_loc),
+            tokens_per_row=meta.verify_tokens or 1,
         )
         return out.view(bs, -1)
 
