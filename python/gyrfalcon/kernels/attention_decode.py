@@ -207,30 +207,46 @@ def _decode_split_kernel(
                 q_ptr + tok * stride_qb + heads * stride_qh, mask_h,
                 cos_sin_ptr + q_pos * stride_cs, HEAD_DIM, BLOCK_D,
             )  # fmt: skip  # [BLOCK_H, BLOCK_D]
-        else:  # NOTE: one token: its cos/sin row read once for every head
-            cs_row = cos_sin_ptr + tl.load(pos_ptr + row).to(tl.int64) * stride_cs
+            offs_t = tl.arange(0, BLOCK_T)
+            new_tok = first_tok + offs_t
+            new_pos = tl.load(pos_ptr + new_tok, mask=offs_t < n_tok, other=-1).to(tl.int64)
+            mine = (offs_t < n_tok) & (new_pos >= start) & (new_pos < end)  # [BLOCK_T]
+            if tl.sum(mine.to(tl.int32)) > 0:
+                k_new = rotated_rows(
+                    k_new_ptr + new_tok * stride_knb + kvh * stride_knh, mine,
+                    cos_sin_ptr + tl.where(mine, new_pos, 0) * stride_cs, HEAD_DIM, BLOCK_D,
+                )  # fmt: skip  # [BLOCK_T, BLOCK_D]
+                mask_td = mine[:, None] & mask_d[None, :]
+                v_new = tl.load(
+                    v_new_ptr + new_tok[:, None] * stride_vnb + kvh * stride_vnh
+                    + offs_d[None, :], mask=mask_td, other=0.0,
+                )  # fmt: skip
+                slot = tl.load(loc_ptr + new_tok, mask=mine, other=0).to(tl.int64)
+                kc = k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :]
+                vc = v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :]
+                tl.store(kc, to_cache(k_new, k_ptr), mask=mask_td)
+                tl.store(vc, to_cache(v_new, v_ptr), mask=mask_td)
+        else:  # one token: its cos/sin row read once for every head
+            new_pos = tl.load(pos_ptr + row).to(tl.int64)
+            cs_row = cos_sin_ptr + new_pos * stride_cs
             q = rotated_heads(
                 q_ptr + row * stride_qb, heads, stride_qh, mask_h, cs_row, HEAD_DIM, BLOCK_D
             )  # [BLOCK_H, BLOCK_D]
-        offs_t = tl.arange(0, BLOCK_T)
-        new_tok = first_tok + offs_t
-        new_pos = tl.load(pos_ptr + new_tok, mask=offs_t < n_tok, other=-1).to(tl.int64)
-        mine = (offs_t < n_tok) & (new_pos >= start) & (new_pos < end)  # [BLOCK_T]
-        if tl.sum(mine.to(tl.int32)) > 0:
-            k_new = rotated_rows(
-                k_new_ptr + new_tok * stride_knb + kvh * stride_knh, mine,
-                cos_sin_ptr + tl.where(mine, new_pos, 0) * stride_cs, HEAD_DIM, BLOCK_D,
-            )  # fmt: skip  # [BLOCK_T, BLOCK_D]
-            mask_td = mine[:, None] & mask_d[None, :]
-            v_new = tl.load(
-                v_new_ptr + new_tok[:, None] * stride_vnb + kvh * stride_vnh + offs_d[None, :],
-                mask=mask_td, other=0.0,
-            )  # fmt: skip
-            slot = tl.load(loc_ptr + new_tok, mask=mine, other=0).to(tl.int64)
-            kc = k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :]
-            vc = v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :]
-            tl.store(kc, to_cache(k_new, k_ptr), mask=mask_td)
-            tl.store(vc, to_cache(v_new, v_ptr), mask=mask_td)
+            if (new_pos >= start) & (new_pos < end):
+                one = tl.arange(0, 1)
+                k_new = rotated_heads(
+                    k_new_ptr + row * stride_knb, kvh + one, stride_knh, one < 1, cs_row,
+                    HEAD_DIM, BLOCK_D,
+                )  # fmt: skip
+                v_new = tl.load(
+                    v_new_ptr + row * stride_vnb + kvh * stride_vnh + offs_d, mask=mask_d,
+                    other=0.0,
+                )  # fmt: skip
+                slot = tl.load(loc_ptr + row).to(tl.int64)
+                kc = k_ptr + slot * stride_ks + kvh * stride_kh + offs_d
+                vc = v_ptr + slot * stride_vs + kvh * stride_vh + offs_d
+                tl.store(kc[None, :], to_cache(k_new, k_ptr), mask=mask_d[None, :])
+                tl.store(vc, to_cache(v_new, v_ptr), mask=mask_d)
         tl.debug_barrier()  # the stores above before any thread's loads below
     else:
         if PACK:

@@ -33,44 +33,6 @@ def build_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Ten
 
 
 @triton.jit
-def _rotated(
-    row_ptrs,  # [R] each row's start (a token's head of q or k; head dim contiguous)
-    mask_r,  # [R]
-    cos,  # [R or 1, BLOCK_D] float32, rounded to the rows' dtype (`_cos_sin`)
-    sin,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """[R, BLOCK_D] rows rotated (rotate-half RoPE), in the rows' dtype, with the
-    reference's roundings: x * cos + rotate_half(x) * sin, each product and the sum
-    rounded to the dtype. Masked entries are 0."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    dtype = row_ptrs.dtype.element_ty
-    offs_d = tl.arange(0, BLOCK_D)
-    first = offs_d < HALF
-    partner = tl.where(first, offs_d + HALF, offs_d - HALF)  # rotate_half's source
-    mask = mask_r[:, None] & (offs_d < HEAD_DIM)[None, :]
-    x = tl.load(row_ptrs[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(row_ptrs[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    xp = tl.where(first[None, :], -xp, xp)  # rotate_half(x)
-    a = (x * cos).to(dtype).to(tl.float32)
-    b = (xp * sin).to(dtype).to(tl.float32)
-    return (a + b).to(dtype)
-
-
-@triton.jit
-def _cos_sin(cs, mask, dtype, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """cos and sin at `cs` (pointers to cos/sin table rows, [1] or [R, 1]) for every
-    column, rounded to dtype and back to float32 as the reference rounds them."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    offs_d = tl.arange(0, BLOCK_D)
-    freq = tl.where(offs_d < HALF, offs_d, offs_d - HALF)[None, :]  # column of cos/sin
-    cos = tl.load(cs + freq, mask=mask, other=0.0).to(dtype).to(tl.float32)
-    sin = tl.load(cs + HALF + freq, mask=mask, other=0.0).to(dtype).to(tl.float32)
-    return cos, sin
-
-
-@triton.jit
 def rotated_heads(
     base_ptr,  # one token's [heads, D] rows of q or k (head dim contiguous)
     heads,  # [BLOCK_H] head indices
@@ -80,12 +42,26 @@ def rotated_heads(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """[BLOCK_H, BLOCK_D] heads of one token rotated (`_rotated`): its cos/sin row
-    read once for all of them."""
-    mask_d = (tl.arange(0, BLOCK_D) < HEAD_DIM)[None, :]
-    cs = cs_row + tl.zeros([1, 1], dtype=tl.int32)  # [1, 1]: one row for every head
-    cos, sin = _cos_sin(cs, mask_d, base_ptr.dtype.element_ty, HEAD_DIM, BLOCK_D)
-    return _rotated(base_ptr + heads * stride_h, mask_h, cos, sin, HEAD_DIM, BLOCK_D)
+    """[BLOCK_H, BLOCK_D] rows rotated (rotate-half RoPE), in base_ptr's dtype, with the
+    reference's roundings: x * cos + rotate_half(x) * sin, cos/sin rounded to the
+    dtype, each product and the sum rounded to it. Masked entries are 0."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    dtype = base_ptr.dtype.element_ty
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    first = offs_d < HALF
+    freq = tl.where(first, offs_d, offs_d - HALF)  # column of cos/sin
+    partner = tl.where(first, offs_d + HALF, offs_d - HALF)  # rotate_half's source
+    mask = mask_h[:, None] & mask_d[None, :]
+    rows = base_ptr + heads[:, None] * stride_h
+    x = tl.load(rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(rows + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.where(first[None, :], -xp, xp)  # rotate_half(x)
+    cos = tl.load(cs_row + freq, mask=mask_d, other=0.0).to(dtype).to(tl.float32)[None, :]
+    sin = tl.load(cs_row + HALF + freq, mask=mask_d, other=0.0).to(dtype).to(tl.float32)[None, :]
+    a = (x * cos).to(dtype).to(tl.float32)
+    b = (xp * sin).to(dtype).to(tl.float32)
+    return (a + b).to(dtype)
 
 
 @triton.jit
@@ -96,10 +72,24 @@ def rotated_rows(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """[R, BLOCK_D] rows rotated (`_rotated`), each at its own token's position."""
-    mask = mask_r[:, None] & (tl.arange(0, BLOCK_D) < HEAD_DIM)[None, :]
-    cos, sin = _cos_sin(cs_rows[:, None], mask, row_ptrs.dtype.element_ty, HEAD_DIM, BLOCK_D)
-    return _rotated(row_ptrs, mask_r, cos, sin, HEAD_DIM, BLOCK_D)
+    """[R, BLOCK_D] rows rotated as `rotated_heads` rotates them, each row at its own
+    token's position (its own cos/sin row)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    dtype = row_ptrs.dtype.element_ty
+    offs_d = tl.arange(0, BLOCK_D)
+    first = offs_d < HALF
+    freq = tl.where(first, offs_d, offs_d - HALF)  # column of cos/sin
+    partner = tl.where(first, offs_d + HALF, offs_d - HALF)  # rotate_half's source
+    mask = mask_r[:, None] & (offs_d < HEAD_DIM)[None, :]
+    x = tl.load(row_ptrs[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(row_ptrs[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.where(first[None, :], -xp, xp)  # rotate_half(x)
+    cs = cs_rows[:, None] + freq[None, :]
+    cos = tl.load(cs, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    sin = tl.load(cs + HALF, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    a = (x * cos).to(dtype).to(tl.float32)
+    b = (xp * sin).to(dtype).to(tl.float32)
+    return (a + b).to(dtype)
 
 
 @triton.jit
