@@ -12,7 +12,7 @@ import importlib.util
 
 import pytest
 import torch
-from paged_cases import paged_batch, paged_case
+from paged_cases import paged_batch, paged_case, replay_batch
 
 from gyrfalcon.forward.metadata import RowInput, build_batch_tensors
 from gyrfalcon.ipc.messages import ForwardMode
@@ -182,9 +182,10 @@ def test_packed_verify_with_rope_in_the_kernel_equals_rotary_then_attend(
     cache2.k.copy_(cache.k)
     cache2.v.copy_(cache.v)
     tri = triton_backend_cls(heads, kv_heads, head_dim, head_dim**-0.5)
-    tb = make_batch(rows, cache, tri, ForwardMode.VERIFY)
-    tb2 = make_batch(rows, cache2, tri, ForwardMode.VERIFY)
-    assert tb.attn_meta.verify_tokens == t and tri.fuses_rope(tb)
+    # NOTE: rows pack under graphs only: both batches as a graph replays them
+    tb = replay_batch(rows, cache, tri, ForwardMode.VERIFY, PS)
+    tb2 = replay_batch(rows, cache2, tri, ForwardMode.VERIFY, PS)
+    assert tb.attn_meta.packed and tri.fuses_rope(tb)
     T = len(rows) * t
     qkv = (torch.randn(T, (heads + 2 * kv_heads) * head_dim, device="cuda") * 4).to(torch.bfloat16)
     split = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]

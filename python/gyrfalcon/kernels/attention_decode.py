@@ -361,7 +361,7 @@ def decode_attention(
     num_stages: int | None = None,
     pdl: bool = True,
     tokens_per_row: int = 1,
-    pack: bool | None = None,
+    pack: bool = False,
 ) -> None:
     """Paged decode attention, written into `o` in place.
 
@@ -372,7 +372,7 @@ def decode_attention(
     bs = rows * T tokens, row r's at [r T, (r + 1) T), page_table and seq_lens per row
     ([rows, ...]); token i of a row attends causally to the row's first
     seq_len - (T - 1 - i) positions: the extend kernel's result, with the decode
-    kernel's split-KV and one program per KV head. pack (None: `packs`): one program
+    kernel's split-KV and one program per KV head. pack (where `packs`): one program
     per row and KV head holds all T tokens' heads (module docstring); scratch rows are
     still per query token.
     rope: None when q is rotated and the new K/V are in the cache already; else
@@ -392,7 +392,6 @@ def decode_attention(
     t = tokens_per_row
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
     group = num_heads // num_kv_heads
-    pack = packs(t, group) if pack is None else pack
     assert not pack or packs(t, group), (t, group)
     assert t >= 1 and bs % t == 0 and (t == 1 or rope is None or pack), (t, bs)
     assert k_cache.shape == v_cache.shape and k_cache.shape[2] == head_dim, (k_cache.shape, q.shape)

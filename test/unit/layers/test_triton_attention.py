@@ -14,11 +14,7 @@ from triton_attention_cases import (  # NOTE: sets TRITON_INTERPRET
 )
 
 from gyrfalcon.ipc.messages import ForwardMode
-from gyrfalcon.layers.attention.triton_backend import (
-    MAX_KV_SPLITS,
-    TritonBackend,
-    decode_kv_splits,
-)
+from gyrfalcon.layers.attention.triton_backend import MAX_KV_SPLITS, decode_kv_splits
 
 # decode lengths: 1, page edges (PS-1, PS, PS+1), block edges, and longer rows
 DECODE_LENS = [1, PS - 1, PS, PS + 1, 16, 17, 45]
@@ -163,16 +159,20 @@ def test_verify_rows_on_the_decode_kernel_and_uneven_ones_on_the_extend_kernel(k
     [(6, 2, 4, True), (16, 1, 4, True), (32, 2, 5, False), (4, 4, 16, True)],
 )
 def test_verify_rows_packed_or_per_token_match_ref(heads, kv_heads, t, packed):
-    """Verify rows on the decode kernel, their T tokens' heads packed into one program
-    per KV head where they fit (each block row masked to its token's causal length;
-    splits where a row's first tokens see no key), else a program row per token."""
+    """Verify rows on the decode kernel as a graph replays them: their T tokens' heads
+    packed into one program per KV head where they fit (each block row masked to its
+    token's causal length; splits where a row's first tokens see no key), else a
+    program row per token; eagerly always a program row per token. All match torch_ref."""
     spec = [(prefix, t) for prefix in [1, PS - 1, 2 * PS + 1, 29]]
     kw = dict(num_kv_splits=3, decode_block_n=16)
-    out, expect, tb = run_both(spec, heads, kv_heads, 64, ForwardMode.VERIFY, **kw)
-    tri = TritonBackend(heads, kv_heads, 64, 0.125)
-    assert tb.attn_meta.verify_tokens == t and tri.packs(t) == packed
-    torch.testing.assert_close(out, expect, **TOL)
-    assert not tb.attn_meta.scratch.counts.any()
+    for replay in (True, False):
+        out, expect, tb = run_both(
+            spec, heads, kv_heads, 64, ForwardMode.VERIFY, replay=replay, **kw
+        )
+        meta = tb.attn_meta
+        assert meta.verify_tokens == t and meta.packed == (packed and replay)
+        torch.testing.assert_close(out, expect, **TOL)
+        assert not meta.scratch.counts.any()
 
 
 @pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.MIXED])

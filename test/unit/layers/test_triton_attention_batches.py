@@ -13,6 +13,7 @@ from triton_attention_cases import (  # NOTE: sets TRITON_INTERPRET
     TOL,
     make_batch,
     make_case,
+    make_replay_batch,
     run_both,
 )
 
@@ -79,7 +80,7 @@ def test_verify_replay_metadata_views_the_static_batch(k):
         assert meta.q_starts.tolist() == [0, t, 2 * t, 3 * t] and meta.q_lens.tolist() == [t] * 4
         assert meta.page_table.data_ptr() == buf.page_table.data_ptr()
         ptrs.add((meta.page_table.data_ptr(), meta.seq_lens.data_ptr(), meta.q_starts.data_ptr()))
-        assert tri.packs(t) and tri.fuses_rope(tb)
+        assert meta.packed and tri.fuses_rope(tb)
         padded_rows = rows + [RowInput(0, [0] * t, [0])] * (padded - len(rows))
         rb = make_batch(padded_rows, cache, ref, ForwardMode.VERIFY)
         n = len(rows) * t
@@ -251,7 +252,8 @@ def test_packed_verify_rows_with_rope_in_the_kernel(splits, kv_dtype):
     rotated at its own position, the row's new K/V written by the programs whose
     splits hold them, each token attending to its causal prefix) equal the torch
     rotary, the K/V store kernel and torch_ref attention, and leave the same cache;
-    rows straddle pages and splits (a split where the row's first tokens see no key)."""
+    rows straddle pages and splits (a split where the row's first tokens see no key).
+    Packed rows run under graphs only: the same rows eagerly take RoPE apart."""
     from gyrfalcon.kernels.kv_store import store_kv
     from gyrfalcon.kernels.rotary import build_cos_sin_cache
     from gyrfalcon.layers.context import LayerContext
@@ -267,9 +269,11 @@ def test_packed_verify_rows_with_rope_in_the_kernel(splits, kv_dtype):
         heads, kv_heads, head_dim, head_dim**-0.5, num_kv_splits=splits, decode_block_n=16
     )
     ref = TorchRefBackend(heads, kv_heads, head_dim, head_dim**-0.5)
-    tb = make_batch(rows, cache, tri, ForwardMode.VERIFY)
+    eager = make_batch(rows, cache, tri, ForwardMode.VERIFY)
+    assert eager.attn_meta.verify_tokens == t and not tri.fuses_rope(eager)
+    tb = make_replay_batch(rows, cache, tri, ForwardMode.VERIFY)
     rb = make_batch(rows, ref_cache, ref, ForwardMode.VERIFY)
-    assert tb.attn_meta.verify_tokens == t and tri.packs(t) and tri.fuses_rope(tb)
+    assert tb.attn_meta.verify_tokens == t and tb.attn_meta.packed and tri.fuses_rope(tb)
     gen = torch.Generator().manual_seed(12)
     n = len(rows) * t
     q, k, v = (torch.randn(n, h, head_dim, generator=gen) for h in (heads,) + 2 * (kv_heads,))

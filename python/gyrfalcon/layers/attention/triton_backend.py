@@ -8,14 +8,17 @@ per KV head (the extend kernel would read it once per query head, without
 splits). VERIFY and DRAFT_EXTEND batches whose rows all hold T (2..16) query
 tokens run entirely on the decode kernel, one program row per query token
 (`verify_tokens`): split-KV and one program per KV head, where the extend kernel
-would run one program per query head over each row's whole KV; where a row's T
-tokens' query heads of a KV head fit one program (`packs`), that program holds them
-all and reads the row's keys once. Everything that needs host values (max_q_len) is
-computed once per step in build_metadata, so `forward` launches kernels without
-host syncs.
+would run one program per query head over each row's whole KV. Under CUDA graphs,
+where a row's T tokens' query heads of a KV head fit one program (`packs`), that
+program holds them all and reads the row's keys once (`TritonMeta.packed`); eager
+batches keep a program row per token, whatever their T (T varies from step to step
+in eager DRAFT_EXTEND batches, and each packed T is a kernel build of its own, which
+graph capture makes before serving but an eager step would make while serving).
+Everything that needs host values (max_q_len) is computed once per step in
+build_metadata, so `forward` launches kernels without host syncs.
 
-DECODE batches, and verify rows that pack, take RoPE and the new K/V write inside
-the decode kernel (`attend_rope`), one launch less per layer.
+DECODE batches, and packed verify rows, take RoPE and the new K/V write inside the
+decode kernel (`attend_rope`), one launch less per layer.
 
 The decode kernel splits each row's KV into `decode_kv_splits(bs, ...)` parts
 (unless fixed in the constructor): enough (batch x KV head x split) programs to
@@ -76,6 +79,9 @@ class TritonMeta:
     # batch then runs on the decode kernel, one query token per program row
     # (`decode_attention(tokens_per_row=T)`), scratch rows [0, bs * T) used
     verify_tokens: int = 0
+    # host value: verify rows packed, one program per row and KV head holding its T
+    # tokens (`decode_attention(pack=True)`; graph replays only, module docstring)
+    packed: bool = False
     # every row on the extend kernel's flat grid (`prepare_any_rows`): q_lens may hold
     # spare rows of 0, and max_q_len is the token count
     flat: bool = False
@@ -171,28 +177,27 @@ class TritonBackend(AttentionBackend):
         return decode_kv_splits(bs, self.num_kv_heads, num_sms(device))
 
     def packs(self, tokens_per_row: int) -> bool:
-        """Whether verify rows of this many tokens run packed (kernels/attention_decode)."""
+        """Whether verify rows of this many tokens run packed under graphs
+        (kernels/attention_decode)."""
         return packs(tokens_per_row, self.num_heads // self.num_kv_heads)
 
     def _program_rows(self, bs: int, t: int) -> tuple[int, int]:
-        """(the decode kernel's program rows, query tokens each) for bs rows of t tokens:
-        (bs, t) packed, else (bs * t, 1)."""
+        """(the decode kernel's program rows, query tokens each) for a graph's bs rows of
+        t tokens: (bs, t) packed, else (bs * t, 1)."""
         return (bs, t) if self.packs(t) else (bs * t, 1)
 
     # ------------------------------------------------------------ metadata
 
-    def _decode_scratch(self, bs: int, device: torch.device, tokens: int = 1) -> DecodeScratch:
-        """Eager-mode scratch for bs program rows of `tokens` query tokens each (packed
-        verify rows; else 1): the split count of bs rows, bs * tokens scratch rows
-        (reused across steps and layers).
+    def _decode_scratch(self, bs: int, device: torch.device) -> DecodeScratch:
+        """Eager-mode scratch with at least bs rows (reused across steps and layers).
 
         NOTE: reuse is safe because every layer's launch merges its partials before
         the next launch on the same stream overwrites them.
         """
-        splits, need = self.kv_splits(bs, device), bs * tokens
+        splits = self.kv_splits(bs, device)
         s = self._scratch.get(splits)
-        if s is None or s.mid_o.shape[0] < need or s.mid_o.device != device:
-            rows = max(need, 2 * s.mid_o.shape[0] if s is not None else 1)
+        if s is None or s.mid_o.shape[0] < bs or s.mid_o.device != device:
+            rows = max(bs, 2 * s.mid_o.shape[0] if s is not None else 1)
             s = alloc_decode_scratch(rows, self.num_heads, self.head_dim, splits, device)
             self._scratch[splits] = s
         return s
@@ -203,8 +208,7 @@ class TritonBackend(AttentionBackend):
         device = batch.seq_lens.device
         t = verify_tokens(batch.mode, batch.q_lens_cpu)
         if t:
-            rows, per_row = self._program_rows(batch.batch_size, t)
-            return self._verify_meta(batch, t, self._decode_scratch(rows, device, per_row))
+            return self._verify_meta(batch, t, self._decode_scratch(batch.num_tokens, device))
         if 0 < nd < batch.batch_size and self._one_launch(batch, nd):
             nd = 0  # NOTE: the decode rows are extend rows of one token
         i32 = torch.int32
@@ -307,7 +311,7 @@ class TritonBackend(AttentionBackend):
         if t > 1:  # VERIFY, DRAFT_EXTEND: rows of k + 1 tokens
             rows, _ = self._program_rows(bs, t)
             scratch = self._graph_scratch[self.kv_splits(rows, batch.seq_lens.device)]
-            return self._verify_meta(batch, t, scratch)
+            return self._verify_meta(batch, t, scratch, self.packs(t))
         return TritonMeta(
             page_table=batch.page_table,
             seq_lens=batch.seq_lens,
@@ -321,9 +325,11 @@ class TritonBackend(AttentionBackend):
         )
 
     @staticmethod
-    def _verify_meta(batch: ForwardBatch, t: int, scratch: DecodeScratch) -> TritonMeta:
+    def _verify_meta(
+        batch: ForwardBatch, t: int, scratch: DecodeScratch, packed: bool = False
+    ) -> TritonMeta:
         """Rows of t query tokens each on the decode kernel (`verify_tokens`)."""
-        return TritonBackend._rows_meta(batch, t, scratch=scratch, verify_tokens=t)
+        return TritonBackend._rows_meta(batch, t, scratch=scratch, verify_tokens=t, packed=packed)
 
     @staticmethod
     def _rows_meta(batch: ForwardBatch, max_q_len: int, **kw) -> TritonMeta:
@@ -347,7 +353,7 @@ class TritonBackend(AttentionBackend):
 
     def fuses_rope(self, batch: ForwardBatch) -> bool:
         meta: TritonMeta = batch.attn_meta
-        return meta.is_decode or (meta.verify_tokens > 1 and self.packs(meta.verify_tokens))
+        return meta.is_decode or meta.packed
 
     def attend_rope(self, q, k, v, positions, cos_sin, layer, batch) -> torch.Tensor:
         meta: TritonMeta = batch.attn_meta
@@ -370,6 +376,7 @@ class TritonBackend(AttentionBackend):
             pdl=self.pdl,
             rope=DecodeRope(k, v, positions, cos_sin, batch.out_cache_loc),
             tokens_per_row=meta.verify_tokens or 1,
+            pack=meta.packed,
         )
         return out.view(bs, -1)
 
@@ -388,7 +395,7 @@ class TritonBackend(AttentionBackend):
             decode_attention(
                 q, k_all, v_all, meta.page_table, meta.seq_lens, out, meta.scratch,
                 batch.page_size, self.scale, block_n=self.decode_block_n, pdl=self.pdl,
-                tokens_per_row=meta.verify_tokens,
+                tokens_per_row=meta.verify_tokens, pack=meta.packed,
             )  # fmt: skip
             return out.view(num_tokens, -1)
         nd = meta.num_decode
