@@ -44,3 +44,20 @@ def paged_batch(rows, cache, backend, mode, page_size) -> ForwardBatch:
     batch = ForwardBatch.from_tensors(mode, bt, page_size, cache, backend)
     batch.attn_meta = backend.build_metadata(batch)
     return batch
+
+
+def replay_batch(rows, cache, backend, mode, page_size) -> ForwardBatch:
+    """The rows' batch as a CUDA graph of their size replays it: views of the graph
+    runner's static buffers, with `backend`'s replay metadata (`prepare_replay`).
+    Every row holds the same number of tokens."""
+    from gyrfalcon.worker.cuda_graph import GraphKey, StaticBuffers
+
+    device, t, bs = cache.k.device, len(rows[0].input_ids), len(rows)
+    max_pages = max(len(r.pages) for r in rows)
+    backend.capture_buffers(bs, max_pages, device, mode, t)
+    buf = StaticBuffers.allocate(bs, max_pages, page_size, device, tokens_per_row=(1, t))
+    key = GraphKey(mode, bs, t)
+    bt = build_batch_tensors(rows, page_size, device)
+    batch = buf.forward_batch(key, buf.fill(bt, key), cache, backend)
+    batch.attn_meta = backend.prepare_replay(batch)
+    return batch

@@ -4,7 +4,7 @@ the same inputs. Importing it runs the kernels in the interpreter (`triton_inter
 
 import torch
 import triton_interpret  # noqa: F401  NOTE: first of the gyrfalcon imports
-from paged_cases import paged_batch, paged_case
+from paged_cases import paged_batch, paged_case, replay_batch
 
 from gyrfalcon.layers.attention.torch_ref import TorchRefBackend
 from gyrfalcon.layers.attention.triton_backend import TritonBackend
@@ -24,15 +24,21 @@ def make_batch(rows, cache, backend, mode):
     return paged_batch(rows, cache, backend, mode, PS)
 
 
+def make_replay_batch(rows, cache, backend, mode):
+    return replay_batch(rows, cache, backend, mode, PS)
+
+
 def run_both(
-    spec, heads, kv_heads, head_dim, mode, seed=0, pad_rows=0, kv_dtype=torch.float32, **kw
-):
-    """(triton output, torch_ref output, triton batch) on the same inputs."""
+    spec, heads, kv_heads, head_dim, mode, seed=0, pad_rows=0, kv_dtype=torch.float32,
+    replay=False, **kw,
+):  # fmt: skip
+    """(triton output, torch_ref output, triton batch) on the same inputs; replay: the
+    triton batch as a CUDA graph replays it (`make_replay_batch`)."""
     cache, rows = make_case(spec, kv_heads, head_dim, seed, pad_rows, kv_dtype)
     scale = head_dim**-0.5
     tri = TritonBackend(heads, kv_heads, head_dim, scale, **kw)
     ref = TorchRefBackend(heads, kv_heads, head_dim, scale)
-    tb = make_batch(rows, cache, tri, mode)
+    tb = (make_replay_batch if replay else make_batch)(rows, cache, tri, mode)
     rb = make_batch(rows, cache, ref, mode)
     gen = torch.Generator().manual_seed(seed + 1)
     # real tokens come first in [T]; padded rows' tokens get inputs of their own, so

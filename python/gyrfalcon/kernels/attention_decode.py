@@ -10,12 +10,20 @@ lse) and writes the output: no second launch (a separate merge kernel cost ~1.7
 us a layer at batch 1 on an H100, launch-bound). With one split the partial is
 the output and goes straight to it.
 
-With `rope`, the kernel also does what `rotary_and_store` would in a launch of its
-own: every program rotates its q heads in registers, and the program whose split
-holds the new token rotates its k and writes k and v into the cache before it
-reads its keys.
+Verify rows (T = k + 1 query tokens a page-table row, token i seeing the row's length
+minus the T - 1 - i tokens after it) run one of two ways. Packed (`PACK`, where T x
+GROUP query heads fit a block of MAX_PACKED_ROWS): one program per (row, KV head,
+split) holds all T tokens' heads of its KV head as the rows of its dots, each row
+masked to its own causal length, so the row's keys are read once, not T times.
+Otherwise one program row per query token, as for decode.
 
-The grid is (bs, KVH, num_kv_splits) whatever the sequence lengths are: each
+With `rope`, the kernel also does what `rotary_and_store` would in a launch of its
+own: every program rotates its q heads in registers (each with its token's
+position), and the program whose split holds a new token rotates its k and writes
+k and v into the cache before it reads its keys (packed verify rows: each new
+token by the program whose split holds it).
+
+The grid is (bs, KVH, num_kv_splits) (packed: bs / T rows) whatever the lengths are: each
 program derives its key range from seq_lens on the device, so a CUDA graph
 captured for a batch size replays correctly for any lengths.
 
@@ -34,10 +42,19 @@ import triton.language as tl
 from gyrfalcon.kernels.device import launch_pdl
 from gyrfalcon.kernels.kv_store import to_cache
 from gyrfalcon.kernels.pdl import pdl_gate
-from gyrfalcon.kernels.rotary import rotated_heads
+from gyrfalcon.kernels.rotary import rotated_heads, rotated_rows
 from gyrfalcon.kernels.split_merge import merge_heads_per_tile, merge_splits
 
 LOG2E = 1.4426950408889634
+# verify rows pack their T tokens' query heads of a KV head into one program's block
+# (`PACK`) while T x GROUP is at most this many rows
+MAX_PACKED_ROWS = 64
+
+
+def packs(tokens_per_row: int, group: int) -> bool:
+    """Whether verify rows of `tokens_per_row` tokens run packed (module docstring) for
+    a GQA group of `group` query heads per KV head."""
+    return tokens_per_row > 1 and tokens_per_row * group <= MAX_PACKED_ROWS
 
 
 @dataclass
@@ -129,6 +146,8 @@ def _decode_split_kernel(
     stride_cs,
     tokens_per_row,  # query tokens per page-table row (verify rows: k + 1)
     GROUP: tl.constexpr,
+    PACK: tl.constexpr,  # a program holds its row's tokens (module docstring)
+    BLOCK_T: tl.constexpr,  # new tokens a program may write (PACK: >= T, else 1)
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -143,19 +162,34 @@ def _decode_split_kernel(
     PDL: tl.constexpr,
 ):
     pdl_gate(PDL)
-    row = tl.program_id(0)  # NOTE: a query token; its page-table row is row // tokens_per_row
+    row = tl.program_id(0)  # NOTE: PACK: a page-table row; else a query token
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     offs_h = tl.arange(0, BLOCK_H)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_h = offs_h < GROUP
     mask_d = offs_d < HEAD_DIM
-    heads = kvh * GROUP + offs_h  # [BLOCK_H] query heads of this KV head
-
-    table_row = row // tokens_per_row
-    # token i of a row of T sees the row's length minus the T - 1 - i tokens after it
-    seq_len = tl.load(seq_lens_ptr + table_row) - (tokens_per_row - 1 - row % tokens_per_row)
+    if PACK:  # block row i: token i // GROUP of the row, its head i % GROUP
+        table_row = row
+        first_tok = row * tokens_per_row  # this program's query tokens and new tokens
+        n_tok = tokens_per_row
+        tok_of = offs_h // GROUP
+        mask_h = offs_h < tokens_per_row * GROUP
+        heads = kvh * GROUP + offs_h % GROUP
+        tok = first_tok + tok_of  # [BLOCK_H] each block row's query token
+        row_len = tl.load(seq_lens_ptr + table_row)
+        # token i of a row of T sees the row's length minus the T - 1 - i tokens after it
+        vis = row_len - (tokens_per_row - 1 - tok_of)  # [BLOCK_H]
+        seq_len = row_len
+    else:
+        table_row = row // tokens_per_row
+        first_tok = row
+        n_tok = 1
+        mask_h = offs_h < GROUP
+        heads = kvh * GROUP + offs_h  # [BLOCK_H] query heads of this KV head
+        tok = row + offs_h * 0
+        seq_len = tl.load(seq_lens_ptr + table_row) - (tokens_per_row - 1 - row % tokens_per_row)
+        vis = seq_len + offs_h * 0
     # NOTE: the split length is rounded up to whole key blocks, so short rows use
     # only the first few splits; the rest have start >= end and stay empty.
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -163,31 +197,63 @@ def _decode_split_kernel(
     end = tl.minimum(start + split_len, seq_len)
 
     if ROPE:
-        # RoPE of q in registers (every split); the split that holds the new token
-        # writes its rotated k and its v into the cache, then reads them back below
-        # like any other key (no other program reads that slot).
-        new_pos = tl.load(pos_ptr + row).to(tl.int64)
-        cs_row = cos_sin_ptr + new_pos * stride_cs
-        q = rotated_heads(
-            q_ptr + row * stride_qb, heads, stride_qh, mask_h, cs_row, HEAD_DIM, BLOCK_D
-        )  # [BLOCK_H, BLOCK_D]
-        if (new_pos >= start) & (new_pos < end):
-            one = tl.arange(0, 1)
-            k_new = rotated_heads(
-                k_new_ptr + row * stride_knb, kvh + one, stride_knh, one < 1, cs_row, HEAD_DIM,
-                BLOCK_D,
-            )  # fmt: skip
-            v_new = tl.load(
-                v_new_ptr + row * stride_vnb + kvh * stride_vnh + offs_d, mask=mask_d, other=0.0
-            )
-            slot = tl.load(loc_ptr + row).to(tl.int64)
-            kc = k_ptr + slot * stride_ks + kvh * stride_kh + offs_d
-            vc = v_ptr + slot * stride_vs + kvh * stride_vh + offs_d
-            tl.store(kc[None, :], to_cache(k_new, k_ptr), mask=mask_d[None, :])
-            tl.store(vc, to_cache(v_new, v_ptr), mask=mask_d)
+        # RoPE of q in registers (every split, each block row at its token's
+        # position); the split that holds a new token writes its rotated k and its v
+        # into the cache, then reads them back below like any other key (no other
+        # program reads that slot).
+        if PACK:
+            q_pos = tl.load(pos_ptr + tok, mask=mask_h, other=0).to(tl.int64)
+            q = rotated_rows(
+                q_ptr + tok * stride_qb + heads * stride_qh, mask_h,
+                cos_sin_ptr + q_pos * stride_cs, HEAD_DIM, BLOCK_D,
+            )  # fmt: skip  # [BLOCK_H, BLOCK_D]
+            offs_t = tl.arange(0, BLOCK_T)
+            new_tok = first_tok + offs_t
+            new_pos = tl.load(pos_ptr + new_tok, mask=offs_t < n_tok, other=-1).to(tl.int64)
+            mine = (offs_t < n_tok) & (new_pos >= start) & (new_pos < end)  # [BLOCK_T]
+            if tl.sum(mine.to(tl.int32)) > 0:
+                k_new = rotated_rows(
+                    k_new_ptr + new_tok * stride_knb + kvh * stride_knh, mine,
+                    cos_sin_ptr + tl.where(mine, new_pos, 0) * stride_cs, HEAD_DIM, BLOCK_D,
+                )  # fmt: skip  # [BLOCK_T, BLOCK_D]
+                mask_td = mine[:, None] & mask_d[None, :]
+                v_new = tl.load(
+                    v_new_ptr + new_tok[:, None] * stride_vnb + kvh * stride_vnh
+                    + offs_d[None, :], mask=mask_td, other=0.0,
+                )  # fmt: skip
+                slot = tl.load(loc_ptr + new_tok, mask=mine, other=0).to(tl.int64)
+                kc = k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :]
+                vc = v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :]
+                tl.store(kc, to_cache(k_new, k_ptr), mask=mask_td)
+                tl.store(vc, to_cache(v_new, v_ptr), mask=mask_td)
+        else:  # one token: its cos/sin row read once for every head
+            new_pos = tl.load(pos_ptr + row).to(tl.int64)
+            cs_row = cos_sin_ptr + new_pos * stride_cs
+            q = rotated_heads(
+                q_ptr + row * stride_qb, heads, stride_qh, mask_h, cs_row, HEAD_DIM, BLOCK_D
+            )  # [BLOCK_H, BLOCK_D]
+            if (new_pos >= start) & (new_pos < end):
+                one = tl.arange(0, 1)
+                k_new = rotated_heads(
+                    k_new_ptr + row * stride_knb, kvh + one, stride_knh, one < 1, cs_row,
+                    HEAD_DIM, BLOCK_D,
+                )  # fmt: skip
+                v_new = tl.load(
+                    v_new_ptr + row * stride_vnb + kvh * stride_vnh + offs_d, mask=mask_d,
+                    other=0.0,
+                )  # fmt: skip
+                slot = tl.load(loc_ptr + row).to(tl.int64)
+                kc = k_ptr + slot * stride_ks + kvh * stride_kh + offs_d
+                vc = v_ptr + slot * stride_vs + kvh * stride_vh + offs_d
+                tl.store(kc[None, :], to_cache(k_new, k_ptr), mask=mask_d[None, :])
+                tl.store(vc, to_cache(v_new, v_ptr), mask=mask_d)
         tl.debug_barrier()  # the stores above before any thread's loads below
     else:
-        q_ptrs = q_ptr + row * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+        if PACK:
+            q_ptrs = q_ptr + tok[:, None] * stride_qb + heads[:, None] * stride_qh
+        else:
+            q_ptrs = q_ptr + row * stride_qb + heads[:, None] * stride_qh
+        q_ptrs = q_ptrs + offs_d[None, :]
         q = tl.load(q_ptrs, mask=mask_h[:, None] & mask_d[None, :], other=0.0)
 
     s_scale = qk_scale
@@ -207,11 +273,18 @@ def _decode_split_kernel(
         k_ptrs = k_ptr + slot[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None]
         k_t = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_D, BLOCK_N]
         s = tl.dot(q, k_t, input_precision=PRECISION) * s_scale  # [BLOCK_H, BLOCK_N]
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        # every block inside [start, end) has a valid key, so m_new is finite
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)  # exp2(-inf) = 0 on the first block
-        p = tl.exp2(s - m_new[:, None])  # [BLOCK_H, BLOCK_N]
+        if PACK:  # each block row to its own token's causal length
+            s = tl.where(mask_n[None, :] & (pos[None, :] < vis[:, None]), s, float("-inf"))
+            # a row may see no key of a block (and none before it): m_new is -inf
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            s = tl.where(mask_n[None, :], s, float("-inf"))
+            # every block inside [start, end) has a valid key, so m_new is finite
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = m_new
+        alpha = tl.exp2(m_i - m_use)  # exp2(-inf) = 0 on the first block
+        p = tl.exp2(s - m_use[:, None])  # [BLOCK_H, BLOCK_N]
         l_i = l_i * alpha + tl.sum(p, 1)
         v_ptrs = v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :]
         v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(q.dtype)
@@ -225,7 +298,7 @@ def _decode_split_kernel(
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     mo_ptrs = (
         mid_o_ptr
-        + row * stride_mob
+        + tok[:, None] * stride_mob
         + heads[:, None] * stride_moh
         + split * stride_mos
         + offs_d[None, :]
@@ -234,29 +307,30 @@ def _decode_split_kernel(
     # NOTE: with one split mid_o is the output itself (see decode_attention)
     tl.store(mo_ptrs, out.to(mid_o_ptr.dtype.element_ty), mask=hd_mask)
     if NUM_SPLITS > 1:
-        tl.store(mid_lse_ptr + row * stride_mlb + heads * stride_mlh + split, lse, mask=mask_h)
+        tl.store(mid_lse_ptr + tok * stride_mlb + heads * stride_mlh + split, lse, mask=mask_h)
         # Every thread's partial must be stored before the count says so: a CTA
         # barrier, then a release (acq_rel, GPU scope) increment by one thread.
         tl.debug_barrier()
         count = count_ptr + row * stride_cb + kvh
         if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
             tl.store(count, 0)  # the others are done: ready for the next launch
-            merge_splits(
-                mid_o_ptr + row * stride_mob,
-                mid_lse_ptr + row * stride_mlb,
-                o_ptr + row * stride_ob,
-                kvh * GROUP,
-                stride_moh,
-                stride_mos,
-                stride_mlh,
-                stride_oh,
-                GROUP,
-                HEAD_DIM,
-                NUM_SPLITS,
-                BLOCK_G,
-                BLOCK_S,
-                BLOCK_D,
-            )
+            for t in range(n_tok):  # NOTE: PACK: each token of the row; else the one
+                merge_splits(
+                    mid_o_ptr + (first_tok + t) * stride_mob,
+                    mid_lse_ptr + (first_tok + t) * stride_mlb,
+                    o_ptr + (first_tok + t) * stride_ob,
+                    kvh * GROUP,
+                    stride_moh,
+                    stride_mos,
+                    stride_mlh,
+                    stride_oh,
+                    GROUP,
+                    HEAD_DIM,
+                    NUM_SPLITS,
+                    BLOCK_G,
+                    BLOCK_S,
+                    BLOCK_D,
+                )
 
 
 def decode_block_params(block_d: int, fp8: bool) -> tuple[int, int]:
@@ -287,6 +361,7 @@ def decode_attention(
     num_stages: int | None = None,
     pdl: bool = True,
     tokens_per_row: int = 1,
+    pack: bool = False,
 ) -> None:
     """Paged decode attention, written into `o` in place.
 
@@ -297,11 +372,13 @@ def decode_attention(
     bs = rows * T tokens, row r's at [r T, (r + 1) T), page_table and seq_lens per row
     ([rows, ...]); token i of a row attends causally to the row's first
     seq_len - (T - 1 - i) positions: the extend kernel's result, with the decode
-    kernel's split-KV and one program per KV head.
+    kernel's split-KV and one program per KV head. pack (where `packs`): one program
+    per row and KV head holds all T tokens' heads (module docstring); scratch rows are
+    still per query token.
     rope: None when q is rotated and the new K/V are in the cache already; else
     q is unrotated and the kernel rotates q and k and writes k, v (see DecodeRope),
-    with the roundings of `rotary_and_store`.
-    The launch grid depends only on bs, KVH, H and scratch.num_kv_splits.
+    with the roundings of `rotary_and_store` (verify rows: packed only).
+    The launch grid depends only on bs, T, KVH, H and scratch.num_kv_splits.
     block_n, num_stages: None = `decode_block_params`.
     pdl: may launch with programmatic dependent launch (where the device supports it).
     An fp8 cache with a 16-bit q does its dots in float16: q (pre-scaled) and the keys
@@ -313,8 +390,10 @@ def decode_attention(
     num_kv_heads = k_cache.shape[1]
     splits = scratch.num_kv_splits
     t = tokens_per_row
-    assert t >= 1 and bs % t == 0 and (t == 1 or rope is None), (t, bs)
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    group = num_heads // num_kv_heads
+    assert not pack or packs(t, group), (t, group)
+    assert t >= 1 and bs % t == 0 and (t == 1 or rope is None or pack), (t, bs)
     assert k_cache.shape == v_cache.shape and k_cache.shape[2] == head_dim, (k_cache.shape, q.shape)
     assert page_table.dim() == 2 and page_table.shape[0] * t == bs, (page_table.shape, bs, t)
     assert seq_lens.shape == (bs // t,) and o.shape == q.shape, (seq_lens.shape, o.shape, q.shape)
@@ -338,7 +417,6 @@ def decode_attention(
     if bs == 0:
         return
     r = rope if rope is not None else DecodeRope(q, q, seq_lens, q, seq_lens)  # unused if None
-    group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
     default_n, default_stages = decode_block_params(block_d, fp8)
     block_n = default_n if block_n is None else block_n
@@ -350,7 +428,7 @@ def decode_attention(
     mo = o if direct else mid_o
     mo_strides = (o.stride(0), o.stride(1), 0) if direct else mid_o.stride()[:3]
     launch = launch_pdl(q, pdl)
-    _decode_split_kernel[(bs, num_kv_heads, splits)](
+    _decode_split_kernel[(bs // t if pack else bs, num_kv_heads, splits)](
         q, k_cache, v_cache, page_table, seq_lens, mo, mid_lse, scratch.counts, o,
         r.k, r.v, r.positions, r.cos_sin, r.loc,
         scale * LOG2E,
@@ -359,8 +437,10 @@ def decode_attention(
         *mo_strides, mid_lse.stride(0), mid_lse.stride(1),
         scratch.counts.stride(0), o.stride(0), o.stride(1),
         r.k.stride(0), r.k.stride(1), r.v.stride(0), r.v.stride(1), r.cos_sin.stride(0), t,
-        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, NUM_SPLITS=splits,
-        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        GROUP=group, PACK=pack, BLOCK_T=triton.next_power_of_2(t) if pack else 1,
+        HEAD_DIM=head_dim, PAGE_SIZE=page_size, NUM_SPLITS=splits,
+        BLOCK_H=max(16, triton.next_power_of_2(t * group if pack else group)),
+        BLOCK_N=block_n, BLOCK_D=block_d,
         BLOCK_G=merge_heads_per_tile(group, splits, block_d),
         BLOCK_S=triton.next_power_of_2(splits),
         PRECISION=dot_precision(q.dtype),

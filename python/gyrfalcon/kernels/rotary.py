@@ -65,6 +65,34 @@ def rotated_heads(
 
 
 @triton.jit
+def rotated_rows(
+    row_ptrs,  # [R] each row's start (a token's head of q or k; head dim contiguous)
+    mask_r,  # [R]
+    cs_rows,  # [R] each row's token's row of the cos/sin table (float32, cos | sin)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """[R, BLOCK_D] rows rotated as `rotated_heads` rotates them, each row at its own
+    token's position (its own cos/sin row)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    dtype = row_ptrs.dtype.element_ty
+    offs_d = tl.arange(0, BLOCK_D)
+    first = offs_d < HALF
+    freq = tl.where(first, offs_d, offs_d - HALF)  # column of cos/sin
+    partner = tl.where(first, offs_d + HALF, offs_d - HALF)  # rotate_half's source
+    mask = mask_r[:, None] & (offs_d < HEAD_DIM)[None, :]
+    x = tl.load(row_ptrs[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(row_ptrs[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.where(first[None, :], -xp, xp)  # rotate_half(x)
+    cs = cs_rows[:, None] + freq[None, :]
+    cos = tl.load(cs, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    sin = tl.load(cs + HALF, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    a = (x * cos).to(dtype).to(tl.float32)
+    b = (xp * sin).to(dtype).to(tl.float32)
+    return (a + b).to(dtype)
+
+
+@triton.jit
 def _rotate_heads(
     base_ptr,  # this token's row of q or k
     stride_h,

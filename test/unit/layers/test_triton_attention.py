@@ -153,6 +153,28 @@ def test_verify_rows_on_the_decode_kernel_and_uneven_ones_on_the_extend_kernel(k
         torch.testing.assert_close(out, expect, **tol)
 
 
+@pytest.mark.parametrize(
+    "heads,kv_heads,t,packed",
+    # packed up to 64 block rows (T x GROUP), one program row per token beyond
+    [(6, 2, 4, True), (16, 1, 4, True), (32, 2, 5, False), (4, 4, 16, True)],
+)
+def test_verify_rows_packed_or_per_token_match_ref(heads, kv_heads, t, packed):
+    """Verify rows on the decode kernel as a graph replays them: their T tokens' heads
+    packed into one program per KV head where they fit (each block row masked to its
+    token's causal length; splits where a row's first tokens see no key), else a
+    program row per token; eagerly always a program row per token. All match torch_ref."""
+    spec = [(prefix, t) for prefix in [1, PS - 1, 2 * PS + 1, 29]]
+    kw = dict(num_kv_splits=3, decode_block_n=16)
+    for replay in (True, False):
+        out, expect, tb = run_both(
+            spec, heads, kv_heads, 64, ForwardMode.VERIFY, replay=replay, **kw
+        )
+        meta = tb.attn_meta
+        assert meta.verify_tokens == t and meta.packed == (packed and replay)
+        torch.testing.assert_close(out, expect, **TOL)
+        assert not meta.scratch.counts.any()
+
+
 @pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.MIXED])
 def test_fp8_kv_cache_matches_ref_and_stays_near_full_precision(mode):
     spec = [(n - 1, 1) for n in DECODE_LENS] if mode is ForwardMode.DECODE else EXTEND_SPEC

@@ -13,6 +13,7 @@ from triton_attention_cases import (  # NOTE: sets TRITON_INTERPRET
     TOL,
     make_batch,
     make_case,
+    make_replay_batch,
     run_both,
 )
 
@@ -55,10 +56,11 @@ def test_replay_metadata_views_the_graph_runners_static_batch():
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_verify_replay_metadata_views_the_static_batch(k):
-    """A VERIFY key: the decode kernel, a program row per query token, reads the static
-    buffers' page table and lengths (its grid and scratch depend on the key alone:
-    padded rows x (k + 1)); two fills of one key read the same tensors and match
-    torch_ref on the real rows."""
+    """A VERIFY key: the decode kernel, one program row per row holding its k + 1 tokens
+    (packed), reads the static buffers' page table and lengths (its grid and scratch
+    depend on the key alone: padded rows, x (k + 1) scratch rows); two fills of one key
+    read the same tensors and match torch_ref on the real rows. Packed verify rows may
+    take RoPE inside the kernel (`attend_rope`)."""
     from gyrfalcon.worker.cuda_graph import GraphKey, StaticBuffers
 
     t, padded = k + 1, 4
@@ -78,7 +80,7 @@ def test_verify_replay_metadata_views_the_static_batch(k):
         assert meta.q_starts.tolist() == [0, t, 2 * t, 3 * t] and meta.q_lens.tolist() == [t] * 4
         assert meta.page_table.data_ptr() == buf.page_table.data_ptr()
         ptrs.add((meta.page_table.data_ptr(), meta.seq_lens.data_ptr(), meta.q_starts.data_ptr()))
-        assert not tri.fuses_rope(tb)
+        assert meta.packed and tri.fuses_rope(tb)
         padded_rows = rows + [RowInput(0, [0] * t, [0])] * (padded - len(rows))
         rb = make_batch(padded_rows, cache, ref, ForwardMode.VERIFY)
         n = len(rows) * t
@@ -239,6 +241,51 @@ def test_decode_with_rope_in_the_kernel(kv_heads, head_dim, splits, kv_dtype):
     n = len(spec)  # padded rows share the dummy slot: only real rows are compared
     torch.testing.assert_close(out[:n], expect[:n], **TOL)
     slots = tb.out_cache_loc[:n]
+    for got, want in ((cache.k, ref_cache.k), (cache.v, ref_cache.v)):
+        torch.testing.assert_close(got[LAYER][slots].float(), want[LAYER][slots].float(), **TOL)
+    assert not tb.attn_meta.scratch.counts.any()
+
+
+@pytest.mark.parametrize("splits,kv_dtype", [(1, torch.float32), (3, torch.float32), (2, FP8)])
+def test_packed_verify_rows_with_rope_in_the_kernel(splits, kv_dtype):
+    """Verify rows of k + 1 = 4 tokens through attend_rope (every token's q and k
+    rotated at its own position, the row's new K/V written by the programs whose
+    splits hold them, each token attending to its causal prefix) equal the torch
+    rotary, the K/V store kernel and torch_ref attention, and leave the same cache;
+    rows straddle pages and splits (a split where the row's first tokens see no key).
+    Packed rows run under graphs only: the same rows eagerly take RoPE apart."""
+    from gyrfalcon.kernels.kv_store import store_kv
+    from gyrfalcon.kernels.rotary import build_cos_sin_cache
+    from gyrfalcon.layers.context import LayerContext
+    from gyrfalcon.layers.rotary import RotaryEmbedding
+
+    kv_heads, head_dim, t = 2, 64, 4
+    heads = 3 * kv_heads  # NOTE: a group of 3 (SmolLM2's): 12 of the block's 16 rows
+    spec = [(p, t) for p in (1, PS - 2, 2 * PS + 1, 29, 44)]
+    (cache, rows), (ref_cache, _) = (
+        make_case(spec, kv_heads, head_dim, 11, kv_dtype=kv_dtype) for _ in range(2)
+    )
+    tri = TritonBackend(
+        heads, kv_heads, head_dim, head_dim**-0.5, num_kv_splits=splits, decode_block_n=16
+    )
+    ref = TorchRefBackend(heads, kv_heads, head_dim, head_dim**-0.5)
+    eager = make_batch(rows, cache, tri, ForwardMode.VERIFY)
+    assert eager.attn_meta.verify_tokens == t and not tri.fuses_rope(eager)
+    tb = make_replay_batch(rows, cache, tri, ForwardMode.VERIFY)
+    rb = make_batch(rows, ref_cache, ref, ForwardMode.VERIFY)
+    assert tb.attn_meta.verify_tokens == t and tb.attn_meta.packed and tri.fuses_rope(tb)
+    gen = torch.Generator().manual_seed(12)
+    n = len(rows) * t
+    q, k, v = (torch.randn(n, h, head_dim, generator=gen) for h in (heads,) + 2 * (kv_heads,))
+    rope = RotaryEmbedding(head_dim, 10000.0, None, 128, LayerContext())
+    cos_sin = build_cos_sin_cache(rope.inv_freq, 128)
+    out = tri.attend_rope(q, k, v, tb.positions, cos_sin, LAYER, tb)
+    q_rot, k_rot = rope(rb.positions, q, k)
+    store_kv(k_rot, v, ref_cache.k[LAYER], ref_cache.v[LAYER], rb.out_cache_loc)
+    expect = ref.attend(q_rot, LAYER, rb)
+    tol = TOL if kv_dtype == torch.float32 else dict(atol=0.05, rtol=0.05)
+    torch.testing.assert_close(out, expect, **tol)
+    slots = tb.out_cache_loc
     for got, want in ((cache.k, ref_cache.k), (cache.v, ref_cache.v)):
         torch.testing.assert_close(got[LAYER][slots].float(), want[LAYER][slots].float(), **TOL)
     assert not tb.attn_meta.scratch.counts.any()

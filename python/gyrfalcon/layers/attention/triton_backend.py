@@ -8,12 +8,17 @@ per KV head (the extend kernel would read it once per query head, without
 splits). VERIFY and DRAFT_EXTEND batches whose rows all hold T (2..16) query
 tokens run entirely on the decode kernel, one program row per query token
 (`verify_tokens`): split-KV and one program per KV head, where the extend kernel
-would run one program per query head over each row's whole KV. Everything that
-needs host values (max_q_len) is computed once per step in build_metadata, so
-`forward` launches kernels without host syncs.
+would run one program per query head over each row's whole KV. Under CUDA graphs,
+where a row's T tokens' query heads of a KV head fit one program (`packs`), that
+program holds them all and reads the row's keys once (`TritonMeta.packed`); eager
+batches keep a program row per token, whatever their T (T varies from step to step
+in eager DRAFT_EXTEND batches, and each packed T is a kernel build of its own, which
+graph capture makes before serving but an eager step would make while serving).
+Everything that needs host values (max_q_len) is computed once per step in
+build_metadata, so `forward` launches kernels without host syncs.
 
-DECODE batches take RoPE and the new K/V write inside the decode kernel
-(`attend_rope`), one launch less per layer.
+DECODE batches, and packed verify rows, take RoPE and the new K/V write inside the
+decode kernel (`attend_rope`), one launch less per layer.
 
 The decode kernel splits each row's KV into `decode_kv_splits(bs, ...)` parts
 (unless fixed in the constructor): enough (batch x KV head x split) programs to
@@ -41,6 +46,7 @@ from gyrfalcon.kernels.attention_decode import (
     DecodeScratch,
     alloc_decode_scratch,
     decode_attention,
+    packs,
 )
 from gyrfalcon.kernels.attention_extend import extend_attention
 from gyrfalcon.kernels.device import num_sms
@@ -73,6 +79,9 @@ class TritonMeta:
     # batch then runs on the decode kernel, one query token per program row
     # (`decode_attention(tokens_per_row=T)`), scratch rows [0, bs * T) used
     verify_tokens: int = 0
+    # host value: verify rows packed, one program per row and KV head holding its T
+    # tokens (`decode_attention(pack=True)`; graph replays only, module docstring)
+    packed: bool = False
     # every row on the extend kernel's flat grid (`prepare_any_rows`): q_lens may hold
     # spare rows of 0, and max_q_len is the token count
     flat: bool = False
@@ -167,6 +176,16 @@ class TritonBackend(AttentionBackend):
             return self.num_kv_splits
         return decode_kv_splits(bs, self.num_kv_heads, num_sms(device))
 
+    def packs(self, tokens_per_row: int) -> bool:
+        """Whether verify rows of this many tokens run packed under graphs
+        (kernels/attention_decode)."""
+        return packs(tokens_per_row, self.num_heads // self.num_kv_heads)
+
+    def _program_rows(self, bs: int, t: int) -> tuple[int, int]:
+        """(the decode kernel's program rows, query tokens each) for a graph's bs rows of
+        t tokens: (bs, t) packed, else (bs * t, 1)."""
+        return (bs, t) if self.packs(t) else (bs * t, 1)
+
     # ------------------------------------------------------------ metadata
 
     def _decode_scratch(self, bs: int, device: torch.device) -> DecodeScratch:
@@ -226,11 +245,14 @@ class TritonBackend(AttentionBackend):
         tokens_per_row: int = 1,
     ) -> None:
         """Decode scratch per split count, for up to max_bs * tokens_per_row query rows
-        (VERIFY and DRAFT_EXTEND run on the decode kernel too: `verify_tokens`); kept
-        across calls where large enough, so every mode's graphs share it."""
+        (VERIFY and DRAFT_EXTEND run on the decode kernel too: `verify_tokens`; packed,
+        their split count is that of their rows); kept across calls where large
+        enough, so every mode's graphs share it."""
         check_capture(mode, tokens_per_row)
         have = self._graph_scratch or {}
-        for s, n in self._rows_by_splits(max_bs * tokens_per_row, device).items():
+        rows, per_row = self._program_rows(max_bs, tokens_per_row)
+        need = {s: n * per_row for s, n in self._rows_by_splits(rows, device).items()}
+        for s, n in need.items():
             if s not in have or have[s].mid_o.shape[0] < n:
                 if s in have:  # NOTE: graphs captured before may point into it: kept alive
                     self._retired_scratch.append(have[s])
@@ -287,8 +309,9 @@ class TritonBackend(AttentionBackend):
         bs = batch.batch_size
         assert self._graph_scratch is not None, "capture_buffers must run before prepare_replay"
         if t > 1:  # VERIFY, DRAFT_EXTEND: rows of k + 1 tokens
-            scratch = self._graph_scratch[self.kv_splits(bs * t, batch.seq_lens.device)]
-            return self._verify_meta(batch, t, scratch)
+            rows, _ = self._program_rows(bs, t)
+            scratch = self._graph_scratch[self.kv_splits(rows, batch.seq_lens.device)]
+            return self._verify_meta(batch, t, scratch, self.packs(t))
         return TritonMeta(
             page_table=batch.page_table,
             seq_lens=batch.seq_lens,
@@ -302,9 +325,11 @@ class TritonBackend(AttentionBackend):
         )
 
     @staticmethod
-    def _verify_meta(batch: ForwardBatch, t: int, scratch: DecodeScratch) -> TritonMeta:
+    def _verify_meta(
+        batch: ForwardBatch, t: int, scratch: DecodeScratch, packed: bool = False
+    ) -> TritonMeta:
         """Rows of t query tokens each on the decode kernel (`verify_tokens`)."""
-        return TritonBackend._rows_meta(batch, t, scratch=scratch, verify_tokens=t)
+        return TritonBackend._rows_meta(batch, t, scratch=scratch, verify_tokens=t, packed=packed)
 
     @staticmethod
     def _rows_meta(batch: ForwardBatch, max_q_len: int, **kw) -> TritonMeta:
@@ -327,11 +352,12 @@ class TritonBackend(AttentionBackend):
     # ------------------------------------------------------------ forward
 
     def fuses_rope(self, batch: ForwardBatch) -> bool:
-        return batch.attn_meta.is_decode
+        meta: TritonMeta = batch.attn_meta
+        return meta.is_decode or meta.packed
 
     def attend_rope(self, q, k, v, positions, cos_sin, layer, batch) -> torch.Tensor:
         meta: TritonMeta = batch.attn_meta
-        assert meta.is_decode and meta.scratch is not None
+        assert self.fuses_rope(batch) and meta.scratch is not None
         bs = q.shape[0]
         assert q.shape == (bs, self.num_heads, self.head_dim), q.shape
         cache = batch.kv_cache
@@ -349,6 +375,8 @@ class TritonBackend(AttentionBackend):
             block_n=self.decode_block_n,
             pdl=self.pdl,
             rope=DecodeRope(k, v, positions, cos_sin, batch.out_cache_loc),
+            tokens_per_row=meta.verify_tokens or 1,
+            pack=meta.packed,
         )
         return out.view(bs, -1)
 
@@ -367,7 +395,7 @@ class TritonBackend(AttentionBackend):
             decode_attention(
                 q, k_all, v_all, meta.page_table, meta.seq_lens, out, meta.scratch,
                 batch.page_size, self.scale, block_n=self.decode_block_n, pdl=self.pdl,
-                tokens_per_row=meta.verify_tokens,
+                tokens_per_row=meta.verify_tokens, pack=meta.packed,
             )  # fmt: skip
             return out.view(num_tokens, -1)
         nd = meta.num_decode
