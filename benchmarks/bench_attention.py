@@ -29,11 +29,8 @@ except ImportError:  # running from a checkout without an installed package
 
 from gyrfalcon.bench.graph_timing import time_graph
 from gyrfalcon.bench.provenance import git_commit
-from gyrfalcon.kernels.attention_decode import (
-    DecodeRope,
-    alloc_decode_scratch,
-    decode_attention,
-)
+from gyrfalcon.kernels.attention_decode import decode_attention
+from gyrfalcon.kernels.attention_launch import DecodeRope, alloc_decode_scratch
 from gyrfalcon.kernels.rotary import build_cos_sin_cache
 from gyrfalcon.layers.rotary import rope_inv_freq
 

@@ -12,9 +12,9 @@ the output and goes straight to it.
 
 Verify rows (T = k + 1 query tokens a page-table row, token i seeing the row's length
 minus the T - 1 - i tokens after it) run one of two ways. Packed (`PACK`, where T x
-GROUP query heads fit a block of MAX_PACKED_ROWS): one program per (row, KV head,
-split) holds all T tokens' heads of its KV head as the rows of its dots, each row
-masked to its own causal length, so the row's keys are read once, not T times.
+GROUP query heads fit a block: `attention_launch.packs`): one program per (row, KV
+head, split) holds all T tokens' heads of its KV head as the rows of its dots, each
+row masked to its own causal length, so the row's keys are read once, not T times.
 Otherwise one program row per query token, as for decode.
 
 With `rope`, the kernel also does what `rotary_and_store` would in a launch of its
@@ -33,75 +33,23 @@ so both stages use exp2; they are only ever compared with each other.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
+from gyrfalcon.kernels.attention_launch import (
+    LOG2E,
+    DecodeRope,
+    DecodeScratch,
+    decode_block_params,
+    dot_precision,
+    packs,
+)
 from gyrfalcon.kernels.device import launch_pdl
 from gyrfalcon.kernels.kv_store import to_cache
 from gyrfalcon.kernels.pdl import pdl_gate
 from gyrfalcon.kernels.rotary import rotated_heads, rotated_rows
 from gyrfalcon.kernels.split_merge import merge_heads_per_tile, merge_splits
-
-LOG2E = 1.4426950408889634
-# verify rows pack their T tokens' query heads of a KV head into one program's block
-# (`PACK`) while T x GROUP is at most this many rows
-MAX_PACKED_ROWS = 64
-
-
-def packs(tokens_per_row: int, group: int) -> bool:
-    """Whether verify rows of `tokens_per_row` tokens run packed (module docstring) for
-    a GQA group of `group` query heads per KV head."""
-    return tokens_per_row > 1 and tokens_per_row * group <= MAX_PACKED_ROWS
-
-
-@dataclass
-class DecodeScratch:
-    """Caller-owned split partials, reusable across layers and steps (launches on one
-    stream: each launch merges its partials before it ends)."""
-
-    mid_o: torch.Tensor  # [max_bs, H, num_kv_splits, D] float32
-    mid_lse: torch.Tensor  # [max_bs, H, num_kv_splits] float32 (base-2 log-sum-exp)
-    # [max_bs, H] int32, zero between launches: splits finished per (row, KV head)
-    # (columns [0, KVH) used); the last program of a pair sets it back to 0
-    counts: torch.Tensor
-
-    @property
-    def num_kv_splits(self) -> int:
-        return int(self.mid_lse.shape[2])
-
-
-def alloc_decode_scratch(
-    max_bs: int, num_heads: int, head_dim: int, num_kv_splits: int, device: torch.device
-) -> DecodeScratch:
-    """Scratch for `decode_attention` on batches of up to max_bs rows."""
-    assert max_bs >= 1 and num_kv_splits >= 1, (max_bs, num_kv_splits)
-    return DecodeScratch(
-        mid_o=torch.empty(
-            (max_bs, num_heads, num_kv_splits, head_dim), dtype=torch.float32, device=device
-        ),
-        mid_lse=torch.empty((max_bs, num_heads, num_kv_splits), dtype=torch.float32, device=device),
-        counts=torch.zeros((max_bs, num_heads), dtype=torch.int32, device=device),
-    )
-
-
-@dataclass
-class DecodeRope:
-    """What `decode_attention` needs to apply RoPE and write the new K/V itself (the
-    launch `rotary_and_store` would cost): q is then the raw (unrotated) query."""
-
-    k: torch.Tensor  # [bs, KVH, D] the new tokens' k before RoPE (head dim contiguous)
-    v: torch.Tensor  # [bs, KVH, D]
-    positions: torch.Tensor  # [bs] int, the new tokens' positions (= seq_lens - 1)
-    cos_sin: torch.Tensor  # [max_pos, D] float32, `build_cos_sin_cache`
-    loc: torch.Tensor  # [bs] int, the new tokens' cache slots
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """fp32 inputs get exact (IEEE) dots instead of tf32; 16-bit inputs ignore this."""
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 # NOTE: the page table's row stride and the tokens per row vary from batch to batch
@@ -331,18 +279,6 @@ def _decode_split_kernel(
                     BLOCK_S,
                     BLOCK_D,
                 )
-
-
-def decode_block_params(block_d: int, fp8: bool) -> tuple[int, int]:
-    """(keys per loop iteration, pipeline stages) of the decode kernel.
-
-    Measured on an H100 (benchmarks/NOTES.md, Llama-8B heads, context 2048): an fp8
-    cache runs fastest with 128 keys and 3 stages (446 vs 545 us at batch 256, 120
-    vs 181 us at 64); a 16-bit one is at the bandwidth with 64 keys and 2 stages.
-    Wider heads take half the keys (shared memory)."""
-    if block_d > 128:
-        return 32, 2
-    return (128, 3) if fp8 else (64, 2)
 
 
 def decode_attention(

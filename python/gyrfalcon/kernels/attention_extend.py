@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gyrfalcon.kernels.attention_decode import LOG2E, dot_precision
+from gyrfalcon.kernels.attention_launch import LOG2E, dot_precision
 
 
 # NOTE: the page table's row stride varies from batch to batch (specialized, a new

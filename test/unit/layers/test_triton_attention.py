@@ -14,7 +14,7 @@ from triton_attention_cases import (  # NOTE: sets TRITON_INTERPRET
 )
 
 from gyrfalcon.ipc.messages import ForwardMode
-from gyrfalcon.layers.attention.triton_backend import MAX_KV_SPLITS, decode_kv_splits
+from gyrfalcon.layers.attention.triton_meta import MAX_KV_SPLITS, decode_kv_splits
 
 # decode lengths: 1, page edges (PS-1, PS, PS+1), block edges, and longer rows
 DECODE_LENS = [1, PS - 1, PS, PS + 1, 16, 17, 45]
@@ -195,7 +195,8 @@ def test_fp8_decode_with_bf16_queries_in_float16_math():
 
     NOTE: the interpreter's fp8 -> bf16 conversion is wrong (test/gpu covers the
     bf16 math on the GPU); its fp8 -> float16 one is right."""
-    from gyrfalcon.kernels.attention_decode import alloc_decode_scratch, decode_attention
+    from gyrfalcon.kernels.attention_decode import decode_attention
+    from gyrfalcon.kernels.attention_launch import alloc_decode_scratch
 
     gen = torch.Generator().manual_seed(4)
     lens, heads, kvh, d = [1, 7, 18, 33], 8, 2, 64

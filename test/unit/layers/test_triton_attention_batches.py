@@ -22,7 +22,8 @@ from gyrfalcon.forward.metadata import RowInput, build_batch_tensors
 from gyrfalcon.ipc.messages import ForwardMode
 from gyrfalcon.layers.attention.registry import create_backend
 from gyrfalcon.layers.attention.torch_ref import TorchRefBackend
-from gyrfalcon.layers.attention.triton_backend import TritonBackend, decode_kv_splits
+from gyrfalcon.layers.attention.triton_backend import TritonBackend
+from gyrfalcon.layers.attention.triton_meta import decode_kv_splits
 
 
 def test_replay_metadata_views_the_graph_runners_static_batch():

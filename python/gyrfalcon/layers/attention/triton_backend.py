@@ -33,22 +33,20 @@ scratch per split count for every mode's rows, shared across modes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from gyrfalcon.forward.batch import ForwardBatch
 from gyrfalcon.forward.kv_cache import KVCache
 from gyrfalcon.ipc.contract import DUMMY_PAGE
 from gyrfalcon.ipc.messages import ForwardMode
-from gyrfalcon.kernels.attention_decode import (
+from gyrfalcon.kernels.attention_decode import decode_attention
+from gyrfalcon.kernels.attention_extend import extend_attention
+from gyrfalcon.kernels.attention_launch import (
     DecodeRope,
     DecodeScratch,
     alloc_decode_scratch,
-    decode_attention,
     packs,
 )
-from gyrfalcon.kernels.attention_extend import extend_attention
 from gyrfalcon.kernels.device import num_sms
 from gyrfalcon.kernels.dispatch import DEFAULT_KERNELS, KernelPolicy
 from gyrfalcon.layers.attention.base import (
@@ -56,81 +54,12 @@ from gyrfalcon.layers.attention.base import (
     check_capture,
     replay_tokens_per_row,
 )
-
-
-@dataclass
-class TritonMeta:
-    page_table: torch.Tensor  # [bs, max_pages] int32 (int64 under graphs)
-    # [bs] int32 (int64 under graphs), KV length of each row after this step (>= 1)
-    seq_lens: torch.Tensor
-    # of the extend rows [num_decode, bs) (VERIFY rows: all of them), int32 (int64 under
-    # graphs): their page-table rows, KV lengths after this step (>= 1), each one's first
-    # token's offset in [T], its new tokens (>= 1). Copies where num_decode > 0: they
-    # start 16-byte aligned whatever num_decode, as Triton, specializing on pointer
-    # alignment, needs to serve every mix of rows with one build of its kernel.
-    ext_page_table: torch.Tensor
-    ext_seq_lens: torch.Tensor
-    q_starts: torch.Tensor
-    q_lens: torch.Tensor
-    max_q_len: int  # host value: the longest extend row (rows >= num_decode); sets its grid
-    num_decode: int  # host value: batch.num_decode_rows (tokens [0, num_decode))
-    scratch: DecodeScratch | None  # decode partials, rows [0, num_decode) used
-    # host value: T > 0 when every row is T >= 2 query tokens (verify rows): the whole
-    # batch then runs on the decode kernel, one query token per program row
-    # (`decode_attention(tokens_per_row=T)`), scratch rows [0, bs * T) used
-    verify_tokens: int = 0
-    # host value: verify rows packed, one program per row and KV head holding its T
-    # tokens (`decode_attention(pack=True)`; graph replays only, module docstring)
-    packed: bool = False
-    # every row on the extend kernel's flat grid (`prepare_any_rows`): q_lens may hold
-    # spare rows of 0, and max_q_len is the token count
-    flat: bool = False
-
-    @property
-    def is_decode(self) -> bool:
-        return self.num_decode == self.page_table.shape[0]
-
-
-# NOTE: measured on nvidia-h200 (benchmarks/bench_attention.py, context 1024): about
-# four programs per SM is where more splits stop paying, for 3 and 8 KV heads alike.
-PROGRAMS_PER_SM = 4
-MAX_KV_SPLITS = 16
-
-
-def decode_kv_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
-    """Split-KV count of the decode kernel for a batch: the largest power of two
-    <= MAX_KV_SPLITS with batch_size * num_kv_heads * splits <= PROGRAMS_PER_SM *
-    num_sms, and at least 1. Non-increasing in batch_size."""
-    assert batch_size >= 1 and num_kv_heads >= 1 and num_sms >= 1
-    splits = 1
-    while (
-        splits * 2 <= MAX_KV_SPLITS
-        and batch_size * num_kv_heads * splits * 2 <= PROGRAMS_PER_SM * num_sms
-    ):
-        splits *= 2
-    return splits
-
-
-# Verify rows of up to this many query tokens run on the decode kernel
-MAX_VERIFY_TOKENS = 16
-
-# A MIXED batch's decode rows join the extend kernel's launch (one launch a layer instead
-# of two) while that kernel's reads of their KV, once per query head, stay under this
-# many bytes. An eager step (a prompt arriving beside decoding rows) is bound by its
-# host's launches; on a few short decode rows the launch saved outweighs the re-reads,
-# on many long ones the decode kernel's split-KV reads win (benchmarks/NOTES.md).
-ONE_LAUNCH_MAX_KV_BYTES = 32 << 20
-
-
-def verify_tokens(mode: ForwardMode, q_lens: list[int]) -> int:
-    """T when a VERIFY or DRAFT_EXTEND batch has T query tokens in every row, 2 <= T <=
-    MAX_VERIFY_TOKENS (the decode kernel serves it: one program row per query token,
-    split-KV, one program per KV head, where the extend kernel would read each row's
-    KV once per query head); else 0."""
-    if mode not in (ForwardMode.VERIFY, ForwardMode.DRAFT_EXTEND) or not q_lens:
-        return 0
-    t = q_lens[0]
-    return t if 2 <= t <= MAX_VERIFY_TOKENS and q_lens.count(t) == len(q_lens) else 0
+from gyrfalcon.layers.attention.triton_meta import (
+    ONE_LAUNCH_MAX_KV_BYTES,
+    TritonMeta,
+    decode_kv_splits,
+    verify_tokens,
+)
 
 
 class TritonBackend(AttentionBackend):

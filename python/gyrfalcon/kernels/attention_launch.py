@@ -1,0 +1,80 @@
+"""What the attention kernels' launches take besides their tensors: the decode
+kernel's scratch (`DecodeScratch`), its RoPE inputs (`DecodeRope`), its block sizes, when
+verify rows pack (`packs`), and the dot precision and log base both kernels share.
+Host-side only: no kernel here (kernels/attention_decode.py, attention_extend.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+LOG2E = 1.4426950408889634
+# verify rows pack their T tokens' query heads of a KV head into one program's block
+# (`PACK`) while T x GROUP is at most this many rows
+MAX_PACKED_ROWS = 64
+
+
+def packs(tokens_per_row: int, group: int) -> bool:
+    """Whether verify rows of `tokens_per_row` tokens can run packed (kernels/
+    attention_decode.py) for a GQA group of `group` query heads per KV head."""
+    return tokens_per_row > 1 and tokens_per_row * group <= MAX_PACKED_ROWS
+
+
+@dataclass
+class DecodeScratch:
+    """Caller-owned split partials, reusable across layers and steps (launches on one
+    stream: each launch merges its partials before it ends)."""
+
+    mid_o: torch.Tensor  # [max_bs, H, num_kv_splits, D] float32
+    mid_lse: torch.Tensor  # [max_bs, H, num_kv_splits] float32 (base-2 log-sum-exp)
+    # [max_bs, H] int32, zero between launches: splits finished per (row, KV head)
+    # (columns [0, KVH) used); the last program of a pair sets it back to 0
+    counts: torch.Tensor
+
+    @property
+    def num_kv_splits(self) -> int:
+        return int(self.mid_lse.shape[2])
+
+
+def alloc_decode_scratch(
+    max_bs: int, num_heads: int, head_dim: int, num_kv_splits: int, device: torch.device
+) -> DecodeScratch:
+    """Scratch for `decode_attention` on batches of up to max_bs rows."""
+    assert max_bs >= 1 and num_kv_splits >= 1, (max_bs, num_kv_splits)
+    return DecodeScratch(
+        mid_o=torch.empty(
+            (max_bs, num_heads, num_kv_splits, head_dim), dtype=torch.float32, device=device
+        ),
+        mid_lse=torch.empty((max_bs, num_heads, num_kv_splits), dtype=torch.float32, device=device),
+        counts=torch.zeros((max_bs, num_heads), dtype=torch.int32, device=device),
+    )
+
+
+@dataclass
+class DecodeRope:
+    """What `decode_attention` needs to apply RoPE and write the new K/V itself (the
+    launch `rotary_and_store` would cost): q is then the raw (unrotated) query."""
+
+    k: torch.Tensor  # [bs, KVH, D] the new tokens' k before RoPE (head dim contiguous)
+    v: torch.Tensor  # [bs, KVH, D]
+    positions: torch.Tensor  # [bs] int, the new tokens' positions (= seq_lens - 1)
+    cos_sin: torch.Tensor  # [max_pos, D] float32, `build_cos_sin_cache`
+    loc: torch.Tensor  # [bs] int, the new tokens' cache slots
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get exact (IEEE) dots instead of tf32; 16-bit inputs ignore this."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def decode_block_params(block_d: int, fp8: bool) -> tuple[int, int]:
+    """(keys per loop iteration, pipeline stages) of the decode kernel.
+
+    Measured on an H100 (benchmarks/NOTES.md, Llama-8B heads, context 2048): an fp8
+    cache runs fastest with 128 keys and 3 stages (446 vs 545 us at batch 256, 120
+    vs 181 us at 64); a 16-bit one is at the bandwidth with 64 keys and 2 stages.
+    Wider heads take half the keys (shared memory)."""
+    if block_d > 128:
+        return 32, 2
+    return (128, 3) if fp8 else (64, 2)
