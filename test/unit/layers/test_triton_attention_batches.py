@@ -321,6 +321,39 @@ def test_warm_up_launches_the_decode_kernel_at_every_split_count_of_eager_rows(m
         assert stride in ((heads + 2 * kv_heads) * d, heads * d) and stride % 16 == 0
 
 
+@pytest.mark.parametrize("mode", [ForwardMode.VERIFY, ForwardMode.DRAFT_EXTEND])
+def test_eager_rows_of_any_length_launch_the_builds_the_warm_up_made(monkeypatch, mode):
+    """Eager batches whose rows all hold T tokens launch the decode kernel as the
+    warm-up does, whatever T is: unpacked, RoPE apart, T only a runtime argument. A
+    packed launch is a build per T; eager DRAFT_EXTEND batches of 2, 8 and 16 tokens a
+    row built it five times while serving (benchmarks/NOTES.md, stop 38). The same rows
+    pack as a graph replays them."""
+    from gyrfalcon.layers.attention import triton_backend
+
+    launches = []
+    real = triton_backend.decode_attention
+
+    def record(q, *args, **kw):
+        launches.append((kw.get("tokens_per_row"), kw.get("pack"), kw.get("rope")))
+        return real(q, *args, **kw)
+
+    monkeypatch.setattr(triton_backend, "decode_attention", record)
+    heads, kv_heads, d = 6, 2, 16  # a group of 3: every T below fits a packed block
+    tri = TritonBackend(heads, kv_heads, d, d**-0.5, decode_block_n=16)
+    for t in (2, 4, 8, 16):
+        assert tri.packs(t)
+        cache, rows = make_case([(3, t), (9, t)], kv_heads, d, t)
+        tb = make_batch(rows, cache, tri, mode)
+        assert tb.attn_meta.verify_tokens == t and not tb.attn_meta.packed
+        assert not tri.fuses_rope(tb)
+        q = torch.randn(2 * t, heads, d)
+        tri.forward(q, torch.randn(2 * t, kv_heads, d), torch.randn(2 * t, kv_heads, d), LAYER, tb)
+    assert launches == [(t, False, None) for t in (2, 4, 8, 16)]
+    cache, rows = make_case([(3, 4), (9, 4)], kv_heads, d, 0)
+    replayed = make_replay_batch(rows, cache, tri, mode)
+    assert replayed.attn_meta.packed and tri.fuses_rope(replayed)
+
+
 def _static_rows_batch(bt, cache, backend, rows_buf, table, num_tokens):
     """The real rows of bt copied into static buffers of R rows (spare rows q_len 0) and
     num_tokens tokens (padding on the dummy page's first slot), as a whole piecewise
