@@ -135,9 +135,8 @@ def _decode_split_kernel(
         n_tok = 1
         mask_h = offs_h < GROUP
         heads = kvh * GROUP + offs_h  # [BLOCK_H] query heads of this KV head
-        tok = row + offs_h * 0
+        tok = row + offs_h * 0  # [BLOCK_H] this program's one query token
         seq_len = tl.load(seq_lens_ptr + table_row) - (tokens_per_row - 1 - row % tokens_per_row)
-        vis = seq_len + offs_h * 0
     # NOTE: the split length is rounded up to whole key blocks, so short rows use
     # only the first few splits; the rest have start >= end and stay empty.
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
