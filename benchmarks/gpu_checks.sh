@@ -45,6 +45,11 @@
 #           trees `git archive` put in .ab/<commit>/ (carry .ab; `benchmarks/ab_trees.sh
 #           COMMIT...` makes them), AB_ROUNDS (5) turns of bench_decode.py at AB_BS (1) on
 #           AB_MODEL (the SmolLM2 shape, dummy), then each tree's median; JSONs in $OUT/ab/.
+#   ab-spec: the served EAGLE3 A/B (`spec`, BENCH_SPEC only) of this tree, then of each
+#           .ab/<commit>/ tree, one after the other on one machine (a machine's speed moves
+#           the speed-ups by 0.1-0.2x, so trees compare only within one): carry .ab and
+#           .data, the SmolLM2 GGUF and the drafter staged; each tree's files tagged
+#           ab-<name> (SPEC_ROUNDS, SPEC_WAVES, SPEC_FLAGS, SPEC_SECTIONS as for spec).
 #   multiturn: the multi-turn chat benchmark with and without prefix caching (8B shape);
 #   structured: structured output's decode cost (SmolLM2 staged, batch 64) and its GPU tests;
 #   PYTEST_K selects tests (pytest -k), e.g. "not flashinfer_matches_torch_ref" skips the
@@ -218,6 +223,14 @@ case "${1:-tests}" in
       --device-kind "$KIND" --output-json "$OUT/structured_llama8b_dummy_bs${SO_BS:-64}.json" ${SO_FLAGS:-} 2>&1 | tail -8
     [ "${SO_TESTS:-1}" = 1 ] && python3 -m pytest -m gpu test/gpu/test_structured_gpu.py -q -p no:cacheprovider -rA \
       > "$OUT/gpu_tests_structured.log" 2>&1; echo "pytest exit $?"; tail -8 "$OUT/gpu_tests_structured.log" ;;
+  ab-spec)
+    ROOT=$PWD
+    for tree in . .ab/*; do
+      name=$([ "$tree" = . ] && echo "$GYRFALCON_COMMIT" || basename "$tree")
+      [ "$tree" = . ] || ln -sfn "$ROOT/.data" "$tree/.data"
+      (cd "$tree" && GYRFALCON_COMMIT=$name STEP=0 SPEC_TAG=ab-$name bash "$ROOT/benchmarks/gpu_checks.sh" spec)
+    done
+    grep -ah "target forwards" "$OUT"/spec_logs_ab-*/*.log ;;
   ab-decode)
     AB=$OUT/ab; mkdir -p "$AB"
     MODEL_DIR=${AB_MODEL:-benchmarks/models/smollm2-135m}
