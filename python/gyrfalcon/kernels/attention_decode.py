@@ -280,6 +280,39 @@ def _decode_split_kernel(
                 )
 
 
+def decode_constexprs(
+    head_dim: int,
+    group: int,
+    tokens_per_row: int,
+    pack: bool,
+    splits: int,
+    page_size: int,
+    q_dtype: torch.dtype,
+    fp8: bool,
+    rope: bool,
+    pdl: bool,
+    block_n: int | None = None,
+    num_stages: int | None = None,
+) -> tuple[dict, int]:
+    """(the decode kernel's compile-time arguments, its pipeline stages) for a launch of
+    `decode_attention` with these parameters: each distinct pair is a build of its own.
+    block_n, num_stages: None = `decode_block_params`."""
+    t = tokens_per_row
+    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
+    default_n, default_stages = decode_block_params(block_d, fp8)
+    consts = dict(
+        GROUP=group, PACK=pack, BLOCK_T=triton.next_power_of_2(t) if pack else 1,
+        HEAD_DIM=head_dim, PAGE_SIZE=page_size, NUM_SPLITS=splits,
+        BLOCK_H=max(16, triton.next_power_of_2(t * group if pack else group)),
+        BLOCK_N=default_n if block_n is None else block_n, BLOCK_D=block_d,
+        BLOCK_G=merge_heads_per_tile(group, splits, block_d),
+        BLOCK_S=triton.next_power_of_2(splits),
+        PRECISION=dot_precision(q_dtype),
+        ROPE=rope, F16_MATH=fp8 and q_dtype.itemsize == 2, PDL=pdl,
+    )  # fmt: skip
+    return consts, default_stages if num_stages is None else num_stages
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -352,17 +385,17 @@ def decode_attention(
     if bs == 0:
         return
     r = rope if rope is not None else DecodeRope(q, q, seq_lens, q, seq_lens)  # unused if None
-    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
-    default_n, default_stages = decode_block_params(block_d, fp8)
-    block_n = default_n if block_n is None else block_n
-    num_stages = default_stages if num_stages is None else num_stages
+    launch = launch_pdl(q, pdl)
+    consts, num_stages = decode_constexprs(
+        head_dim, group, t, pack, splits, page_size, q.dtype, fp8, rope is not None, launch,
+        block_n, num_stages,
+    )  # fmt: skip
     mid_o, mid_lse = scratch.mid_o, scratch.mid_lse
     # NOTE: one split needs no merge: its normalized output is final and goes straight
     # to o (the same float ops as the merge with a single weight of 1)
     direct = splits == 1
     mo = o if direct else mid_o
     mo_strides = (o.stride(0), o.stride(1), 0) if direct else mid_o.stride()[:3]
-    launch = launch_pdl(q, pdl)
     _decode_split_kernel[(bs // t if pack else bs, num_kv_heads, splits)](
         q, k_cache, v_cache, page_table, seq_lens, mo, mid_lse, scratch.counts, o,
         r.k, r.v, r.positions, r.cos_sin, r.loc,
@@ -372,14 +405,5 @@ def decode_attention(
         *mo_strides, mid_lse.stride(0), mid_lse.stride(1),
         scratch.counts.stride(0), o.stride(0), o.stride(1),
         r.k.stride(0), r.k.stride(1), r.v.stride(0), r.v.stride(1), r.cos_sin.stride(0), t,
-        GROUP=group, PACK=pack, BLOCK_T=triton.next_power_of_2(t) if pack else 1,
-        HEAD_DIM=head_dim, PAGE_SIZE=page_size, NUM_SPLITS=splits,
-        BLOCK_H=max(16, triton.next_power_of_2(t * group if pack else group)),
-        BLOCK_N=block_n, BLOCK_D=block_d,
-        BLOCK_G=merge_heads_per_tile(group, splits, block_d),
-        BLOCK_S=triton.next_power_of_2(splits),
-        PRECISION=dot_precision(q.dtype),
-        ROPE=rope is not None, F16_MATH=fp8 and q.element_size() == 2,
-        num_warps=num_warps, num_stages=num_stages, PDL=launch,
-        launch_pdl=launch,
+        **consts, num_warps=num_warps, num_stages=num_stages, launch_pdl=launch,
     )  # fmt: skip
