@@ -18,7 +18,6 @@ bf16 or an fp8 cache.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -116,13 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.output_json:
         import triton
 
+        from gyrfalcon.bench import report_json
         from gyrfalcon.bench.provenance import git_commit
 
         report = {
             "bench": "kernel_resources", "target": f"sm_{args.arch}", "triton": triton.__version__,
             "commit": git_commit(), "splits": SPLITS, "rows": table,
         }  # fmt: skip
-        Path(args.output_json).write_text(json.dumps(report, indent=1) + "\n")
+        report_json.write(args.output_json, report)
     return 0
 
 
