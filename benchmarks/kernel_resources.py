@@ -63,7 +63,10 @@ def resources(cubin: bytes) -> dict:
     return {"registers": int(fields["REG"]), "stack_bytes": int(fields["STACK"])}
 
 
-def compile_row(arch: int, shape: str, row: tuple, fp8: bool, warps: int, block_n: int) -> dict:
+def build(arch: int, shape: str, row: tuple, fp8: bool, warps: int, block_n: int = 0):
+    """(compile-time arguments, pipeline stages, Triton's compiled kernel) of one build of
+    the decode kernel for `shape`'s heads and `row` (an entry of ROWS); block_n 0: the
+    kernel's own."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -72,7 +75,7 @@ def compile_row(arch: int, shape: str, row: tuple, fp8: bool, warps: int, block_
     from gyrfalcon.kernels.attention_decode import _decode_split_kernel, decode_constexprs
 
     heads, kv_heads, head_dim = SHAPES[shape]
-    name, t, pack, rope = row
+    _, t, pack, rope = row
     consts, stages = decode_constexprs(
         head_dim, heads // kv_heads, t, pack, SPLITS, 16, torch.bfloat16, fp8, rope, True,
         block_n or None,
@@ -82,8 +85,13 @@ def compile_row(arch: int, shape: str, row: tuple, fp8: bool, warps: int, block_
     compiled = triton.compile(
         src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps, num_stages=stages)
     )
+    return consts, stages, compiled
+
+
+def compile_row(arch: int, shape: str, row: tuple, fp8: bool, warps: int, block_n: int) -> dict:
+    consts, stages, compiled = build(arch, shape, row, fp8, warps, block_n)
     return {
-        "shape": shape, "rows": name, "kv_cache": "fp8_e4m3" if fp8 else "bf16",
+        "shape": shape, "rows": row[0], "kv_cache": "fp8_e4m3" if fp8 else "bf16",
         "num_warps": warps, "block_n": consts["BLOCK_N"], "num_stages": stages,
         "shared_bytes": compiled.metadata.shared, **resources(compiled.asm["cubin"]),
     }  # fmt: skip
