@@ -2,15 +2,21 @@
 the compile-time arguments it compiles with (`decode_constexprs`, which
 `decode_attention` launches with)."""
 
-import json
 import os
-import subprocess
-import sys
 
-import pytest
-import torch
+os.environ["TRITON_INTERPRET"] = "1"  # NOTE: must precede every triton import
 
-from gyrfalcon.kernels.attention_decode import decode_constexprs
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+import torch  # noqa: E402
+
+from gyrfalcon.kernels.attention_decode import decode_constexprs  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 
@@ -37,8 +43,8 @@ def test_decode_constexprs_follow_the_launch():
 def test_kernel_resources_compiles_for_sm90_on_the_cpu(tmp_path):
     """SmolLM2's heads, 4 warps, the kernel's own block: six builds (decode, MIXED decode
     rows, packed verify; bf16 and fp8 caches), each with registers, stack and shared
-    memory as the compiler reports them."""
-    pytest.importorskip("triton")
+    memory as the compiler reports them (in a child process: this one's kernels run in
+    the interpreter)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out_json = tmp_path / "kr.json"
     cmd = [
