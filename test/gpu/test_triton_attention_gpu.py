@@ -119,6 +119,28 @@ def test_decode_bf16(triton_backend_cls, heads, kv_heads, head_dim, bs, splits):
     )
 
 
+def _rope_inside_and_apart(tri, tb, tb2, cache2, heads, kv_heads, head_dim):
+    """(attend_rope on tb: RoPE and the K/V write inside the decode kernel;
+    rotary_and_store into cache2 then attend on tb2), on the same random bf16 qkv rows
+    (views of one projection, as the model passes them)."""
+    from gyrfalcon.kernels.rotary import build_cos_sin_cache, rotary_and_store
+    from gyrfalcon.layers.context import LayerContext
+    from gyrfalcon.layers.rotary import RotaryEmbedding
+
+    n = tb.positions.shape[0]
+    qkv = (torch.randn(n, (heads + 2 * kv_heads) * head_dim, device="cuda") * 4).to(torch.bfloat16)
+    split = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    rope = RotaryEmbedding(head_dim, 500000.0, None, 8192, LayerContext()).cuda()
+    cos_sin = build_cos_sin_cache(rope.inv_freq, 8192)
+    q, k, v = (x.view(n, -1, head_dim) for x in qkv.clone().split(split, dim=-1))
+    fused = tri.attend_rope(q, k, v, tb.positions, cos_sin, LAYER, tb)
+    q, k, v = (x.view(n, -1, head_dim) for x in qkv.clone().split(split, dim=-1))
+    rotary_and_store(
+        q, k, v, tb2.positions, cos_sin, cache2.k[LAYER], cache2.v[LAYER], tb2.out_cache_loc
+    )
+    return fused, tri.attend(q, LAYER, tb2)
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (9, 3, 64)])
 def test_decode_with_rope_in_the_kernel_equals_rotary_then_attend(
@@ -127,10 +149,6 @@ def test_decode_with_rope_in_the_kernel_equals_rotary_then_attend(
     """What the model runs for decode batches (RoPE and the K/V write inside the decode
     kernel) gives the same bits as rotary_and_store followed by attend: outputs and
     the cache slots written, bf16 and fp8 caches, with padded rows."""
-    from gyrfalcon.kernels.rotary import build_cos_sin_cache, rotary_and_store
-    from gyrfalcon.layers.context import LayerContext
-    from gyrfalcon.layers.rotary import RotaryEmbedding
-
     gen = torch.Generator().manual_seed(4)
     spec = [
         (n - 1, 1) for n in [1, PS, PS + 1] + torch.randint(2, 4097, (20,), generator=gen).tolist()
@@ -143,19 +161,9 @@ def test_decode_with_rope_in_the_kernel_equals_rotary_then_attend(
     tri = triton_backend_cls(heads, kv_heads, head_dim, head_dim**-0.5)
     tb = make_batch(rows, cache, tri, ForwardMode.DECODE)
     tb2 = make_batch(rows, cache2, tri, ForwardMode.DECODE)
-    T = len(rows)
-    qkv = (torch.randn(T, (heads + 2 * kv_heads) * head_dim, device="cuda") * 4).to(torch.bfloat16)
-    split = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
-    rope = RotaryEmbedding(head_dim, 500000.0, None, 8192, LayerContext()).cuda()
-    cos_sin = build_cos_sin_cache(rope.inv_freq, 8192)
-    q, k, v = (t.view(T, -1, head_dim) for t in qkv.clone().split(split, dim=-1))
-    fused = tri.attend_rope(q, k, v, tb.positions, cos_sin, LAYER, tb)
-    q, k, v = (t.view(T, -1, head_dim) for t in qkv.clone().split(split, dim=-1))
-    rotary_and_store(
-        q, k, v, tb2.positions, cos_sin, cache2.k[LAYER], cache2.v[LAYER], tb2.out_cache_loc
-    )
+    fused, apart = _rope_inside_and_apart(tri, tb, tb2, cache2, heads, kv_heads, head_dim)
     n = len(spec)
-    assert torch.equal(fused[:n], tri.attend(q, LAYER, tb2)[:n])
+    assert torch.equal(fused[:n], apart[:n])
     slots = tb.out_cache_loc[:n]
     for a, b in ((cache.k, cache2.k), (cache.v, cache2.v)):
         assert torch.equal(a[LAYER][slots].float(), b[LAYER][slots].float())
@@ -169,10 +177,6 @@ def test_packed_verify_with_rope_in_the_kernel_equals_rotary_then_attend(
     """Verify rows of k + 1 = 4 tokens packed on the decode kernel with RoPE and the
     K/V writes inside it (what the model runs for them) give the same bits as
     rotary_and_store followed by attend: outputs and the cache slots written."""
-    from gyrfalcon.kernels.rotary import build_cos_sin_cache, rotary_and_store
-    from gyrfalcon.layers.context import LayerContext
-    from gyrfalcon.layers.rotary import RotaryEmbedding
-
     t = 4
     gen = torch.Generator().manual_seed(5)
     spec = [(p, t) for p in [1, PS - 2, PS] + torch.randint(2, 4000, (20,), generator=gen).tolist()]
@@ -186,18 +190,8 @@ def test_packed_verify_with_rope_in_the_kernel_equals_rotary_then_attend(
     tb = replay_batch(rows, cache, tri, ForwardMode.VERIFY, PS)
     tb2 = replay_batch(rows, cache2, tri, ForwardMode.VERIFY, PS)
     assert tb.attn_meta.packed and tri.fuses_rope(tb)
-    T = len(rows) * t
-    qkv = (torch.randn(T, (heads + 2 * kv_heads) * head_dim, device="cuda") * 4).to(torch.bfloat16)
-    split = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
-    rope = RotaryEmbedding(head_dim, 500000.0, None, 8192, LayerContext()).cuda()
-    cos_sin = build_cos_sin_cache(rope.inv_freq, 8192)
-    q, k, v = (x.view(T, -1, head_dim) for x in qkv.clone().split(split, dim=-1))
-    fused = tri.attend_rope(q, k, v, tb.positions, cos_sin, LAYER, tb)
-    q, k, v = (x.view(T, -1, head_dim) for x in qkv.clone().split(split, dim=-1))
-    rotary_and_store(
-        q, k, v, tb2.positions, cos_sin, cache2.k[LAYER], cache2.v[LAYER], tb2.out_cache_loc
-    )
-    assert torch.equal(fused, tri.attend(q, LAYER, tb2))
+    fused, apart = _rope_inside_and_apart(tri, tb, tb2, cache2, heads, kv_heads, head_dim)
+    assert torch.equal(fused, apart)
     slots = tb.out_cache_loc
     for a, b in ((cache.k, cache2.k), (cache.v, cache2.v)):
         assert torch.equal(a[LAYER][slots].float(), b[LAYER][slots].float())

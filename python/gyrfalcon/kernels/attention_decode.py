@@ -33,6 +33,8 @@ so both stages use exp2; they are only ever compared with each other.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import triton
 import triton.language as tl
@@ -280,6 +282,7 @@ def _decode_split_kernel(
                 )
 
 
+@lru_cache(maxsize=256)  # NOTE: called per layer in eager steps; a launch only reads it
 def decode_constexprs(
     head_dim: int,
     group: int,
@@ -296,7 +299,8 @@ def decode_constexprs(
 ) -> tuple[dict, int]:
     """(the decode kernel's compile-time arguments, its pipeline stages) for a launch of
     `decode_attention` with these parameters: each distinct pair is a build of its own.
-    block_n, num_stages: None = `decode_block_params`."""
+    block_n, num_stages: None = `decode_block_params`. Cached: the dict is shared, never
+    to be changed."""
     t = tokens_per_row
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
     default_n, default_stages = decode_block_params(block_d, fp8)

@@ -204,6 +204,22 @@ def test_mixed_batch_extend_rows_start_aligned_whatever_the_decode_count(num_dec
         assert t.data_ptr() % 16 == 0 and t.shape[0] == 2
 
 
+def _rope_inside_and_apart(tri, tb, ref, rb, ref_cache, q, k, v):
+    """(attend_rope on tb: RoPE and the K/V write inside the decode kernel; the torch
+    rotary, the K/V store kernel and torch_ref attention on rb)."""
+    from gyrfalcon.kernels.kv_store import store_kv
+    from gyrfalcon.kernels.rotary import build_cos_sin_cache
+    from gyrfalcon.layers.context import LayerContext
+    from gyrfalcon.layers.rotary import RotaryEmbedding
+
+    rope = RotaryEmbedding(q.shape[-1], 10000.0, None, 128, LayerContext())
+    cos_sin = build_cos_sin_cache(rope.inv_freq, 128)
+    out = tri.attend_rope(q, k, v, tb.positions, cos_sin, LAYER, tb)
+    q_rot, k_rot = rope(rb.positions, q, k)
+    store_kv(k_rot, v, ref_cache.k[LAYER], ref_cache.v[LAYER], rb.out_cache_loc)
+    return out, ref.attend(q_rot, LAYER, rb)
+
+
 @pytest.mark.parametrize(
     "kv_heads,head_dim,splits,kv_dtype",
     [(2, 64, 1, torch.float32), (2, 64, 4, torch.float32), (1, 96, 3, FP8), (4, 128, 2, FP8)],
@@ -214,11 +230,6 @@ def test_decode_with_rope_in_the_kernel(kv_heads, head_dim, splits, kv_dtype):
     cache. NOTE: the store kernel stands in for KVCache.write because triton's
     interpreter converts some values to fp8 differently from torch (the GPU test
     compares with torch)."""
-    from gyrfalcon.kernels.kv_store import store_kv
-    from gyrfalcon.kernels.rotary import build_cos_sin_cache
-    from gyrfalcon.layers.context import LayerContext
-    from gyrfalcon.layers.rotary import RotaryEmbedding
-
     heads = 2 * kv_heads
     spec = [(n - 1, 1) for n in (1, PS, PS + 1, 29, 61)]
     (cache, rows), (ref_cache, _) = (
@@ -233,12 +244,7 @@ def test_decode_with_rope_in_the_kernel(kv_heads, head_dim, splits, kv_dtype):
     q, k, v = (
         torch.randn(len(rows), h, head_dim, generator=gen) for h in (heads,) + 2 * (kv_heads,)
     )
-    rope = RotaryEmbedding(head_dim, 10000.0, None, 128, LayerContext())
-    cos_sin = build_cos_sin_cache(rope.inv_freq, 128)
-    out = tri.attend_rope(q, k, v, tb.positions, cos_sin, LAYER, tb)
-    q_rot, k_rot = rope(rb.positions, q, k)
-    store_kv(k_rot, v, ref_cache.k[LAYER], ref_cache.v[LAYER], rb.out_cache_loc)
-    expect = ref.attend(q_rot, LAYER, rb)
+    out, expect = _rope_inside_and_apart(tri, tb, ref, rb, ref_cache, q, k, v)
     n = len(spec)  # padded rows share the dummy slot: only real rows are compared
     torch.testing.assert_close(out[:n], expect[:n], **TOL)
     slots = tb.out_cache_loc[:n]
@@ -255,11 +261,6 @@ def test_packed_verify_rows_with_rope_in_the_kernel(splits, kv_dtype):
     rotary, the K/V store kernel and torch_ref attention, and leave the same cache;
     rows straddle pages and splits (a split where the row's first tokens see no key).
     Packed rows run under graphs only: the same rows eagerly take RoPE apart."""
-    from gyrfalcon.kernels.kv_store import store_kv
-    from gyrfalcon.kernels.rotary import build_cos_sin_cache
-    from gyrfalcon.layers.context import LayerContext
-    from gyrfalcon.layers.rotary import RotaryEmbedding
-
     kv_heads, head_dim, t = 2, 64, 4
     heads = 3 * kv_heads  # NOTE: a group of 3 (SmolLM2's): 12 of the block's 16 rows
     spec = [(p, t) for p in (1, PS - 2, 2 * PS + 1, 29, 44)]
@@ -278,12 +279,7 @@ def test_packed_verify_rows_with_rope_in_the_kernel(splits, kv_dtype):
     gen = torch.Generator().manual_seed(12)
     n = len(rows) * t
     q, k, v = (torch.randn(n, h, head_dim, generator=gen) for h in (heads,) + 2 * (kv_heads,))
-    rope = RotaryEmbedding(head_dim, 10000.0, None, 128, LayerContext())
-    cos_sin = build_cos_sin_cache(rope.inv_freq, 128)
-    out = tri.attend_rope(q, k, v, tb.positions, cos_sin, LAYER, tb)
-    q_rot, k_rot = rope(rb.positions, q, k)
-    store_kv(k_rot, v, ref_cache.k[LAYER], ref_cache.v[LAYER], rb.out_cache_loc)
-    expect = ref.attend(q_rot, LAYER, rb)
+    out, expect = _rope_inside_and_apart(tri, tb, ref, rb, ref_cache, q, k, v)
     tol = TOL if kv_dtype == torch.float32 else dict(atol=0.05, rtol=0.05)
     torch.testing.assert_close(out, expect, **tol)
     slots = tb.out_cache_loc
