@@ -72,7 +72,9 @@ if [ "${1:-}" = stage ]; then
     mkdir -p /tmp/drafters && cat .drafter/drafter.tgz.part* | tar xzf - -C /tmp/drafters
     ls /tmp/drafters/*
   fi
-  if [ "$(ls /tmp/stage | wc -l)" -ge 2 ] && [ ! -f /tmp/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
+  # NOTE: joined again on every call from the second part on: a part left by an earlier
+  # split of other sizes made a wrong file once, which a join-once rule then kept
+  if [ "$(ls /tmp/stage | wc -l)" -ge 2 ]; then
     cat /tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf.part* > /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
     sha256sum /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
   fi
