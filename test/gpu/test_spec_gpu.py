@@ -110,3 +110,42 @@ def test_fused_step_equals_the_general_path_under_graphs(pair):
     plain = run(cuda_engine(target, None, "triton"), ps, GREEDY)
     assert results[0].ids == results[1].ids == plain.ids
     assert accepts[0] == accepts[1] and results[0].verify_steps
+
+
+# NOTE: its own process: Triton keeps its builds per process, so a kernel an earlier
+# test built would not show here
+_NO_BUILDS = """
+import sys
+sys.path.insert(0, sys.argv[3])
+from spec_util import engine, prompts, run
+from gyrfalcon.ipc.messages import SamplingParams
+eng = engine(sys.argv[1], sys.argv[2], 3, device="cuda", dtype="bfloat16",
+             attention_backend="triton", decode_attention_backend="triton", page_size=16,
+             num_kv_pages=256, cuda_graph_max_bs=8, max_num_seqs=32)
+sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+for seed, lens in enumerate([[7], [5, 40, 9], [3] * 12, list(range(2, 50, 2))]):
+    run(eng, prompts(seed, lens), sp)
+print(eng.worker.compiles.summary())
+"""
+
+
+def test_serving_builds_no_triton_kernel_after_the_warm_up(pair):
+    """A spec engine on triton (bf16, graphs up to 8 rows) serves batches of 1 to 24
+    prompts, so eager prompt steps, VERIFY and DRAFT_EXTEND rows of many lengths and
+    row counts beyond the graphs, and builds no Triton kernel after its warm-up: each
+    such build stalls a served step ~0.8 s. Eager rows on the batch's own int64 tables
+    built the decode kernel 4 times while serving (stop 39)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    target, draft = pair
+    here = str(Path(__file__).resolve().parents[1])
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_BUILDS, target, draft, here],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "no Triton kernel built while serving", (
+        out.stdout[-2000:] + out.stderr[-3000:]
+    )

@@ -129,6 +129,13 @@ class Drafter:
             self.model.ctx.kernels,
         )
 
+    def warm_up_kernels(self, max_rows: int) -> None:
+        """The kernel builds of its eager DRAFT_EXTEND rows, batches of up to max_rows rows
+        (`AttentionBackend.warm_up_kernels`; the target's warm-up made them already where
+        the drafter attends with the target's shapes)."""
+        assert self.kv_cache is not None, "init_kv_cache() first"
+        self.backends.extend.warm_up_kernels(self.kv_cache, self.dtype, max_rows, self.page_size)
+
     def setup_graphs(self, max_model_len: int) -> None:
         """Capture the round of verify rows (module docstring) for every capture size, or
         set up its static replay, per the server arguments."""

@@ -231,6 +231,8 @@ class StepWorker:
             logger.info("warm-up steps ran in %.1f s", time.perf_counter() - t0)
         if self.device.type == "cuda":
             self.executor.warm_up_kernels(self.args.max_num_seqs)
+            if self.drafter is not None:
+                self.drafter.warm_up_kernels(self.args.max_num_seqs)
             warm_up_masks(self.cfg.vocab_size, self.device)
             fit_kv_cache(self)
             check_largest_step_fits(self, self.max_model_len)

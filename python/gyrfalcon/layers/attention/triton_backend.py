@@ -33,6 +33,8 @@ scratch per split count for every mode's rows, shared across modes.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from gyrfalcon.forward.batch import ForwardBatch
@@ -55,6 +57,7 @@ from gyrfalcon.layers.attention.base import (
     replay_tokens_per_row,
 )
 from gyrfalcon.layers.attention.triton_meta import (
+    MAX_VERIFY_TOKENS,
     ONE_LAUNCH_MAX_KV_BYTES,
     TritonMeta,
     decode_kv_splits,
@@ -136,12 +139,16 @@ class TritonBackend(AttentionBackend):
         nd = batch.num_decode_rows  # NOTE: from the mode (forward/batch.decode_rows)
         device = batch.seq_lens.device
         t = verify_tokens(batch.mode, batch.q_lens_cpu)
-        if t:
-            return self._verify_meta(batch, t, self._decode_scratch(batch.num_tokens, device))
-        if 0 < nd < batch.batch_size and self._one_launch(batch, nd):
-            nd = 0  # NOTE: the decode rows are extend rows of one token
         i32 = torch.int32
         page_table, seq_lens = batch.page_table.to(i32), batch.seq_lens.to(i32)
+        if t:
+            # NOTE: int32 copies, as a MIXED step's decode rows take them: the decode
+            # kernel's builds are per index dtype, and the warm-up makes the int32 ones
+            # (the batch's own int64 tensors built 4 times while serving, stop 39)
+            meta = self._verify_meta(batch, t, self._decode_scratch(batch.num_tokens, device))
+            return replace(meta, page_table=page_table, seq_lens=seq_lens)
+        if 0 < nd < batch.batch_size and self._one_launch(batch, nd):
+            nd = 0  # NOTE: the decode rows are extend rows of one token
         ext_table, ext_lens = page_table, seq_lens
         if 0 < nd < batch.batch_size:  # NOTE: own copies (aligned), not views at row nd
             ext_table, ext_lens = batch.page_table[nd:].to(i32), batch.seq_lens[nd:].to(i32)
@@ -195,13 +202,18 @@ class TritonBackend(AttentionBackend):
     def warm_up_kernels(
         self, kv_cache: KVCache, dtype: torch.dtype, max_rows: int, page_size: int
     ) -> None:
-        """The decode kernel for every split count the decode rows of an eager step
-        (MIXED: q rotated, its K/V in the cache) may pick with up to max_rows rows, on the
-        dummy page. The warm-up steps meet one of them; the rest would build while
-        serving, ~1 s each (worker/compile_watch.py)."""
+        """The decode kernel for every split count the rows of an eager step may pick, on
+        the dummy page: a MIXED step's decode rows (q rotated, its K/V in the cache) and
+        the query tokens of eager VERIFY / DRAFT_EXTEND rows (`verify_tokens`: up to
+        MAX_VERIFY_TOKENS a row, T a runtime argument), which launch the same build, as
+        int32 tables, for up to max_rows rows. The warm-up steps meet one of them; the rest
+        would build while serving, ~1 s each (worker/compile_watch.py)."""
         device = kv_cache.k.device
         width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        for n in self._rows_by_splits(max_rows, device).values():
+        fewest: dict[int, int] = {}  # split count -> the fewest query rows that pick it
+        for n in range(1, max_rows * MAX_VERIFY_TOKENS + 1):
+            fewest.setdefault(self.kv_splits(n, device), n)
+        for n in fewest.values():
             # NOTE: q as `attend` gets it: a view of a wider qkv row; out contiguous
             qkv = torch.zeros(n, width, dtype=dtype, device=device)
             q = qkv[:, : self.num_heads * self.head_dim].view(n, self.num_heads, self.head_dim)
