@@ -205,6 +205,18 @@ def rotary_and_store(
     _launch(q, k, positions, cos_sin_cache, (v, k_cache, v_cache, loc))
 
 
+ROTARY_WARPS = 4
+
+
+def rotary_constexprs(head_dim: int, heads: int, store: bool) -> dict:
+    """The rotary kernel's compile-time arguments for heads of head_dim (heads: the more
+    of q's and k's), as `rotary_inplace` (store False) or `rotary_and_store` launch it."""
+    block_d = triton.next_power_of_2(head_dim)
+    # ~2K elements per tile keeps registers modest (D=128: 16 heads a step).
+    block_h = max(1, min(triton.next_power_of_2(heads), 2048 // block_d))
+    return dict(HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, STORE=store)
+
+
 def _launch(q, k, positions, cos_sin_cache, store) -> None:
     assert q.dim() == 3 and k.dim() == 3 and q.shape[0] == k.shape[0] == positions.shape[0]
     assert q.shape[-1] == k.shape[-1] == cos_sin_cache.shape[-1]
@@ -215,9 +227,6 @@ def _launch(q, k, positions, cos_sin_cache, store) -> None:
     num_tokens = q.shape[0]
     if num_tokens == 0:
         return
-    block_d = triton.next_power_of_2(head_dim)
-    # ~2K elements per tile keeps registers modest (D=128: 16 heads a step).
-    block_h = max(1, min(triton.next_power_of_2(max(q.shape[1], k.shape[1])), 2048 // block_d))
     if store is None:
         v, kc, vc, loc = k, k, k, positions  # unused (STORE=False)
     else:
@@ -227,6 +236,6 @@ def _launch(q, k, positions, cos_sin_cache, store) -> None:
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
         v.stride(0), v.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
         q.shape[1], k.shape[1],
-        HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, STORE=store is not None,
-        num_warps=4,
+        **rotary_constexprs(head_dim, max(q.shape[1], k.shape[1]), store is not None),
+        num_warps=ROTARY_WARPS,
     )  # fmt: skip
