@@ -12,7 +12,8 @@ configuration will cost in registers, before a GPU session measures its speed
 Each row is one build of `_decode_split_kernel` as `decode_attention` would launch it
 (`decode_constexprs`), for the 8B's and SmolLM2's heads: decode rows (RoPE inside), a
 MIXED step's decode rows (RoPE apart), packed verify rows of k + 1 = 4 tokens, with a
-bf16 or an fp8 cache.
+bf16 or an fp8 cache. `build_rotary` compiles the rotary kernel alike (its PTX is
+tested: test/unit/kernels/test_rotary_ptx.py).
 """
 
 from __future__ import annotations
@@ -37,16 +38,20 @@ ROWS = [
 SPLITS = 4  # NOTE: registers barely move with it (1-16 measured at stop 38)
 
 
-def signature(kernel, consts: dict, kv: str) -> dict:
-    """Triton's types for the kernel's arguments: bf16 activations, `kv` caches, int64
-    tables (as graph replays pass them), float32 partials and cos/sin."""
-    types = dict(
-        q_ptr="*bf16", k_ptr=kv, v_ptr=kv, page_table_ptr="*i64", seq_lens_ptr="*i64",
-        mid_o_ptr="*fp32", mid_lse_ptr="*fp32", count_ptr="*i32", o_ptr="*bf16",
-        k_new_ptr="*bf16", v_new_ptr="*bf16", pos_ptr="*i64", cos_sin_ptr="*fp32",
-        loc_ptr="*i64", qk_scale="fp32",
-    )  # fmt: skip
+def signature(kernel, consts: dict, types: dict) -> dict:
+    """Triton's types for the kernel's arguments: consts' are constexpr, the others as
+    `types` names them, or i32."""
     return {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
+
+
+def compile_kernel(kernel, consts: dict, types: dict, arch: int, **options):
+    """Triton's compiled `kernel` for sm_`arch` (its PTX: `.asm["ptx"]`)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    src = ASTSource(kernel, signature(kernel, consts, types), consts)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
 def resources(cubin: bytes) -> dict:
@@ -68,9 +73,6 @@ def build(arch: int, shape: str, row: tuple, fp8: bool, warps: int, block_n: int
     the decode kernel for `shape`'s heads and `row` (an entry of ROWS); block_n 0: the
     kernel's own."""
     import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from gyrfalcon.kernels.attention_decode import _decode_split_kernel, decode_constexprs
 
@@ -80,12 +82,35 @@ def build(arch: int, shape: str, row: tuple, fp8: bool, warps: int, block_n: int
         head_dim, heads // kv_heads, t, pack, SPLITS, 16, torch.bfloat16, fp8, rope, True,
         block_n or None,
     )  # fmt: skip
+    # bf16 activations, `kv` caches, int64 tables (as graph replays pass them), float32
+    # partials and cos/sin
     kv = "*fp8e4nv" if fp8 else "*bf16"
-    src = ASTSource(_decode_split_kernel, signature(_decode_split_kernel, consts, kv), consts)
-    compiled = triton.compile(
-        src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps, num_stages=stages)
+    types = dict(
+        q_ptr="*bf16", k_ptr=kv, v_ptr=kv, page_table_ptr="*i64", seq_lens_ptr="*i64",
+        mid_o_ptr="*fp32", mid_lse_ptr="*fp32", count_ptr="*i32", o_ptr="*bf16",
+        k_new_ptr="*bf16", v_new_ptr="*bf16", pos_ptr="*i64", cos_sin_ptr="*fp32",
+        loc_ptr="*i64", qk_scale="fp32",
+    )  # fmt: skip
+    compiled = compile_kernel(
+        _decode_split_kernel, consts, types, arch, num_warps=warps, num_stages=stages
     )
     return consts, stages, compiled
+
+
+def build_rotary(arch: int, shape: str, dtype: str, store: bool):
+    """Triton's compiled rotary kernel for `shape`'s heads in `dtype` (a Triton type:
+    bf16, fp16, fp32), as `rotary_inplace` (store False) or `rotary_and_store` launch
+    it."""
+    from gyrfalcon.kernels.rotary import ROTARY_WARPS, _rotary_kernel, rotary_constexprs
+
+    heads, kv_heads, head_dim = SHAPES[shape]
+    consts = rotary_constexprs(head_dim, max(heads, kv_heads), store)
+    x = "*" + dtype
+    types = dict(
+        q_ptr=x, k_ptr=x, pos_ptr="*i64", cache_ptr="*fp32", v_ptr=x, kc_ptr=x, vc_ptr=x,
+        loc_ptr="*i64",
+    )  # fmt: skip
+    return compile_kernel(_rotary_kernel, consts, types, arch, num_warps=ROTARY_WARPS)
 
 
 def compile_row(arch: int, shape: str, row: tuple, fp8: bool, warps: int, block_n: int) -> dict:

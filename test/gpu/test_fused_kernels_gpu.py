@@ -131,6 +131,25 @@ def test_rotary_on_split_qkv(kern, dtype, T, Hq, Hk, D):
     assert torch.equal(v, v0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("Hq,Hk,D", [(32, 8, 128), (9, 3, 64)])
+def test_rotary_rounds_as_torch_does(kern, dtype, Hq, Hk, D):
+    """Bit for bit the torch layer's: each product and the sum rounded to the dtype,
+    none fused into an FMA (kernels/rotary.py), subnormals kept (every 5th token's
+    values at the dtype's smallest normal)."""
+    torch.manual_seed(13)
+    T, max_pos = 4096, 32768
+    rope = RotaryEmbedding(D, 500000.0, None, max_pos, REF).cuda()
+    cache = kern.rotary.build_cos_sin_cache(rope.inv_freq, max_pos)
+    x = torch.randn(T, Hq + Hk, D, device="cuda") * 4
+    x[::5] *= torch.finfo(dtype).tiny
+    q, k = x.to(dtype).split([Hq, Hk], dim=1)
+    positions = torch.randint(0, max_pos, (T,), device="cuda")
+    want_q, want_k = rope(positions, q.clone(), k.clone())
+    kern.rotary.rotary_inplace(q, k, positions, cache)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T", [1, 8192])
 @pytest.mark.parametrize("inter", [1536, 14336])

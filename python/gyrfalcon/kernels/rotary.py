@@ -12,11 +12,22 @@ elementwise for half-precision tensors.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from gyrfalcon.kernels.kv_store import copy_rows, to_cache
+
+# NOTE: compiled, a plain `x * cos + xp * sin` is not the reference's: LLVM narrows the
+# products to the dtype and fuses one of them with the sum (fma.rn.bf16: that product
+# unrounded; which one depends on the code around, so two kernels rotating alike can
+# disagree). PTX ops with an explicit rounding are never fused. (libdevice's mul_rn and
+# add_rn are not either, but Triton links them flushing subnormals to zero, as torch
+# does not.) The interpreter runs no PTX and rounds each op as written; like triton.jit,
+# this is decided at import.
+_ROUNDED_OPS = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 
 def build_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
@@ -30,6 +41,26 @@ def build_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Ten
     pos = torch.arange(max_positions, device=inv_freq.device, dtype=torch.int64)
     freqs = pos.to(torch.float32)[:, None] * inv_freq[None, :]  # [max_pos, D/2]
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
+
+
+@triton.jit
+def _rotated(x, xp, cos, sin, dtype: tl.constexpr):
+    """x * cos + xp * sin (float32 tensors holding `dtype` values), each product and the
+    sum rounded to dtype, as torch computes it in dtype; in `dtype`."""
+    if _ROUNDED_OPS:
+        a = _f32_rn("mul.rn.f32 $0, $1, $2;", x, cos).to(dtype).to(tl.float32)
+        b = _f32_rn("mul.rn.f32 $0, $1, $2;", xp, sin).to(dtype).to(tl.float32)
+        return _f32_rn("add.rn.f32 $0, $1, $2;", a, b).to(dtype)
+    else:
+        a = (x * cos).to(dtype).to(tl.float32)
+        b = (xp * sin).to(dtype).to(tl.float32)
+        return (a + b).to(dtype)
+
+
+@triton.jit
+def _f32_rn(op: tl.constexpr, a, b):
+    """One PTX float32 op on a and b, as written (round to nearest, subnormals kept)."""
+    return tl.inline_asm_elementwise(op, "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -59,9 +90,7 @@ def rotated_heads(
     xp = tl.where(first[None, :], -xp, xp)  # rotate_half(x)
     cos = tl.load(cs_row + freq, mask=mask_d, other=0.0).to(dtype).to(tl.float32)[None, :]
     sin = tl.load(cs_row + HALF + freq, mask=mask_d, other=0.0).to(dtype).to(tl.float32)[None, :]
-    a = (x * cos).to(dtype).to(tl.float32)
-    b = (xp * sin).to(dtype).to(tl.float32)
-    return (a + b).to(dtype)
+    return _rotated(x, xp, cos, sin, dtype)
 
 
 @triton.jit
@@ -87,9 +116,7 @@ def rotated_rows(
     cs = cs_rows[:, None] + freq[None, :]
     cos = tl.load(cs, mask=mask, other=0.0).to(dtype).to(tl.float32)
     sin = tl.load(cs + HALF, mask=mask, other=0.0).to(dtype).to(tl.float32)
-    a = (x * cos).to(dtype).to(tl.float32)
-    b = (xp * sin).to(dtype).to(tl.float32)
-    return (a + b).to(dtype)
+    return _rotated(x, xp, cos, sin, dtype)
 
 
 @triton.jit
@@ -205,6 +232,18 @@ def rotary_and_store(
     _launch(q, k, positions, cos_sin_cache, (v, k_cache, v_cache, loc))
 
 
+ROTARY_WARPS = 4
+
+
+def rotary_constexprs(head_dim: int, heads: int, store: bool) -> dict:
+    """The rotary kernel's compile-time arguments for heads of head_dim (heads: the more
+    of q's and k's), as `rotary_inplace` (store False) or `rotary_and_store` launch it."""
+    block_d = triton.next_power_of_2(head_dim)
+    # ~2K elements per tile keeps registers modest (D=128: 16 heads a step).
+    block_h = max(1, min(triton.next_power_of_2(heads), 2048 // block_d))
+    return dict(HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, STORE=store)
+
+
 def _launch(q, k, positions, cos_sin_cache, store) -> None:
     assert q.dim() == 3 and k.dim() == 3 and q.shape[0] == k.shape[0] == positions.shape[0]
     assert q.shape[-1] == k.shape[-1] == cos_sin_cache.shape[-1]
@@ -215,9 +254,6 @@ def _launch(q, k, positions, cos_sin_cache, store) -> None:
     num_tokens = q.shape[0]
     if num_tokens == 0:
         return
-    block_d = triton.next_power_of_2(head_dim)
-    # ~2K elements per tile keeps registers modest (D=128: 16 heads a step).
-    block_h = max(1, min(triton.next_power_of_2(max(q.shape[1], k.shape[1])), 2048 // block_d))
     if store is None:
         v, kc, vc, loc = k, k, k, positions  # unused (STORE=False)
     else:
@@ -227,6 +263,6 @@ def _launch(q, k, positions, cos_sin_cache, store) -> None:
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
         v.stride(0), v.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
         q.shape[1], k.shape[1],
-        HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, STORE=store is not None,
-        num_warps=4,
+        **rotary_constexprs(head_dim, max(q.shape[1], k.shape[1]), store is not None),
+        num_warps=ROTARY_WARPS,
     )  # fmt: skip
