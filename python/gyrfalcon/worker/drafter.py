@@ -59,7 +59,7 @@ from gyrfalcon.layers.attention.registry import backend_class, create_backends
 from gyrfalcon.layers.context import LayerContext
 from gyrfalcon.layers.embedding import VocabEmbedding
 from gyrfalcon.models.registry import build_draft_model
-from gyrfalcon.worker.cuda_graph import GraphRunner, GraphSpec, padded_batch_size
+from gyrfalcon.worker.cuda_graph import GraphRunner, GraphSpec, padded_batch_size, warm_up_roles
 from gyrfalcon.worker.draft_round import DraftRound, build_round, round_ids
 from gyrfalcon.worker.sampler import argmax_rows
 from gyrfalcon.worker.spec_accept import last_accepted_indices
@@ -134,7 +134,8 @@ class Drafter:
         (`AttentionBackend.warm_up_kernels`; the target's warm-up made them already where
         the drafter attends with the target's shapes)."""
         assert self.kv_cache is not None, "init_kv_cache() first"
-        self.backends.extend.warm_up_kernels(self.kv_cache, self.dtype, max_rows, self.page_size)
+        warm_up_roles(self.backends, self.graphs, ForwardMode.DRAFT_DECODE, self.kv_cache,
+                      self.dtype, max_rows, self.page_size)  # fmt: skip
 
     def setup_graphs(self, max_model_len: int) -> None:
         """Capture the round of verify rows (module docstring) for every capture size, or

@@ -28,7 +28,7 @@ from gyrfalcon.layers.attention.registry import create_backends
 from gyrfalcon.layers.context import LayerContext
 from gyrfalcon.layers.moe import SparseMoeBlock
 from gyrfalcon.models.registry import build_model
-from gyrfalcon.worker.cuda_graph import GraphRunner, GraphSpec
+from gyrfalcon.worker.cuda_graph import GraphRunner, GraphSpec, warm_up_roles
 from gyrfalcon.worker.piecewise_graph import PiecewiseGraphs, piecewise_sizes
 from gyrfalcon.worker.sampler import argmax_rows
 
@@ -191,7 +191,8 @@ class ModelExecutor:
         up to max_rows rows (`AttentionBackend.warm_up_kernels`), and the fused MoE
         kernels' for any step's token count (`SparseMoeBlock.warm_up_kernels`)."""
         assert self.kv_cache is not None, "init_kv_cache() first"
-        self.backends.extend.warm_up_kernels(self.kv_cache, self.dtype, max_rows, self.page_size)
+        warm_up_roles(self.backends, self.graphs, ForwardMode.DECODE, self.kv_cache, self.dtype,
+                      max_rows, self.page_size)  # fmt: skip
         # NOTE: one MoE layer builds the kernels of all (they share shapes); an eager step
         # under DP attention gathers every group's tokens
         budget = self.args.max_num_batched_tokens

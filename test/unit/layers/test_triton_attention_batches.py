@@ -293,9 +293,10 @@ def _build_key(q, args, kw) -> tuple:
     build: tensor dtypes (the index tensors' among them), the split count, the
     compile-time choices, q's row stride as specialized (% 16). tokens_per_row is not
     specialized (attention_decode.py)."""
-    table, lens, scratch = args[2], args[3], args[5]
+    table, lens, scratch, rope = args[2], args[3], args[5], kw.get("rope")
+    rope_dtypes = rope and (rope.k.dtype, rope.positions.dtype, rope.loc.dtype, rope.cos_sin.dtype)
     return (q.dtype, table.dtype, lens.dtype, scratch.num_kv_splits, kw.get("pack", False),
-            kw.get("rope") is None, q.stride(0) % 16 == 0)  # fmt: skip
+            rope is None, q.stride(0) % 16 == 0, rope_dtypes)  # fmt: skip
 
 
 def _record_launches(monkeypatch) -> list:
@@ -363,6 +364,36 @@ def test_eager_rows_of_any_length_launch_the_builds_the_warm_up_made(monkeypatch
     cache, rows = make_case([(3, 4), (9, 4)], kv_heads, d, 0)
     replayed = make_replay_batch(rows, cache, tri, mode)
     assert replayed.attn_meta.packed and tri.fuses_rope(replayed)
+
+
+def test_eager_decode_batches_no_graph_holds_launch_the_builds_the_warm_up_made(monkeypatch):
+    """DECODE batches larger than the largest graph run eagerly with RoPE inside the
+    decode kernel; the warm-up launches that build at every split count of those row
+    counts (rows 3..12 here), with RoPE's tensors of a step's dtypes (int64 positions and
+    slots, a float32 cos | sin table). Missing, a tiny spec engine built it while
+    serving on a GPU (stop 39)."""
+    from gyrfalcon.kernels.rotary import build_cos_sin_cache
+    from gyrfalcon.layers.rotary import rope_inv_freq
+
+    launches = _record_launches(monkeypatch)
+    heads, kv_heads, d = 4, 2, 16
+    tri = TritonBackend(heads, kv_heads, d, d**-0.5, decode_block_n=16)
+    tri.warm_up_kernels(KVCache(2, 8, PS, kv_heads, d, torch.float32, CPU), torch.float32, 0, PS,
+                        range(3, 13))  # fmt: skip
+    warmed = {key for _, key, _ in launches}
+    assert {key[3] for key in warmed} == {decode_kv_splits(n, kv_heads, 8) for n in range(3, 13)}
+    assert all(kw.get("rope") is not None for _, _, kw in launches)
+    del launches[:]
+    cos_sin = build_cos_sin_cache(rope_inv_freq(d, 10000.0, None), 128)
+    for n in (3, 5, 12):
+        cache, rows = make_case([(4 * i + 2, 1) for i in range(n)], kv_heads, d, n)
+        tb = make_batch(rows, cache, tri, ForwardMode.DECODE)
+        assert tri.fuses_rope(tb)
+        q, k, v = (torch.randn(n, h, d) for h in (heads, kv_heads, kv_heads))
+        tri.attend_rope(q, k, v, tb.positions, cos_sin, LAYER, tb)
+    assert len(launches) == 3
+    for _, key, _ in launches:
+        assert key in warmed, (key, warmed)
 
 
 def _static_rows_batch(bt, cache, backend, rows_buf, table, num_tokens):

@@ -124,10 +124,16 @@ class AttentionBackend(ABC):
         raise NotImplementedError(f"{self.name} does not support CUDA graphs")
 
     def warm_up_kernels(
-        self, kv_cache: KVCache, dtype: torch.dtype, max_rows: int, page_size: int
+        self,
+        kv_cache: KVCache,
+        dtype: torch.dtype,
+        max_rows: int,
+        page_size: int,
+        eager_decode_rows: range = range(0),
     ) -> None:
         """Build, before serving, the kernel variants the eager steps of batches up to
-        max_rows rows may need beyond those the warm-up steps met (nothing by default)."""
+        max_rows rows, and eager DECODE batches of `eager_decode_rows` rows (those no
+        graph holds), may need beyond those the warm-up steps met (nothing by default)."""
         return None  # NOTE: backends with nothing to build keep this
 
     def any_rows_fit(self, batch: ForwardBatch) -> bool:

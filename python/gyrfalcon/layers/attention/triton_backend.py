@@ -200,30 +200,53 @@ class TritonBackend(AttentionBackend):
         return {self.kv_splits(n, device): n for n in range(1, max_rows + 1)}
 
     def warm_up_kernels(
-        self, kv_cache: KVCache, dtype: torch.dtype, max_rows: int, page_size: int
+        self,
+        kv_cache: KVCache,
+        dtype: torch.dtype,
+        max_rows: int,
+        page_size: int,
+        eager_decode_rows: range = range(0),
     ) -> None:
         """The decode kernel for every split count the rows of an eager step may pick, on
         the dummy page: a MIXED step's decode rows (q rotated, its K/V in the cache) and
         the query tokens of eager VERIFY / DRAFT_EXTEND rows (`verify_tokens`: up to
         MAX_VERIFY_TOKENS a row, T a runtime argument), which launch the same build, as
-        int32 tables, for up to max_rows rows. The warm-up steps meet one of them; the rest
-        would build while serving, ~1 s each (worker/compile_watch.py)."""
-        device = kv_cache.k.device
-        width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        int32 tables, for up to max_rows rows; and eager DECODE batches of
+        `eager_decode_rows` rows (those no graph holds), RoPE inside. The warm-up steps
+        meet one of them; the rest would build while serving, ~0.7 s each
+        (worker/compile_watch.py)."""
         fewest: dict[int, int] = {}  # split count -> the fewest query rows that pick it
         for n in range(1, max_rows * MAX_VERIFY_TOKENS + 1):
-            fewest.setdefault(self.kv_splits(n, device), n)
+            fewest.setdefault(self.kv_splits(n, kv_cache.k.device), n)
         for n in fewest.values():
-            # NOTE: q as `attend` gets it: a view of a wider qkv row; out contiguous
-            qkv = torch.zeros(n, width, dtype=dtype, device=device)
-            q = qkv[:, : self.num_heads * self.head_dim].view(n, self.num_heads, self.head_dim)
-            table = torch.full((n, 1), DUMMY_PAGE, dtype=torch.int32, device=device)
-            lens = torch.ones(n, dtype=torch.int32, device=device)
-            decode_attention(
-                q, kv_cache.k[0], kv_cache.v[0], table, lens, torch.empty_like(q),
-                self._decode_scratch(n, device), page_size, self.scale,
-                block_n=self.decode_block_n, pdl=self.pdl,
-            )  # fmt: skip
+            self._warm_launch(kv_cache, dtype, n, page_size, rope=False)
+        decode: dict[int, int] = {}
+        for n in eager_decode_rows:
+            decode.setdefault(self.kv_splits(n, kv_cache.k.device), n)
+        for n in decode.values():
+            self._warm_launch(kv_cache, dtype, n, page_size, rope=True)
+
+    def _warm_launch(
+        self, kv_cache: KVCache, dtype: torch.dtype, n: int, page_size: int, rope: bool
+    ) -> None:
+        """One decode launch of n rows on the dummy page, its tensors as a step's: q (and,
+        with RoPE, k and v) views of a qkv row, int32 tables, RoPE's int64 positions and
+        slots and float32 cos | sin table."""
+        device, h, kvh, d = kv_cache.k.device, self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = torch.zeros(n, (h + 2 * kvh) * d, dtype=dtype, device=device)
+        q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+        q = q.view(n, h, d)
+        table = torch.full((n, 1), DUMMY_PAGE, dtype=torch.int32, device=device)
+        lens = torch.ones(n, dtype=torch.int32, device=device)
+        at = torch.full((n,), DUMMY_PAGE * page_size, dtype=torch.int64, device=device)
+        cos_sin = torch.zeros(1, d, dtype=torch.float32, device=device)
+        decode_attention(
+            q, kv_cache.k[0], kv_cache.v[0], table, lens, torch.empty_like(q),
+            self._decode_scratch(n, device), page_size, self.scale,
+            block_n=self.decode_block_n, pdl=self.pdl,
+            rope=DecodeRope(k.view(n, kvh, d), v.view(n, kvh, d), at - at, cos_sin, at)
+            if rope else None,
+        )  # fmt: skip
 
     def any_rows_fit(self, batch: ForwardBatch) -> bool:
         """The flat grid runs every row on the extend kernel: a batch fits when its
