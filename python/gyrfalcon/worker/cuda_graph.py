@@ -42,7 +42,6 @@ from gyrfalcon.forward.metadata import BatchTensors
 from gyrfalcon.ipc.contract import DUMMY_PAGE
 from gyrfalcon.ipc.messages import ForwardMode
 from gyrfalcon.layers.attention.base import CAPTURED_MODES, AttentionBackend
-from gyrfalcon.layers.attention.registry import RoleBackends
 
 logger = logging.getLogger(__name__)
 
@@ -96,29 +95,6 @@ def capture_batch_sizes(max_bs: int, explicit: list[int] | None = None) -> list[
     sizes = [s for s in (1, 2, 4) if s < max_bs]
     sizes += list(range(8, max_bs, 8))
     return sorted(set(sizes) | {max_bs})
-
-
-def eager_rows(graphs: GraphRunner | None, mode: ForwardMode, max_rows: int) -> range:
-    """The row counts of `mode` batches (up to max_rows rows) that no graph serves."""
-    return range((graphs.largest(mode) if graphs is not None else 0) + 1, max_rows + 1)
-
-
-def warm_up_roles(
-    backends: RoleBackends,
-    graphs: GraphRunner | None,
-    decode_mode: ForwardMode,
-    kv_cache: KVCache,
-    dtype: torch.dtype,
-    max_rows: int,
-    page_size: int,
-) -> None:
-    """Each role's kernel builds for eager steps of up to max_rows rows
-    (`AttentionBackend.warm_up_kernels`): extend (MIXED, DRAFT_EXTEND) and verify rows,
-    and the `decode_mode` batches no graph serves."""
-    for backend in (backends.extend, backends.verify):
-        backend.warm_up_kernels(kv_cache, dtype, max_rows, page_size)
-    eager = eager_rows(graphs, decode_mode, max_rows)
-    backends.decode.warm_up_kernels(kv_cache, dtype, 0, page_size, eager)
 
 
 def padded_batch_size(bs: int, sizes: list[int], what: str = "batch size") -> int:

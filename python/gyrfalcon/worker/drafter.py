@@ -59,11 +59,12 @@ from gyrfalcon.layers.attention.registry import backend_class, create_backends
 from gyrfalcon.layers.context import LayerContext
 from gyrfalcon.layers.embedding import VocabEmbedding
 from gyrfalcon.models.registry import build_draft_model
-from gyrfalcon.worker.cuda_graph import GraphRunner, GraphSpec, padded_batch_size, warm_up_roles
+from gyrfalcon.worker.cuda_graph import GraphRunner, GraphSpec, padded_batch_size
 from gyrfalcon.worker.draft_round import DraftRound, build_round, round_ids
 from gyrfalcon.worker.sampler import argmax_rows
 from gyrfalcon.worker.spec_accept import last_accepted_indices
 from gyrfalcon.worker.step_layout import StepLayout
+from gyrfalcon.worker.warmup import warm_up_roles
 
 logger = logging.getLogger(__name__)
 

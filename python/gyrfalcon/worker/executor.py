@@ -28,9 +28,10 @@ from gyrfalcon.layers.attention.registry import create_backends
 from gyrfalcon.layers.context import LayerContext
 from gyrfalcon.layers.moe import SparseMoeBlock
 from gyrfalcon.models.registry import build_model
-from gyrfalcon.worker.cuda_graph import GraphRunner, GraphSpec, warm_up_roles
+from gyrfalcon.worker.cuda_graph import GraphRunner, GraphSpec
 from gyrfalcon.worker.piecewise_graph import PiecewiseGraphs, piecewise_sizes
 from gyrfalcon.worker.sampler import argmax_rows
+from gyrfalcon.worker.warmup import warm_up_roles
 
 logger = logging.getLogger(__name__)
 

@@ -5,9 +5,13 @@ first requests wait for them, seconds to minutes on a fresh machine. The batches
 below go through the same path as the scheduler's (`StepWorker.submit_batch`), on
 the reserved dummy page (which padding rows already write), so nothing else is
 touched. Every rank runs the same batches, so collectives line up.
+`warm_up_roles` then launches, on the dummy page, the attention kernels' builds that
+eager steps may need and these batches do not meet.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from gyrfalcon.ipc.contract import DUMMY_PAGE, PLACEHOLDER, pages_needed
 from gyrfalcon.ipc.messages import (
@@ -17,6 +21,13 @@ from gyrfalcon.ipc.messages import (
     SamplingParams,
     ScheduledRow,
 )
+
+if TYPE_CHECKING:
+    import torch
+
+    from gyrfalcon.forward.kv_cache import KVCache
+    from gyrfalcon.layers.attention.registry import RoleBackends
+    from gyrfalcon.worker.cuda_graph import GraphRunner
 
 WARMUP_RIDS = ("warmup-greedy", "warmup-sampled")
 TOKEN = 1  # any id the vocabulary has
@@ -153,3 +164,26 @@ def profile_batches(
         RankBatch(mode, decode),
         RankBatch(ForwardMode.IDLE, [], [], rids),
     ]
+
+
+def eager_rows(graphs: GraphRunner | None, mode: ForwardMode, max_rows: int) -> range:
+    """The row counts of `mode` batches (up to max_rows rows) that no graph serves."""
+    return range((graphs.largest(mode) if graphs is not None else 0) + 1, max_rows + 1)
+
+
+def warm_up_roles(
+    backends: RoleBackends,
+    graphs: GraphRunner | None,
+    decode_mode: ForwardMode,
+    kv_cache: KVCache,
+    dtype: torch.dtype,
+    max_rows: int,
+    page_size: int,
+) -> None:
+    """Each role's kernel builds for eager steps of up to max_rows rows
+    (`AttentionBackend.warm_up_kernels`): extend (MIXED, DRAFT_EXTEND) and verify rows,
+    and the `decode_mode` batches no graph serves."""
+    for backend in (backends.extend, backends.verify):
+        backend.warm_up_kernels(kv_cache, dtype, max_rows, page_size)
+    eager = eager_rows(graphs, decode_mode, max_rows)
+    backends.decode.warm_up_kernels(kv_cache, dtype, 0, page_size, eager)

@@ -101,20 +101,3 @@ def test_seeded_sampling_is_unchanged_by_padding(tiny_model_dirs):
         d, [[4, 5, 6], [9, 8]], sp, num_kv_pages=32, static_graph_replay=True, cuda_graph_max_bs=4
     )
     assert replay == eager
-
-
-def test_eager_rows_are_the_row_counts_no_graph_serves():
-    """The warm-up builds eager DECODE rows' kernels for exactly these (worker/
-    cuda_graph.warm_up_roles): every count without graphs, those past the largest
-    graph of that mode with them."""
-    from gyrfalcon.worker.cuda_graph import eager_rows
-
-    class Graphs:  # a runner whose DECODE graphs hold up to 8 rows
-        @staticmethod
-        def largest(mode):
-            return 8 if mode == ForwardMode.DECODE else 0
-
-    assert eager_rows(None, ForwardMode.DECODE, 32) == range(1, 33)
-    assert eager_rows(Graphs, ForwardMode.DECODE, 32) == range(9, 33)
-    assert eager_rows(Graphs, ForwardMode.DRAFT_DECODE, 32) == range(1, 33)
-    assert not eager_rows(Graphs, ForwardMode.DECODE, 8)

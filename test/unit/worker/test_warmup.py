@@ -140,3 +140,20 @@ def test_context_longer_than_the_model_is_refused(tiny_model_dirs):
     ).resolved()  # fmt: skip
     with pytest.raises(ValueError, match="exceeds the model's"):
         build_worker(args, d, cfg, rank=0)
+
+
+def test_eager_rows_are_the_row_counts_no_graph_serves():
+    """The warm-up builds eager DECODE rows' kernels for exactly these (worker/
+    warmup.warm_up_roles): every count without graphs, those past the largest
+    graph of that mode with them."""
+    from gyrfalcon.worker.warmup import eager_rows
+
+    class Graphs:  # a runner whose DECODE graphs hold up to 8 rows
+        @staticmethod
+        def largest(mode):
+            return 8 if mode == ForwardMode.DECODE else 0
+
+    assert eager_rows(None, ForwardMode.DECODE, 32) == range(1, 33)
+    assert eager_rows(Graphs, ForwardMode.DECODE, 32) == range(9, 33)
+    assert eager_rows(Graphs, ForwardMode.DRAFT_DECODE, 32) == range(1, 33)
+    assert not eager_rows(Graphs, ForwardMode.DECODE, 8)
