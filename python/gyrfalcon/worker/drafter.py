@@ -131,9 +131,10 @@ class Drafter:
         )
 
     def warm_up_kernels(self, max_rows: int) -> None:
-        """The kernel builds of its eager DRAFT_EXTEND rows, batches of up to max_rows rows
-        (`AttentionBackend.warm_up_kernels`; the target's warm-up made them already where
-        the drafter attends with the target's shapes)."""
+        """The kernel builds of its eager steps, batches of up to max_rows rows:
+        DRAFT_EXTEND rows, and DRAFT_DECODE batches its round graphs do not hold
+        (`warm_up_roles`; the target's warm-up made them already where the drafter
+        attends with the target's shapes)."""
         assert self.kv_cache is not None, "init_kv_cache() first"
         warm_up_roles(self.backends, self.graphs, ForwardMode.DRAFT_DECODE, self.kv_cache,
                       self.dtype, max_rows, self.page_size)  # fmt: skip
