@@ -20,6 +20,10 @@ flight. Per concurrency it reports:
   flip, as they do between batch sizes: the plain outputs are also compared with the
   plain outputs at the first concurrency, the scale of that drift.
 
+--ab-trees DIR,... (with --rounds) adds an EAGLE3 server per source tree (DIR/python:
+`benchmarks/ab_trees.sh` makes them), up beside the other two and sent every round in
+turn: an A/B of code on one machine at one time, against the one plain server.
+
 Writes spec_<tag>_k<K>_<device-kind>.json and .md into --output-dir. Unknown flags
 go to both servers (`gyrfalcon serve --help`), e.g. `--load-format dummy --tokenizer DIR`.
 
@@ -149,6 +153,15 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, l
         "'--separate-prefill-steps'): a scheduling choice measured against the same plain "
         "server",
     )
+    p.add_argument(
+        "--ab-trees",
+        type=lambda text: [t for t in text.split(",") if t],
+        default=[],
+        help="source trees (DIR/python, e.g. .ab/<commit> from benchmarks/ab_trees.sh), "
+        "comma-separated: an EAGLE3 server from each, up beside the two and in the same "
+        "rounds (needs --rounds >= 2), named spec@<DIR's last part>. Runs one after the "
+        "other moved a speed-up 0.1-0.2x between machines and 10%% within one",
+    )
     p.add_argument("--device", default=d.device, help="server --device")
     p.add_argument("--dtype", default=d.dtype, help="server --dtype")
     p.add_argument("--device-kind", default=d.device_kind, help="machine label, in file names")
@@ -160,6 +173,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, l
     ns, extra = p.parse_known_args(argv)  # NOTE: the string default goes through `type` too
     if ns.num_steps < 1 or ns.max_tokens < 1 or ns.rounds < 1:
         p.error("--num-steps, --max-tokens and --rounds must be >= 1")
+    if ns.ab_trees and ns.rounds < 2:
+        p.error("--ab-trees runs its servers beside the others: give --rounds >= 2")
     if ns.rounds > 1 and not any(a.split("=")[0] == "--kv-cache-memory" for a in extra):
         p.error("--rounds > 1 runs both servers at once: give --kv-cache-memory (e.g. 8GiB)")
     return ns, extra
@@ -298,20 +313,27 @@ def build_report(
     figures: RoundFigures | None = None,
 ) -> dict[str, Any]:
     """The JSON report: setup, one row per concurrency (with `figures`: each round's
-    tok/s per server), per-request figures (no texts)."""
+    tok/s per server), with --ab-trees `ab_rows` (each tree's EAGLE3 server: the same rows
+    against the one plain server), per-request figures (no texts)."""
     first = runs["plain"][ns.concurrency[0]][0]
-    rows = [
-        concurrency_row(
-            c, runs["plain"][c], runs["spec"][c], cycled(first, len(runs["plain"][c][0]), 1)
-        )
-        for c in ns.concurrency
-    ]
-    for row in rows if figures else []:
-        c = row["concurrency"]
-        row["rounds_output_throughput"] = {
-            name: [round(t / w, 1) if w > 0 else None for t, w in figures[name][c]]
-            for name in ("plain", "spec")
-        }
+
+    def spec_rows(name: str) -> list[dict[str, Any]]:
+        return [
+            concurrency_row(
+                c, runs["plain"][c], runs[name][c], cycled(first, len(runs["plain"][c][0]), 1)
+            )
+            for c in ns.concurrency
+        ]
+
+    rows = spec_rows("spec")
+    trees = {name: spec_rows(name) for name in runs if name not in ("plain", "spec")}
+    for name, named_rows in (("spec", rows), *trees.items()):
+        for row in named_rows if figures else []:
+            c = row["concurrency"]
+            row["rounds_output_throughput"] = {
+                key: [round(t / w, 1) if w > 0 else None for t, w in figures[key][c]]
+                for key in ("plain", name)
+            }
     return {
         "bench": "spec", "device_kind": ns.device_kind, "commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -320,7 +342,7 @@ def build_report(
         "num_prompts": num_prompts, "min_waves": ns.min_waves, "rounds": ns.rounds,
         "max_tokens": ns.max_tokens,
         "server_args": list(extra), "spec_flags": ns.spec_flags,
-        "commands": commands, "rows": rows,
+        "commands": commands, "rows": rows, **({"ab_rows": trees} if trees else {}),
         "per_request": {
             str(c): {name: [without_text(o) for o in runs[name][c][0]] for name in runs}
             for c in ns.concurrency
@@ -343,11 +365,14 @@ def healthy(base_url: str) -> bool:
 
 
 @contextlib.contextmanager
-def running_server(cmd: list[str], port: int, log_path: Path, timeout: float) -> Iterator[str]:
-    """Start cmd (its own session, output to log_path), yield its URL once /health is
-    200, stop it with SIGTERM (SIGKILL to the group if it lingers) on the way out."""
+def running_server(
+    cmd: list[str], port: int, log_path: Path, timeout: float, tree: Path = ROOT
+) -> Iterator[str]:
+    """Start cmd (its own session, output to log_path, importing gyrfalcon from
+    tree/python), yield its URL once /health is 200, stop it with SIGTERM (SIGKILL to the
+    group if it lingers) on the way out."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "python"), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree / "python"), env.get("PYTHONPATH")]))
     print("+", " ".join(cmd), f"> {log_path}", flush=True)
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -385,10 +410,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: dict[str, Runs] = {}
     figures: RoundFigures = {}
 
-    def serve(name: str, spec: bool) -> contextlib.AbstractContextManager[str]:
+    def serve(name: str, spec: bool, tree: Path = ROOT) -> contextlib.AbstractContextManager[str]:
         port = free_port()
         commands[name] = cmd = server_command(ns, extra, port, spec)
-        return running_server(cmd, port, log_dir / f"server_{name}.log", ns.startup_timeout)
+        log = log_dir / f"server_{name.replace('@', '_')}.log"
+        return running_server(cmd, port, log, ns.startup_timeout, tree=tree)
 
     def measure(urls: dict[str, str]) -> None:
         got, rounds = asyncio.run(
@@ -397,15 +423,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs.update(got)
         figures.update(rounds)
 
-    servers = (("plain", False), ("spec", True))
+    servers = [("plain", False, ROOT), ("spec", True, ROOT)]
+    servers += [(f"spec@{Path(t).resolve().name}", True, Path(t).resolve()) for t in ns.ab_trees]
     try:
         if ns.rounds == 1:  # NOTE: one server at a time, the whole device each
-            for name, spec in servers:
-                with serve(name, spec) as url:
+            for name, spec, tree in servers:
+                with serve(name, spec, tree) as url:
                     measure({name: url})
         else:
             with contextlib.ExitStack() as stack:
-                measure({name: stack.enter_context(serve(name, spec)) for name, spec in servers})
+                urls = {s[0]: stack.enter_context(serve(*s)) for s in servers}
+                measure(urls)
     except (RuntimeError, aiohttp.ClientError, OSError) as e:
         print(f"error (servers {', '.join(commands)}): {type(e).__name__}: {e}", file=sys.stderr)
         return 2
@@ -419,7 +447,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     markdown = format_markdown(report)
     Path(f"{stem}.md").write_text(markdown)
     print(markdown + f"Wrote {stem}.json, {stem}.md (server logs in {log_dir})")
-    rows = report["rows"]
+    rows = report["rows"] + [r for tree in report.get("ab_rows", {}).values() for r in tree]
     if not any(r["acceptance"]["requests_with_spec_usage"] for r in rows):
         print("warning: the EAGLE3 server reported no spec_verify_steps in usage", file=sys.stderr)
     # NOTE: float32 (what "auto" is on the CPU); elsewhere mismatches are numerics

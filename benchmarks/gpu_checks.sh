@@ -45,11 +45,13 @@
 #           trees `git archive` put in .ab/<commit>/ (carry .ab; `benchmarks/ab_trees.sh
 #           COMMIT...` makes them), AB_ROUNDS (5) turns of bench_decode.py at AB_BS (1) on
 #           AB_MODEL (the SmolLM2 shape, dummy), then each tree's median; JSONs in $OUT/ab/.
-#   ab-spec: the served EAGLE3 A/B (`spec`, BENCH_SPEC only) of this tree, then of each
-#           .ab/<commit>/ tree, one after the other on one machine (a machine's speed moves
-#           the speed-ups by 0.1-0.2x, so trees compare only within one): carry .ab and
-#           .data, the SmolLM2 GGUF and the drafter staged; each tree's files tagged
-#           ab-<name> (SPEC_ROUNDS, SPEC_WAVES, SPEC_FLAGS, SPEC_SECTIONS as for spec).
+#   ab-spec: the served EAGLE3 A/B (`spec`, BENCH_SPEC only) of this tree and every
+#           .ab/<tree>/ (`benchmarks/ab_trees.sh`), all servers up at once and sent each
+#           round in turn (bench_spec.py --ab-trees; SPEC_ROUNDS, default 3): one plain
+#           server, an EAGLE3 one per tree. Trees run one after the other moved 10% apart
+#           on one machine (stop 39). Carry .ab and .data, the SmolLM2 GGUF and the drafter
+#           staged; files tagged SPEC_TAG (default ab); SPEC_WAVES, SPEC_FLAGS, SPEC_SECTIONS
+#           as for spec.
 #   multiturn: the multi-turn chat benchmark with and without prefix caching (8B shape);
 #   structured: structured output's decode cost (SmolLM2 staged, batch 64) and its GPU tests;
 #   PYTEST_K selects tests (pytest -k), e.g. "not flashinfer_matches_torch_ref" skips the
@@ -226,13 +228,10 @@ case "${1:-tests}" in
     [ "${SO_TESTS:-1}" = 1 ] && python3 -m pytest -m gpu test/gpu/test_structured_gpu.py -q -p no:cacheprovider -rA \
       > "$OUT/gpu_tests_structured.log" 2>&1; echo "pytest exit $?"; tail -8 "$OUT/gpu_tests_structured.log" ;;
   ab-spec)
-    ROOT=$PWD
-    for tree in . .ab/*; do
-      name=$([ "$tree" = . ] && echo "$GYRFALCON_COMMIT" || basename "$tree")
-      [ "$tree" = . ] || ln -sfn "$ROOT/.data" "$tree/.data"
-      (cd "$tree" && GYRFALCON_COMMIT=$name STEP=0 SPEC_TAG=ab-$name bash "$ROOT/benchmarks/gpu_checks.sh" spec)
-    done
-    grep -ah "target forwards" "$OUT"/spec_logs_ab-*/*.log ;;
+    SPEC_AB_TREES=$(ls -d "$PWD"/.ab/* | paste -sd,) SPEC_ROUNDS=${SPEC_ROUNDS:-3} STEP=0 \
+      SPEC_TAG=${SPEC_TAG:-ab} bash "$0" spec
+    grep -aH "target forwards" "$OUT"/spec_logs_"${SPEC_TAG:-ab}"/*.log \
+      | sed 's|.*/server_||; s|\.log:.*rank 0: |: |' ;;
   ab-decode)
     AB=$OUT/ab; mkdir -p "$AB"
     MODEL_DIR=${AB_MODEL:-benchmarks/models/smollm2-135m}
@@ -312,6 +311,7 @@ PY
         --concurrency ${CONCURRENCY:-1,16} --min-waves ${SPEC_WAVES:-0} --device-kind "$KIND" --output-dir "$OUT" \
         --rounds ${SPEC_ROUNDS:-1} $([ "${SPEC_ROUNDS:-1}" -gt 1 ] && echo "--kv-cache-memory 8GiB") \
         ${SPEC_TAG:+--tag "smollm2$T"} --spec-flags="${SPEC_ONLY_FLAGS:-}" \
+        ${SPEC_AB_TREES:+--ab-trees "$SPEC_AB_TREES"} \
         --log-dir "$OUT/spec_logs$T" --log-stats-interval 2 ${SPEC_FLAGS:-} \
         > "$OUT/bench_spec$T.log" 2>&1; echo "bench_spec exit $?"; tail -15 "$OUT/bench_spec$T.log"
       for f in "$OUT"/spec_logs"$T"/*.log; do  # NOTE: the stats lines, not every request's

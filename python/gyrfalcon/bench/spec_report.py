@@ -150,6 +150,35 @@ def _num(value: float | None, digits: int = 2) -> str:
     return "n/a" if value is None else f"{value:,.{digits}f}"
 
 
+def _ab_lines(report: dict[str, Any]) -> list[str]:
+    """With `ab_rows` (bench_spec.py --ab-trees): a table of every EAGLE3 server, this
+    tree's first, against the one plain server."""
+    ab = report.get("ab_rows")
+    if not ab:
+        return []
+    lines = [
+        "", "EAGLE3 servers of other source trees (`--ab-trees`), up with the two above and "
+        "sent every round in turn; speed-ups against the same plain server:", "",
+        "| server | concurrency | accept length (tokens / verify steps) | EAGLE3 tok/s "
+        "| speed-up | EAGLE3 tok/s per round | mismatches with plain | failed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]  # fmt: skip
+    for name, rows in (("spec", report["rows"]), *ab.items()):
+        label = f"spec (commit {report['commit']})" if name == "spec" else name
+        for r in rows:
+            per = r.get("rounds_output_throughput", {}).get(name, [])
+            speedup = "n/a" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+            lines.append(
+                f"| {label} | {r['concurrency']} "
+                f"| {_num(r['acceptance']['accept_length_token_weighted'])} "
+                f"| {_num(r['spec']['output_throughput'], 1)} | {speedup} "
+                f"| {' / '.join(_num(x, 0) for x in per) or '-'} "
+                f"| {r['plain_vs_spec']['mismatches']} of {r['plain_vs_spec']['compared']} "
+                f"| {r['spec']['failed']} |"
+            )
+    return lines
+
+
 def format_markdown(report: dict[str, Any]) -> str:
     """The results as a short markdown page: a header naming the setup, one row per
     concurrency."""
@@ -194,6 +223,7 @@ def format_markdown(report: dict[str, Any]) -> str:
         lines += ["", f"{report['rounds']} rounds, both servers up at once, each round sent to "
                   "one then the other (the order alternating); tok/s per round, plain / EAGLE3: "
                   + ". ".join(rounds) + "."]  # fmt: skip
+    lines += _ab_lines(report)
     drift = [f"{r['plain_vs_first_concurrency']} at {r['concurrency']}" for r in report["rows"]]
     if any(r["plain_vs_first_concurrency"] for r in report["rows"]):
         lines += ["", "Plain outputs differing from plain at the first concurrency (batch "

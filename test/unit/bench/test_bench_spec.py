@@ -276,7 +276,9 @@ def test_main_writes_reports(
     fatal in bf16 (auto on CUDA), where near-ties flip with the kernels."""
 
     @contextlib.contextmanager
-    def fake_server(cmd: list[str], port: int, log: Path, timeout: float) -> Iterator[str]:
+    def fake_server(
+        cmd: list[str], port: int, log: Path, timeout: float, tree: Path
+    ) -> Iterator[str]:
         server.spec = "--speculative-algorithm" in cmd
         server.corrupt = corrupt and server.spec
         yield server.url
@@ -339,7 +341,9 @@ def test_main_with_rounds_runs_both_servers_at_once(
         spec.spec = True
 
         @contextlib.contextmanager
-        def fake_server(cmd: list[str], port: int, log: Path, timeout: float) -> Iterator[str]:
+        def fake_server(
+            cmd: list[str], port: int, log: Path, timeout: float, tree: Path
+        ) -> Iterator[str]:
             nonlocal most_open
             name = "spec" if "--speculative-algorithm" in cmd else "plain"
             open_now.append(name)
@@ -362,3 +366,53 @@ def test_main_with_rounds_runs_both_servers_at_once(
         "--kv-cache-memory",
         "1GiB",
     ]
+
+
+def test_ab_trees_serve_beside_the_two_in_the_same_rounds(
+    bs: ModuleType, tmp_path: Path, monkeypatch
+) -> None:
+    """--ab-trees: an EAGLE3 server per source tree (gyrfalcon imported from
+    DIR/python), all four up at once, each round sent to every server; each tree's
+    rows against the one plain server in `ab_rows` and the markdown; the exit code
+    counts their failures too."""
+    with pytest.raises(SystemExit):  # NOTE: beside the others only
+        bs.parse_args(["--ab-trees", "a,b", "--kv-cache-memory", "1GiB"])
+    started: dict[str, Path] = {}
+    open_now: list[str] = []
+    most_open = 0
+    with FakeChatServer() as plain, FakeChatServer() as spec, FakeChatServer() as old:
+        spec.spec = old.spec = True
+        old.corrupt = True  # NOTE: bf16 here: mismatches reported, not fatal
+
+        @contextlib.contextmanager
+        def fake_server(cmd: list[str], port: int, log: Path, timeout: float, tree: Path):
+            nonlocal most_open
+            name = log.stem.removeprefix("server_")
+            started[name] = tree
+            open_now.append(name)
+            most_open = max(most_open, len(open_now))
+            try:
+                yield {"plain": plain, "spec": spec}.get(name, old).url
+            finally:
+                open_now.remove(name)
+
+        monkeypatch.setattr(bs, "running_server", fake_server)
+        data = tmp_path / "q.jsonl"
+        data.write_text("".join(json.dumps({"turns": [f"q{i}"]}) + "\n" for i in range(3)))
+        trees = [tmp_path / "ab" / "abc1234", tmp_path / "ab" / "abc1234+nopack"]
+        argv = ["--dataset", str(data), "--concurrency", "1,2", "--output-dir", str(tmp_path),
+                "--device-kind", "cpu-test", "--model", "/models/tiny", "--rounds", "2",
+                "--kv-cache-memory", "1GiB", "--device", "cuda",
+                "--ab-trees", ",".join(map(str, trees))]  # fmt: skip
+        assert bs.main(argv) == 0
+    assert most_open == 4 and not open_now
+    assert started["spec_abc1234"] == trees[0] and started["spec_abc1234+nopack"] == trees[1]
+    assert started["plain"] == started["spec"] == bs.ROOT
+    report = json.loads((tmp_path / "spec_tiny_k3_cpu-test.json").read_text())
+    assert set(report["ab_rows"]) == {"spec@abc1234", "spec@abc1234+nopack"}
+    for name, rows in report["ab_rows"].items():
+        assert [r["concurrency"] for r in rows] == [1, 2] and rows[0]["requests"] == 6
+        assert rows[0]["speedup"] is not None and rows[0]["plain_vs_spec"]["mismatches"] == 2
+        assert len(rows[0]["rounds_output_throughput"][name]) == 2
+    md = (tmp_path / "spec_tiny_k3_cpu-test.md").read_text()
+    assert "| spec@abc1234+nopack | 2 | " in md and "| 2 of 6 | 0 |" in md
