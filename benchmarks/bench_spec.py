@@ -37,18 +37,12 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime
-import os
 import re
 import shlex
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +58,7 @@ from gyrfalcon.bench import report_json
 from gyrfalcon.bench.client import ENDPOINT_PATHS, ERROR_BODY_CHARS, build_payload, fetch_model_ids
 from gyrfalcon.bench.datasets import SampleRequest, load_jsonl_requests
 from gyrfalcon.bench.provenance import git_commit
+from gyrfalcon.bench.server_proc import running_server
 from gyrfalcon.bench.spec_report import (
     ChatOutput,
     Runs,
@@ -74,6 +69,7 @@ from gyrfalcon.bench.spec_report import (
     without_text,
 )
 from gyrfalcon.loader.resolve import default_model_name
+from gyrfalcon.utils import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 # NOTE: shared/ sits beside the checkout here, inside the copy on the GPU machine
@@ -350,54 +346,6 @@ def build_report(
     }  # fmt: skip
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def healthy(base_url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{base_url}/health", timeout=2) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
-@contextlib.contextmanager
-def running_server(
-    cmd: list[str], port: int, log_path: Path, timeout: float, tree: Path = ROOT
-) -> Iterator[str]:
-    """Start cmd (its own session, output to log_path, importing gyrfalcon from
-    tree/python), yield its URL once /health is 200, stop it with SIGTERM (SIGKILL to the
-    group if it lingers) on the way out."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree / "python"), env.get("PYTHONPATH")]))
-    print("+", " ".join(cmd), f"> {log_path}", flush=True)
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)  # fmt: skip
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        while not healthy(base_url):
-            if proc.poll() is not None:
-                tail = log_path.read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{tail}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server not healthy after {timeout:.0f} s, see {log_path}")
-            time.sleep(DEFAULTS.health_poll_s)
-        yield base_url
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(DEFAULTS.stop_timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Serve plain, then EAGLE3; run every concurrency on each; write JSON + markdown.
     Exit code 1 when any output differs or any request failed."""
@@ -414,7 +362,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         port = free_port()
         commands[name] = cmd = server_command(ns, extra, port, spec)
         log = log_dir / f"server_{name.replace('@', '_')}.log"
-        return running_server(cmd, port, log, ns.startup_timeout, tree=tree)
+        return running_server(cmd, port, log, ns.startup_timeout, tree / "python",
+                              DEFAULTS.health_poll_s, DEFAULTS.stop_timeout_s)  # fmt: skip
 
     def measure(urls: dict[str, str]) -> None:
         got, rounds = asyncio.run(

@@ -58,24 +58,6 @@ def provenance() -> dict:
     }
 
 
-def start_server(model_dir: str, port: int, log_path: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "gyrfalcon.cli", "serve", model_dir, "--port", str(port)]
-    cmd += ["--dtype", "float32", "--device", "cpu"]
-    proc = subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.time() + STARTUP_TIMEOUT_S
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}, see {log_path}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    proc.terminate()
-    raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S} s, see {log_path}")
-
-
 def run_lm_eval(python: str, model: str, model_args: str, out: Path, extra: list[str]) -> list:
     cmd = [python, "-m", "lm_eval", "run", "--model", model, "--model_args", model_args]
     cmd += ["--include_path", "benchmarks/lm_eval_tasks", "--tasks", *TASKS]
@@ -192,13 +174,15 @@ def write_markdown(path: Path, record: dict) -> None:
 
 def run_both(args: argparse.Namespace, work: Path) -> dict:
     """Serve, run lm-eval against the server and against HF; return what was run."""
+    from gyrfalcon.bench.server_proc import running_server
     from gyrfalcon.loader.resolve import resolve_model
 
     model_dir = resolve_model(args.model)
     limit = ["--limit", str(args.limit)] if args.limit else []
     info = {"gyrfalcon": provenance(), "date": time.strftime("%Y-%m-%d")}  # the served code
-    server = start_server(model_dir, args.port, work / "server.log")
-    try:
+    cmd = [sys.executable, "-m", "gyrfalcon.cli", "serve", model_dir, "--port", str(args.port)]
+    cmd += ["--dtype", "float32", "--device", "cpu"]
+    with running_server(cmd, args.port, work / "server.log", STARTUP_TIMEOUT_S, ROOT / "python"):
         base = f"http://127.0.0.1:{args.port}"
         served = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
         server_args = (
@@ -208,9 +192,6 @@ def run_both(args: argparse.Namespace, work: Path) -> dict:
         server_cmd = run_lm_eval(
             args.lm_eval_python, "local-completions", server_args, work / "server", limit
         )
-    finally:
-        server.terminate()
-        server.wait(60)
     hf_args = f"pretrained={model_dir},dtype=float32"
     hf_extra = ["--device", "cpu", "--batch_size", "1", *limit]
     hf_cmd = run_lm_eval(args.lm_eval_python, "hf", hf_args, work / "hf", hf_extra)

@@ -276,9 +276,7 @@ def test_main_writes_reports(
     fatal in bf16 (auto on CUDA), where near-ties flip with the kernels."""
 
     @contextlib.contextmanager
-    def fake_server(
-        cmd: list[str], port: int, log: Path, timeout: float, tree: Path
-    ) -> Iterator[str]:
+    def fake_server(cmd: list[str], port: int, log: Path, timeout: float, *_: Any) -> Iterator[str]:
         server.spec = "--speculative-algorithm" in cmd
         server.corrupt = corrupt and server.spec
         yield server.url
@@ -342,7 +340,7 @@ def test_main_with_rounds_runs_both_servers_at_once(
 
         @contextlib.contextmanager
         def fake_server(
-            cmd: list[str], port: int, log: Path, timeout: float, tree: Path
+            cmd: list[str], port: int, log: Path, timeout: float, *_: Any
         ) -> Iterator[str]:
             nonlocal most_open
             name = "spec" if "--speculative-algorithm" in cmd else "plain"
@@ -385,10 +383,10 @@ def test_ab_trees_serve_beside_the_two_in_the_same_rounds(
         old.corrupt = True  # NOTE: bf16 here: mismatches reported, not fatal
 
         @contextlib.contextmanager
-        def fake_server(cmd: list[str], port: int, log: Path, timeout: float, tree: Path):
+        def fake_server(cmd: list[str], port: int, log: Path, timeout: float, python_dir, *_):
             nonlocal most_open
             name = log.stem.removeprefix("server_")
-            started[name] = tree
+            started[name] = python_dir
             open_now.append(name)
             most_open = max(most_open, len(open_now))
             try:
@@ -406,8 +404,9 @@ def test_ab_trees_serve_beside_the_two_in_the_same_rounds(
                 "--ab-trees", ",".join(map(str, trees))]  # fmt: skip
         assert bs.main(argv) == 0
     assert most_open == 4 and not open_now
-    assert started["spec_abc1234"] == trees[0] and started["spec_abc1234+nopack"] == trees[1]
-    assert started["plain"] == started["spec"] == bs.ROOT
+    assert started["spec_abc1234"] == trees[0] / "python"
+    assert started["spec_abc1234+nopack"] == trees[1] / "python"
+    assert started["plain"] == started["spec"] == bs.ROOT / "python"
     report = json.loads((tmp_path / "spec_tiny_k3_cpu-test.json").read_text())
     assert set(report["ab_rows"]) == {"spec@abc1234", "spec@abc1234+nopack"}
     for name, rows in report["ab_rows"].items():
