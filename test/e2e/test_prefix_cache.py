@@ -38,11 +38,21 @@ def chat(srv, messages, max_tokens=16):
     return choice["message"]["content"], lps, data["usage"]
 
 
-def same_answer(a, b):
+# NOTE: with an fp8 cache, cached and computed turns moved logprobs up to 0.0083 on one
+# CPU (stop 39; 1e-3 had held on earlier CI machines), the float32 cache far less. The
+# likely cause, not isolated: a cached turn's answer tokens got their K/V from decode
+# steps, a computed turn's from one prefill; the float32 results part in the last bits
+# (other matmul shapes), and where one sits at an fp8 rounding boundary (3 mantissa bits)
+# the element lands on its neighbour, 6% apart. A wrong or misplaced page moves logprobs
+# by whole units and changes the text.
+FP8_LOGPROB_TOL = 0.05
+
+
+def same_answer(a, b, tol: float = 1e-3):
     (text_a, lps_a, _), (text_b, lps_b, _) = a, b
     assert text_a == text_b
     assert [t for t, _ in lps_a] == [t for t, _ in lps_b]
-    assert [lp for _, lp in lps_a] == pytest.approx([lp for _, lp in lps_b], abs=1e-3)
+    assert [lp for _, lp in lps_a] == pytest.approx([lp for _, lp in lps_b], abs=tol)
 
 
 def drained(srv):
@@ -145,7 +155,8 @@ def test_cached_turns_answer_like_computed_ones_with(smollm2_dir, tmp_path, flag
         for question in QUESTIONS[:2]:
             messages.append({"role": "user", "content": question})
             reply = chat(warm, messages, max_tokens=12)
-            same_answer(reply, chat(cold, messages, max_tokens=12))
+            tol = FP8_LOGPROB_TOL if "fp8_e4m3" in flags else 1e-3
+            same_answer(reply, chat(cold, messages, max_tokens=12), tol)
             messages.append({"role": "assistant", "content": reply[0]})
         assert reply[2]["prompt_tokens_details"]["cached_tokens"] > 0
         drained(warm)
