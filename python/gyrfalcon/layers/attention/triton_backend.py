@@ -215,16 +215,14 @@ class TritonBackend(AttentionBackend):
         `eager_decode_rows` rows (those no graph holds), RoPE inside. The warm-up steps
         meet one of them; the rest would build while serving, ~0.7 s each
         (worker/compile_watch.py)."""
-        fewest: dict[int, int] = {}  # split count -> the fewest query rows that pick it
-        for n in range(1, max_rows * MAX_VERIFY_TOKENS + 1):
-            fewest.setdefault(self.kv_splits(n, kv_cache.k.device), n)
-        for n in fewest.values():
-            self._warm_launch(kv_cache, dtype, n, page_size, rope=False)
-        decode: dict[int, int] = {}
-        for n in eager_decode_rows:
-            decode.setdefault(self.kv_splits(n, kv_cache.k.device), n)
-        for n in decode.values():
-            self._warm_launch(kv_cache, dtype, n, page_size, rope=True)
+        device = kv_cache.k.device
+        for rows, rope in ((range(1, max_rows * MAX_VERIFY_TOKENS + 1), False),
+                           (eager_decode_rows, True)):  # fmt: skip
+            fewest: dict[int, int] = {}  # split count -> the fewest rows that pick it
+            for n in rows:
+                fewest.setdefault(self.kv_splits(n, device), n)
+            for n in fewest.values():
+                self._warm_launch(kv_cache, dtype, n, page_size, rope)
 
     def _warm_launch(
         self, kv_cache: KVCache, dtype: torch.dtype, n: int, page_size: int, rope: bool
