@@ -26,8 +26,10 @@
 #           FOLLOW_UPS, MAX_STEPS, BATCH, LR, EVAL_EVERY, TRAIN_SECONDS (the time guard),
 #           GEN_WORKERS (engines generating at once, --generate-workers), DATA_CACHE (a
 #           file keeping the generated text for the next run on this machine, --data-cache),
-#           DRAFT_INTER (--draft-intermediate-size), TTT (--ttt-steps, 4), KPROF=FIRST:COUNT (the kernels of those
-#           training steps, $OUT/kprof/kernels_train_eagle3.txt);
+#           DRAFT_INTER (--draft-intermediate-size), DRAFT_VOCAB (--draft-vocab-size, 16384),
+#           TRAIN_FLAGS (more train-eagle3 flags, e.g. "--step-loss-decay 0.6"), TTT
+#           (--ttt-steps, 4), KPROF=FIRST:COUNT (the kernels of those training steps,
+#           $OUT/kprof/kernels_train_eagle3.txt);
 #   spec:   bench_spec.py (MT-Bench first turns, .data/mt_bench_dev.jsonl) with the drafter
 #           in drafters/smollm2-eagle3 (or staged: .drafter/drafter.tgz.part* carried with a
 #           stage part), then bench_spec_step.py for the 8B and SmolLM2 shapes (dummy
@@ -283,10 +285,11 @@ PY
       --target-model "$GYRFALCON_SMOLLM2_GGUF" \
       --device cuda --output-dir drafters/smollm2-eagle3 --num-prompts ${NUM_PROMPTS:-4000} \
       --holdout 64 --max-new-tokens 256 --max-steps ${MAX_STEPS:-3000} --batch-size ${BATCH:-16} \
-      --lr ${LR:-3e-4} --ttt-steps ${TTT:-4} --draft-vocab-size 16384 --eval-every ${EVAL_EVERY:-500} \
+      --lr ${LR:-3e-4} --ttt-steps ${TTT:-4} --draft-vocab-size ${DRAFT_VOCAB:-16384} --eval-every ${EVAL_EVERY:-500} \
       --self-instructions ${SELF_INSTRUCTIONS:-0} --follow-up-turns ${FOLLOW_UPS:-0} \
       --max-train-seconds ${TRAIN_SECONDS:-240} --generate-workers ${GEN_WORKERS:-1} \
       ${DATA_CACHE:+--data-cache "$DATA_CACHE"} ${DRAFT_INTER:+--draft-intermediate-size "$DRAFT_INTER"} \
+      ${TRAIN_FLAGS:-} \
       > "$OUT/train_drafter.log" 2>&1
     echo "train exit $?"; grep -aE "Elapsed|acceptance|accept|loss|phase|summary|kept|sequences" "$OUT/train_drafter.log" | tail -25
     # NOTE: measured only (never trained on): the offline acceptance on MT-Bench's first

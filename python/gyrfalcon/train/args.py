@@ -111,6 +111,14 @@ class TrainArgs:
     step_loss_decay: float = field(
         default=0.8, metadata={"help": "weight of unroll step j's loss: decay ** j"}
     )
+    target_temperature: float = field(
+        default=1.0,
+        metadata={
+            "help": "the distribution the drafter learns: softmax(target logits / T) over "
+            "the draft ids; T < 1 sharpens it toward the target's choice, the token greedy "
+            "verification accepts (1: EAGLE3's soft targets)"
+        },
+    )
     max_steps: int = field(default=3000, metadata={"help": "optimizer steps"})
     max_train_seconds: float | None = field(
         default=None,
@@ -184,6 +192,10 @@ class TrainArgs:
                 raise ValueError(f"{flag} must be at least 1, got {value}")
         if self.max_train_seconds is not None and self.max_train_seconds <= 0:
             raise ValueError(f"--max-train-seconds must be positive, got {self.max_train_seconds}")
+        if not self.target_temperature > 0:
+            raise ValueError(
+                f"--target-temperature must be positive, got {self.target_temperature}"
+            )
         if self.holdout < 1:
             raise ValueError(f"--holdout must be at least 1, got {self.holdout}")
         device = self.device

@@ -37,7 +37,10 @@ def run_batch(
     device: torch.device,
 ) -> tuple[torch.Tensor, list[StepResult]]:
     """(weighted loss, per-step results) of the unrolled drafter on one batch."""
-    view = TargetView.of(target, batch.final, drafter.draft_to_target, batch.target_argmax)
+    view = TargetView.of(
+        target, batch.final, drafter.draft_to_target, batch.target_argmax,
+        args.target_temperature,
+    )  # fmt: skip
     aux = batch.aux if device.type == "cuda" else batch.aux.float()
     with autocast(device):
         outs = ttt_unroll(drafter, batch.ids, aux, args.ttt_steps)

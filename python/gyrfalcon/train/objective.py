@@ -7,9 +7,9 @@ carries the union of the steps' rows, each step keeps its own).
 
 Loss (EAGLE3): at each step, the cross-entropy of the drafter's distribution
 against the target's restricted to the draft vocabulary (softmax of the target's
-logits at the draft ids), over rows whose target argmax is in the draft vocabulary
-(elsewhere the draft vocabulary cannot express the target's choice); step j
-weighted decay ** j.
+logits at the draft ids, divided by --target-temperature, 1 by default), over rows
+whose target argmax is in the draft vocabulary (elsewhere the draft vocabulary
+cannot express the target's choice); step j weighted decay ** j.
 
 Acceptance at step j: the fraction of rows where the drafter's argmax, mapped to a
 target id, equals the target's argmax over the whole vocabulary. The inputs of step
@@ -47,13 +47,16 @@ class TargetView:
         final: torch.Tensor,
         draft_to_target: torch.Tensor,
         argmax: torch.Tensor,
+        temperature: float = 1.0,
     ) -> TargetView:
         """final: [m, Ht] the target's final normed hidden states; argmax: [m] its argmax
         over the whole vocabulary there (`Features.target_argmax`, computed once). The
         logits are computed at the draft ids only: the LM head's rows there (the loss
-        kernel takes their softmax)."""
+        kernel takes their softmax), divided by `temperature` (the loss then learns
+        softmax(logits / T); the argmax is unchanged)."""
         head = target.lm_head.rows(draft_to_target)  # [draft_vocab, Ht]
-        return cls(F.linear(final, head), argmax)
+        logits = F.linear(final, head)
+        return cls(logits if temperature == 1.0 else logits / temperature, argmax)
 
 
 @dataclass

@@ -121,3 +121,7 @@ def test_resolved_defaults():
     assert args.dtype == "float32" and args.warmup_steps == 5 and args.ttt_steps == 4
     with pytest.raises(ValueError, match="--ttt-steps must be at least 1"):
         TrainArgs(prompts="p.jsonl", output_dir="out", ttt_steps=0).resolved()
+    assert args.target_temperature == 1.0  # EAGLE3's soft targets unless asked
+    for bad in (0.0, -0.5):
+        with pytest.raises(ValueError, match="--target-temperature must be positive"):
+            TrainArgs(prompts="p.jsonl", output_dir="out", target_temperature=bad).resolved()

@@ -206,3 +206,39 @@ def test_served_rounds_below_the_rates_when_misses_cluster():
     rates = [float(hits[j].sum() / rows[j]) for j in range(3)]
     steps, emitted = served_rounds(hits, prompt_len, length)
     assert emitted / steps < acceptance_length(rates)
+
+
+def test_target_temperature_sharpens_the_learned_distribution_toward_the_target_choice():
+    """--target-temperature T: the drafter learns softmax(target logits / T) at the draft
+    ids; T = 1 is EAGLE3's soft target, T -> 0 the cross-entropy against the target's own
+    choice (what greedy verification accepts); the target's argmax is unchanged."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from gyrfalcon.kernels.soft_cross_entropy import soft_cross_entropy
+    from gyrfalcon.train.objective import TargetView
+
+    gen = torch.Generator().manual_seed(0)
+    vocab, draft_vocab, hidden, m = 40, 12, 8, 6
+    head = torch.randn(vocab, hidden, generator=gen)
+    target = SimpleNamespace(lm_head=SimpleNamespace(rows=lambda ids: head[ids]))
+    draft_to_target = torch.randperm(vocab, generator=gen)[:draft_vocab]
+    final = torch.randn(m, hidden, generator=gen)
+    argmax = (final @ head.T).argmax(-1)
+    drafted = torch.randn(m, draft_vocab, generator=gen)
+    rows = torch.arange(m)
+
+    soft = TargetView.of(target, final, draft_to_target, argmax)
+    at_draft_ids = final @ head[draft_to_target].T
+    torch.testing.assert_close(soft.logits, at_draft_ids)
+    expected = -(torch.softmax(at_draft_ids, -1) * F.log_softmax(drafted, -1)).sum(-1)
+    torch.testing.assert_close(soft_cross_entropy(drafted, soft.logits, rows)[0], expected)
+
+    sharp = TargetView.of(target, final, draft_to_target, argmax, temperature=0.01)
+    assert torch.equal(sharp.argmax, argmax)
+    torch.testing.assert_close(sharp.logits, at_draft_ids / 0.01)
+    choice = at_draft_ids.argmax(-1)
+    hard = F.cross_entropy(drafted, choice, reduction="none")
+    torch.testing.assert_close(soft_cross_entropy(drafted, sharp.logits, rows)[0], hard)
+    assert not torch.allclose(expected, hard, atol=1e-2)  # T = 1 is not the hard target
