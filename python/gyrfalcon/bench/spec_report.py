@@ -150,6 +150,11 @@ def _num(value: float | None, digits: int = 2) -> str:
     return "n/a" if value is None else f"{value:,.{digits}f}"
 
 
+def _per_round(row: dict[str, Any]) -> str:
+    """A row's accept length in each round (bench_spec.py --rounds), or '-'."""
+    return " / ".join(_num(x) for x in row.get("rounds_accept_length", [])) or "-"
+
+
 def _ab_lines(report: dict[str, Any]) -> list[str]:
     """With `ab_rows` (bench_spec.py --ab-trees): a table of every EAGLE3 server, this
     tree's first, against the one plain server."""
@@ -159,9 +164,10 @@ def _ab_lines(report: dict[str, Any]) -> list[str]:
     lines = [
         "", "EAGLE3 servers of other source trees (`--ab-trees`), up with the two above and "
         "sent every round in turn; speed-ups against the same plain server:", "",
-        "| server | concurrency | accept length (tokens / verify steps) | EAGLE3 tok/s "
+        "| server | concurrency | accept length (tokens / verify steps) "
+        "| accept length per round | EAGLE3 tok/s "
         "| speed-up | EAGLE3 tok/s per round | mismatches with plain | failed |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]  # fmt: skip
     for name, rows in (("spec", report["rows"]), *ab.items()):
         label = f"spec (commit {report['commit']})" if name == "spec" else name
@@ -171,6 +177,7 @@ def _ab_lines(report: dict[str, Any]) -> list[str]:
             lines.append(
                 f"| {label} | {r['concurrency']} "
                 f"| {_num(r['acceptance']['accept_length_token_weighted'])} "
+                f"| {_per_round(r)} "
                 f"| {_num(r['spec']['output_throughput'], 1)} | {speedup} "
                 f"| {' / '.join(_num(x, 0) for x in per) or '-'} "
                 f"| {r['plain_vs_spec']['mismatches']} of {r['plain_vs_spec']['compared']} "
@@ -220,9 +227,11 @@ def format_markdown(report: dict[str, Any]) -> str:
         if (per := r.get("rounds_output_throughput"))
     ]
     if rounds:
+        accept = "; ".join(f"c{r['concurrency']}: {_per_round(r)}" for r in report["rows"])
         lines += ["", f"{report['rounds']} rounds, both servers up at once, each round sent to "
                   "one then the other (the order alternating); tok/s per round, plain / EAGLE3: "
-                  + ". ".join(rounds) + "."]  # fmt: skip
+                  + ". ".join(rounds) + f". EAGLE3 accept length per round: {accept} (later "
+                  "rounds find the prompts in the prefix cache)."]  # fmt: skip
     lines += _ab_lines(report)
     drift = [f"{r['plain_vs_first_concurrency']} at {r['concurrency']}" for r in report["rows"]]
     if any(r["plain_vs_first_concurrency"] for r in report["rows"]):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -327,7 +328,18 @@ def test_rounds_need_a_kv_cap_and_alternate_the_servers(bs: ModuleType) -> None:
     report = bs.build_report(ns, extra, 2, {"plain": [], "spec": []}, runs, figures)
     assert report["rounds"] == 3 and [r["requests"] for r in report["rows"]] == [6, 6]
     assert all(len(r["rounds_output_throughput"]["spec"]) == 3 for r in report["rows"])
-    assert "3 rounds, both servers up at once" in bs.format_markdown(report)
+    assert all(r["rounds_accept_length"] == [1.0] * 3 for r in report["rows"])
+    for c in (1, 2):  # NOTE: the last round's requests emit 2 tokens a verify step
+        outs, wall = runs["spec"][c]
+        last = [
+            dataclasses.replace(o, completion_tokens=2 * o.spec_verify_steps) for o in outs[-2:]
+        ]
+        runs["spec"][c] = (outs[:-2] + last, wall)
+    report = bs.build_report(ns, extra, 2, {"plain": [], "spec": []}, runs, figures)
+    assert all(r["rounds_accept_length"] == [1.0, 1.0, 2.0] for r in report["rows"])
+    md = bs.format_markdown(report)
+    assert "3 rounds, both servers up at once" in md
+    assert "EAGLE3 accept length per round: c1: 1.00 / 1.00 / 2.00; c2: 1.00 / 1.00 / 2.00" in md
 
 
 def test_main_with_rounds_runs_both_servers_at_once(
@@ -413,5 +425,6 @@ def test_ab_trees_serve_beside_the_two_in_the_same_rounds(
         assert [r["concurrency"] for r in rows] == [1, 2] and rows[0]["requests"] == 6
         assert rows[0]["speedup"] is not None and rows[0]["plain_vs_spec"]["mismatches"] == 2
         assert len(rows[0]["rounds_output_throughput"][name]) == 2
+        assert len(rows[0]["rounds_accept_length"]) == 2
     md = (tmp_path / "spec_tiny_k3_cpu-test.md").read_text()
     assert "| spec@abc1234+nopack | 2 | " in md and "| 2 of 6 | 0 |" in md
