@@ -36,7 +36,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import datetime
 import re
 import shlex
 import sys
@@ -57,17 +56,16 @@ except ImportError:  # running from a checkout without an installed package
 from gyrfalcon.bench import report_json
 from gyrfalcon.bench.client import ENDPOINT_PATHS, ERROR_BODY_CHARS, build_payload, fetch_model_ids
 from gyrfalcon.bench.datasets import SampleRequest, load_jsonl_requests
-from gyrfalcon.bench.provenance import git_commit
 from gyrfalcon.bench.server_proc import running_server
 from gyrfalcon.bench.spec_report import (
     ChatOutput,
+    RoundFigures,
     Runs,
-    acceptance,
-    concurrency_row,
+    build_report,
+    cycled,
     format_markdown,
     parse_chat_response,
     throughput,
-    without_text,
 )
 from gyrfalcon.loader.resolve import default_model_name
 from gyrfalcon.utils import free_port
@@ -236,17 +234,6 @@ async def run_batch(
     return outputs, time.perf_counter() - start
 
 
-def cycled(items: Sequence[Any], concurrency: int, min_waves: int) -> list[Any]:
-    """The items, cycled to max(len, min_waves * concurrency) of them (item i % len at
-    i): `concurrency` requests stay in flight for at least `min_waves` waves."""
-    n = max(len(items), min_waves * concurrency)
-    return [items[i % len(items)] for i in range(n)]
-
-
-# per server, per concurrency: each round's (completion tokens, wall seconds)
-RoundFigures = dict[str, dict[int, list[tuple[int, float]]]]
-
-
 async def run_rounds(
     base_urls: dict[str, str],
     samples: Sequence[SampleRequest],
@@ -296,62 +283,6 @@ async def run_concurrencies(
     """One server's `run_rounds`, one round."""
     runs, _ = await run_rounds({"server": base_url}, samples, concurrencies, timeout, min_waves)
     return runs["server"]
-
-
-# ---------------------------------------------------------------- figures
-
-
-def build_report(
-    ns: argparse.Namespace,
-    extra: Sequence[str],
-    num_prompts: int,
-    commands: dict[str, list[str]],
-    runs: dict[str, Runs],
-    figures: RoundFigures | None = None,
-) -> dict[str, Any]:
-    """The JSON report: setup, one row per concurrency (with `figures`: each round's
-    tok/s per server), with --ab-trees `ab_rows` (each tree's EAGLE3 server: the same rows
-    against the one plain server), per-request figures (no texts)."""
-    first = runs["plain"][ns.concurrency[0]][0]
-
-    def spec_rows(name: str) -> list[dict[str, Any]]:
-        return [
-            concurrency_row(
-                c, runs["plain"][c], runs[name][c], cycled(first, len(runs["plain"][c][0]), 1)
-            )
-            for c in ns.concurrency
-        ]
-
-    rows = spec_rows("spec")
-    trees = {name: spec_rows(name) for name in runs if name not in ("plain", "spec")}
-    for name, named_rows in (("spec", rows), *trees.items()):
-        for row in named_rows if figures else []:
-            c = row["concurrency"]
-            row["rounds_output_throughput"] = {
-                key: [round(t / w, 1) if w > 0 else None for t, w in figures[key][c]]
-                for key in ("plain", name)
-            }
-            # NOTE: rounds after the first find the prompts in the prefix cache; in bf16
-            # that changes the texts, and so the acceptance (stop 40: 2.49 -> 2.41)
-            outs, n = runs[name][c][0], len(runs[name][c][0]) // ns.rounds
-            row["rounds_accept_length"] = [
-                acceptance(outs[i * n : (i + 1) * n])["accept_length_token_weighted"]
-                for i in range(ns.rounds)
-            ]
-    return {
-        "bench": "spec", "device_kind": ns.device_kind, "commit": git_commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "model": default_model_name(ns.model), "draft_model": ns.draft_model,
-        "num_steps": ns.num_steps, "dataset": Path(ns.dataset).name,
-        "num_prompts": num_prompts, "min_waves": ns.min_waves, "rounds": ns.rounds,
-        "max_tokens": ns.max_tokens,
-        "server_args": list(extra), "spec_flags": ns.spec_flags,
-        "commands": commands, "rows": rows, **({"ab_rows": trees} if trees else {}),
-        "per_request": {
-            str(c): {name: [without_text(o) for o in runs[name][c][0]] for name in runs}
-            for c in ns.concurrency
-        },
-    }  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,15 +1,21 @@
 """The figures and report of benchmarks/bench_spec.py (EAGLE3 against plain decoding):
 one chat completion's outputs, acceptance from the usage fields, throughput, output
-comparison, the markdown table. Pure functions, tested without servers."""
+comparison, the JSON report and its markdown table. Pure functions, tested without
+servers."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import datetime
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from gyrfalcon.bench.metrics import mean
+from gyrfalcon.bench.provenance import git_commit
+from gyrfalcon.loader.resolve import default_model_name
 
 SHOWN_MISMATCHES = 3  # mismatching outputs quoted in the report
 SNIPPET_CHARS = 80  # characters quoted around an output's first difference
@@ -33,6 +39,8 @@ class ChatOutput:
 
 
 Runs = dict[int, tuple[list[ChatOutput], float]]  # concurrency -> (outputs, wall time)
+# per server, per concurrency: each round's (completion tokens, wall seconds)
+RoundFigures = dict[str, dict[int, list[tuple[int, float]]]]
 
 
 def parse_chat_response(body: dict[str, Any]) -> ChatOutput:
@@ -241,3 +249,63 @@ def format_markdown(report: dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------- servers
+
+
+def cycled(items: Sequence[Any], concurrency: int, min_waves: int) -> list[Any]:
+    """The items, cycled to max(len, min_waves * concurrency) of them (item i % len at
+    i): `concurrency` requests stay in flight for at least `min_waves` waves."""
+    n = max(len(items), min_waves * concurrency)
+    return [items[i % len(items)] for i in range(n)]
+
+
+def build_report(
+    ns: argparse.Namespace,
+    extra: Sequence[str],
+    num_prompts: int,
+    commands: dict[str, list[str]],
+    runs: dict[str, Runs],
+    figures: RoundFigures | None = None,
+) -> dict[str, Any]:
+    """The JSON report: setup, one row per concurrency (with `figures`: each round's
+    tok/s per server), with --ab-trees `ab_rows` (each tree's EAGLE3 server: the same rows
+    against the one plain server), per-request figures (no texts)."""
+    first = runs["plain"][ns.concurrency[0]][0]
+
+    def spec_rows(name: str) -> list[dict[str, Any]]:
+        return [
+            concurrency_row(
+                c, runs["plain"][c], runs[name][c], cycled(first, len(runs["plain"][c][0]), 1)
+            )
+            for c in ns.concurrency
+        ]
+
+    rows = spec_rows("spec")
+    trees = {name: spec_rows(name) for name in runs if name not in ("plain", "spec")}
+    for name, named_rows in (("spec", rows), *trees.items()):
+        for row in named_rows if figures else []:
+            c = row["concurrency"]
+            row["rounds_output_throughput"] = {
+                key: [round(t / w, 1) if w > 0 else None for t, w in figures[key][c]]
+                for key in ("plain", name)
+            }
+            # NOTE: rounds after the first find the prompts in the prefix cache; in bf16
+            # that changes the texts, and so the acceptance (stop 40: 2.49 -> 2.41)
+            outs, n = runs[name][c][0], len(runs[name][c][0]) // ns.rounds
+            row["rounds_accept_length"] = [
+                acceptance(outs[i * n : (i + 1) * n])["accept_length_token_weighted"]
+                for i in range(ns.rounds)
+            ]
+    return {
+        "bench": "spec", "device_kind": ns.device_kind, "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "model": default_model_name(ns.model), "draft_model": ns.draft_model,
+        "num_steps": ns.num_steps, "dataset": Path(ns.dataset).name,
+        "num_prompts": num_prompts, "min_waves": ns.min_waves, "rounds": ns.rounds,
+        "max_tokens": ns.max_tokens,
+        "server_args": list(extra), "spec_flags": ns.spec_flags,
+        "commands": commands, "rows": rows, **({"ab_rows": trees} if trees else {}),
+        "per_request": {
+            str(c): {name: [without_text(o) for o in runs[name][c][0]] for name in runs}
+            for c in ns.concurrency
+        },
+    }  # fmt: skip
