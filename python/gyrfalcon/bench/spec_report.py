@@ -1,7 +1,7 @@
 """The figures and report of benchmarks/bench_spec.py (EAGLE3 against plain decoding):
 one chat completion's outputs, acceptance from the usage fields, throughput, output
-comparison, the JSON report and its markdown table. Pure functions, tested without
-servers."""
+comparison, the JSON report (which names the commit and the date) and its markdown table.
+Tested without servers."""
 
 from __future__ import annotations
 
