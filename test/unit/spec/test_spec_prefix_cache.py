@@ -2,17 +2,22 @@
 cache key of a page holds the token after it, on which that KV depends), so a prompt
 served again drafts exactly as it did when every page was computed (float32). A wrong
 reuse would not change the tokens (verification keeps them lossless) but would cost
-acceptance unseen; the drafts show it."""
+acceptance unseen; the drafts show it. On torch_ref, and on the triton backend (the GPU's)
+through static-buffer replay with its kernels in the interpreter."""
 
-from __future__ import annotations
+import triton_interpret  # noqa: F401  NOTE: before spec_util, which imports the kernels
 
+# isort: split
 import pytest
 import torch
 from spec_util import engine, make_pair, prompts, run
 
 from gyrfalcon.ipc.messages import SamplingParams
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+TRITON = dict(
+    attention_backend="triton", static_graph_replay=True, cuda_graph_bs="1,2", cuda_graph_max_bs=2
+)
 
 
 def record_drafts(eng) -> list[list[list[int]]]:
@@ -30,12 +35,15 @@ def record_drafts(eng) -> list[list[list[int]]]:
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    return make_pair(tmp_path_factory.mktemp("spec-cache-pair"))
+    return make_pair(tmp_path_factory.mktemp("spec-cache-pair"), hidden=32)
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_a_cached_prefix_drafts_as_a_computed_one(pair, k):
-    eng = engine(*pair, k, page_size=4, num_kv_pages=128)
+@pytest.mark.parametrize(
+    "k,backend", [(1, {}), (3, {}), (3, TRITON)], ids=["k1", "k3", "k3-triton-graphs"]
+)
+def test_a_cached_prefix_drafts_as_a_computed_one(pair, k, backend):
+    eng = engine(*pair, k, page_size=4, num_kv_pages=128, **backend)
+    eng.worker.fused = None  # NOTE: every round through Drafter.draft (recorded), graphs too
     drafts = record_drafts(eng)
     ps = prompts(11, [23, 9])
     cold = run(eng, ps, GREEDY)
