@@ -196,6 +196,21 @@ def record_accepts(eng: LocalEngine) -> list[list[tuple[str, int]]]:
     return steps
 
 
+def record_drafts(eng: LocalEngine) -> list[list[list[int]]]:
+    """Every round of `Drafter.draft`: its drafts (k ids per proposing row), in order.
+    (Rounds inside the fused step's graph do not pass there: turn it off to see all.)"""
+    drafter, rounds = eng.worker.drafter, []
+    assert isinstance(drafter, Drafter)
+    real = drafter.draft
+
+    def recorded(rnd: DraftRound, ids, aux, accept_len, draft_tokens) -> None:
+        real(rnd, ids, aux, accept_len, draft_tokens)
+        rounds.append(draft_tokens[rnd.slots].tolist())
+
+    drafter.draft = recorded
+    return rounds
+
+
 def record_graph_runs(eng: LocalEngine, drafter: bool = False) -> list[tuple]:
     """(mode name, *variant, rows) of every run through the target's graph runner (the
     drafter's with `drafter`)."""

@@ -16,6 +16,7 @@ from spec_util import (
     prompts,
     random_pattern,
     record_accepts,
+    record_drafts,
     record_graph_runs,
     run,
 )
@@ -75,6 +76,22 @@ def test_spec_is_lossless_under_graphs(pair, backend, k, pattern):
     assert fused or eng.worker.drafter.graphs.num_runs  # NOTE: fused: rounds in the step
     if pattern == "all_k" and BACKENDS[backend][1] == "float32":  # bf16: drafts of plain's
         assert got.accepted >= k * (got.verify_steps - len(LENS))  # text go off at a tie
+
+
+def test_a_cached_prefix_drafts_as_a_computed_one_under_graphs(pair):
+    """Triton in float32 under CUDA graphs: prompts served again, their whole pages from
+    the prefix cache, draft exactly as when every page was computed (the drafter's cached
+    KV reused; test/unit/spec/test_spec_prefix_cache.py on the CPU)."""
+    target, draft = pair
+    eng = cuda_engine(target, draft, "triton", 3)
+    eng.worker.fused = None  # NOTE: every round through Drafter.draft (recorded)
+    drafts = record_drafts(eng)
+    ps = prompts(3, LENS)
+    cold = run(eng, ps, GREEDY)
+    computed = list(drafts)
+    warm = run(eng, ps, GREEDY)
+    assert sum(o.num_cached_tokens for o in warm.final) == 32  # 17 and 30: a page each
+    assert warm.ids == cold.ids and computed and drafts[len(computed) :] == computed
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))

@@ -10,7 +10,7 @@ import triton_interpret  # noqa: F401  NOTE: before spec_util, which imports the
 # isort: split
 import pytest
 import torch
-from spec_util import engine, make_pair, prompts, run
+from spec_util import engine, make_pair, prompts, record_drafts, run
 
 from gyrfalcon.ipc.messages import SamplingParams
 
@@ -18,19 +18,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 TRITON = dict(
     attention_backend="triton", static_graph_replay=True, cuda_graph_bs="1,2", cuda_graph_max_bs=2
 )
-
-
-def record_drafts(eng) -> list[list[list[int]]]:
-    """Every draft round's drafts (one list of k ids per proposing row), in order."""
-    drafter, rounds = eng.worker.drafter, []
-    real = drafter.draft
-
-    def recorded(rnd, ids, aux, accept_len, draft_tokens) -> None:
-        real(rnd, ids, aux, accept_len, draft_tokens)
-        rounds.append(draft_tokens[rnd.slots].tolist())
-
-    drafter.draft = recorded
-    return rounds
 
 
 @pytest.fixture(scope="module")
