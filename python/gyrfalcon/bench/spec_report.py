@@ -248,7 +248,7 @@ def format_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-# ---------------------------------------------------------------- servers
+# ---------------------------------------------------------------- the report
 
 
 def cycled(items: Sequence[Any], concurrency: int, min_waves: int) -> list[Any]:
