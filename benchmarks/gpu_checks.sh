@@ -178,18 +178,33 @@ case "${1:-tests}" in
         --random-output-len 512 --ignore-eos --max-concurrency 256 --seed 2
       kill -TERM $SERVER; wait $SERVER; echo "server exit $?"
     done ;;
-  moe)  # two GPUs: the Qwen3-30B-A3B shape (dummy) as DP attention 2 + EP 2 and as MoE-TP 2,
-    # random 1024 in / 512 out at each concurrency of MOE_CONC (one wave of prompts each)
+  moe)  # the Qwen3-30B-A3B shape (dummy) as DP attention + EP and as MoE-TP: MOE_RUNS
+    # ("name:flags;name:flags", default DP 2 + EP 2 and TP 2; "name@.ab/<commit>:flags"
+    # serves an older tree from benchmarks/ab_trees.sh, carried), random 1024 in / 512 out
+    # at each concurrency of MOE_CONC (one wave of prompts each, no warm-up request).
+    # KPROF="FIRST:COUNT[,FIRST:COUNT]": every rank's kernels over those plans
+    # (profiling.KernelWindow), sent back as kprof.tgz; the server logs as moe_logs.tgz
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     export MODEL=benchmarks/models/qwen3-30b-a3b
-    for R in "dp2ep2:--dp-size 2 --ep-size 2" "tp2:--tp-size 2"; do
-      SERVER_FLAGS="--attention-backend triton ${R#*:} ${MOE_FLAGS:-}" start_server "moe_${R%%:*}"
+    IFS=';' read -ra RUNS <<< "${MOE_RUNS:-dp2ep2:--dp-size 2 --ep-size 2;tp2:--tp-size 2}"
+    for R in "${RUNS[@]}"; do
+      N=${R%%:*} T=.; [ "$N" = "${N#*@}" ] || T=${N#*@}
+      NAME="moe_${N%%@*}_$([ "$T" = . ] && echo head || basename "$T")"
+      [ -n "${KPROF:-}" ] && export GYRFALCON_KERNEL_PROFILE="$OUT/kprof/$NAME:$KPROF"
+      PYTHONPATH=$T/python:/tmp/site SERVER_FLAGS="--attention-backend triton ${R#*:} ${MOE_FLAGS:-}" \
+        start_server "$NAME"
       for C in ${MOE_CONC:-16 64 256}; do
-        serve_bench "moe_${R%%:*}_c$C" --num-prompts "$C" --random-input-len 1024 \
-          --random-output-len 512 --ignore-eos --max-concurrency "$C" --seed 4
+        serve_bench "${NAME}_c$C" --num-prompts "$C" --random-input-len 1024 \
+          --random-output-len 512 --ignore-eos --max-concurrency "$C" --seed 4 --warmup-requests 0
       done
-      kill -TERM $SERVER; wait $SERVER; echo "server exit $?"; grep -a "target forwards" "$OUT/server_moe_${R%%:*}.log"
-    done ;;
+      python3 -c "import json, urllib.request as u; i = json.load(u.urlopen('http://127.0.0.1:8100/server_info'))
+print('pages after the runs:', i['num_free_pages'], 'of', i['num_total_pages'], 'free, integrity', i['integrity_ok'])"
+      kill -TERM $SERVER; wait $SERVER; echo "server exit $?"
+      grep -a "target forwards" "$OUT/server_$NAME.log" | tail -4
+    done
+    unset GYRFALCON_KERNEL_PROFILE
+    [ -d "$OUT/kprof" ] && tar czf "$OUT/kprof.tgz" -C "$OUT" kprof && rm -rf "$OUT/kprof"
+    tar czf "$OUT/moe_logs.tgz" -C "$OUT" $(cd "$OUT" && ls server_moe_*.log) && rm -f "$OUT"/server_moe_*.log ;;
   rank-spec)  # EAGLE3 over several GPUs: each config of RANK_CONFIGS (default the MoE pair
     # attn_dp2_moe_ep2 and attn_tp2_moe_tp2) served plain and as its _eagle3 variant (dummy
     # drafter) by benchmarks/run_config.sh (triton attention, GYRFALCON_STEP_TIMES=1, at each

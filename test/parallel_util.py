@@ -110,9 +110,15 @@ class ThreadGroupMember:
 
     def all_gather_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         def rows(parts: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
-            return torch.cat(parts), [p.shape[0] for p in parts]
+            most = max(p.shape[0] for p in parts)
+            padded = [torch.cat([p, p.new_zeros(most - p.shape[0], *p.shape[1:])]) for p in parts]
+            return torch.cat(padded), [p.shape[0] for p in parts]
 
         return self.group.exchange(self.rank, x, rows)
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0] // len(self.group.parts)
+        return self.all_reduce(x)[self.rank * n : (self.rank + 1) * n].clone()
 
 
 def run_ranks(fn: Callable[[int], object], tp: int) -> list:

@@ -64,32 +64,46 @@ def process_profile(name: str) -> contextlib.AbstractContextManager[None]:
     return host_profile(path, f"host profile of {name} (pid {os.getpid()})")
 
 
-KERNEL_PROFILE_ENV = "GYRFALCON_KERNEL_PROFILE"  # DIR[:FIRST:COUNT] (plans, from 1)
+KERNEL_PROFILE_ENV = "GYRFALCON_KERNEL_PROFILE"  # DIR[:FIRST:COUNT[,FIRST:COUNT...]]
+
+
+def kernel_windows(spec: str) -> tuple[str, list[tuple[int, int]]]:
+    """(DIR, [(first, last) plan of each window]) of `DIR[:FIRST:COUNT[,FIRST:COUNT...]]`
+    (plans counted from 1; default one window, 300 .. 399). Windows must be in order and
+    apart: each closes before the next opens."""
+    root, _, rest = spec.partition(":")
+    windows: list[tuple[int, int]] = []
+    for part in (rest or "300:100").split(","):
+        first, _, count = part.partition(":")
+        start, n = int(first or 300), int(count or 100)
+        if start < 1 or n < 1 or (windows and start <= windows[-1][1] + 1):
+            raise ValueError(f"kernel profile windows {rest!r}: each FIRST:COUNT >= 1, in order")
+        windows.append((start, start + n - 1))
+    return root, windows
 
 
 class KernelWindow:
-    """The device's kernels over a window of a loop's steps: a served worker's plans,
+    """The device's kernels over windows of a loop's steps: a served worker's plans,
     or `train-eagle3`'s training steps (torch.profiler, CUDA graph replays included),
-    for `GYRFALCON_KERNEL_PROFILE=DIR[:FIRST:COUNT]`: steps FIRST .. FIRST + COUNT - 1
-    (default 300 and 100) of process `name`, written to `DIR/kernels_<name>.txt` by
-    total device time once the window closes. What a served step's device time goes
-    to, on every rank (`bench_*.py --profile-dir` see only the in-process engine's one
-    rank), or a training step's. Does nothing when the variable is unset."""
+    for `GYRFALCON_KERNEL_PROFILE=DIR[:FIRST:COUNT[,FIRST:COUNT...]]` (`kernel_windows`):
+    steps FIRST .. FIRST + COUNT - 1 (default 300 and 100) of process `name`, written
+    to `DIR/kernels_<name>.txt` (the first window; `kernels_<name>_<FIRST>.txt` for the
+    others) by total device time once the window closes: a prefill's steps and a
+    decode's apart, say. What a served step's device time goes to, on every rank
+    (`bench_*.py --profile-dir` see only the in-process engine's one rank), or a
+    training step's. Does nothing when the variable is unset."""
 
     def __init__(self, name: str, spec: str | None = None):
         spec = os.environ.get(KERNEL_PROFILE_ENV) if spec is None else spec
         self.name, self.plans, self.prof = name, 0, None
-        self.root = None
-        if not spec:
-            return
-        root, _, window = spec.partition(":")
-        first, _, count = window.partition(":")
-        self.root, self.first = root, int(first or 300)
-        self.last = self.first + int(count or 100) - 1
+        self.root: str | None = None
+        self.windows: list[tuple[int, int]] = []
+        if spec:
+            self.root, self.windows = kernel_windows(spec)
 
     def plan(self, device) -> None:
-        """Before the next plan is submitted: opens or closes the window (after waiting
-        for `device`, a torch.device: the window holds whole steps)."""
+        """Before the next plan is submitted: opens or closes a window (after waiting
+        for `device`, a torch.device: a window holds whole steps)."""
         if self.root is None:
             return
         import torch
@@ -99,26 +113,29 @@ class KernelWindow:
                 torch.cuda.synchronize(device)
 
         self.plans += 1
-        if self.plans == self.first:
-            from torch.profiler import ProfilerActivity, profile
+        for i, (first, last) in enumerate(self.windows):
+            if self.plans == first:
+                from torch.profiler import ProfilerActivity, profile
 
-            sync()
-            self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-            self.prof.__enter__()
-        elif self.plans == self.last + 1 and self.prof is not None:
-            sync()
-            self.prof.__exit__(None, None, None)
-            table = self.prof.key_averages().table(
-                sort_by="cuda_time_total", row_limit=60, max_name_column_width=80
-            )
-            os.makedirs(self.root, exist_ok=True)
-            path = os.path.join(self.root, f"kernels_{self.name}.txt")
-            with open(path, "w") as f:
-                f.write(f"{self.name}: plans {self.first} .. {self.last}\n{table}\n")
-            logger.info(
-                "kernel profile of plans %d .. %d written to %s", self.first, self.last, path
-            )
-            self.prof = None
+                sync()
+                self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                self.prof.__enter__()
+            elif self.plans == last + 1 and self.prof is not None:
+                sync()
+                self.prof.__exit__(None, None, None)
+                self._write(first, last, "" if i == 0 else f"_{first}")
+                self.prof = None
+
+    def _write(self, first: int, last: int, suffix: str) -> None:
+        assert self.prof is not None and self.root is not None
+        table = self.prof.key_averages().table(
+            sort_by="cuda_time_total", row_limit=60, max_name_column_width=80
+        )
+        os.makedirs(self.root, exist_ok=True)
+        path = os.path.join(self.root, f"kernels_{self.name}{suffix}.txt")
+        with open(path, "w") as f:
+            f.write(f"{self.name}: plans {first} .. {last}\n{table}\n")
+        logger.info("kernel profile of plans %d .. %d written to %s", first, last, path)
 
 
 class SectionTimes:

@@ -5,9 +5,10 @@ host section timer of the benchmarks and served workers (`SectionTimes`,
 import os
 import types
 
+import pytest
 import torch
 
-from gyrfalcon.profiling import KernelWindow, SectionTimes, process_sections
+from gyrfalcon.profiling import KernelWindow, SectionTimes, kernel_windows, process_sections
 from gyrfalcon.worker.sections import worker_sections
 
 
@@ -44,6 +45,31 @@ def test_kernel_window_profiles_exactly_its_plans(tmp_path):
         assert written == (plan >= 5)  # closed before plan 5: plans 2, 3, 4 inside
     text = (tmp_path / "kernels_worker3.txt").read_text()
     assert text.startswith("worker3: plans 2 .. 4") and "aten::mm" in text
+
+
+def test_kernel_windows_profile_a_prefill_and_a_decode_apart(tmp_path):
+    """DIR:FIRST:COUNT,FIRST:COUNT: each window its own file, written as it closes."""
+    window = KernelWindow("worker1", f"{tmp_path}:1:2,5:1")
+    cpu = torch.device("cpu")
+    for plan in range(1, 8):
+        window.plan(cpu)
+        if plan in (1, 2):
+            torch.mm(torch.ones(8, 8), torch.ones(8, 8))  # the "prefill"
+        else:
+            torch.add(torch.ones(8), 1)
+    first = (tmp_path / "kernels_worker1.txt").read_text()
+    second = (tmp_path / "kernels_worker1_5.txt").read_text()
+    assert first.startswith("worker1: plans 1 .. 2") and "aten::mm" in first
+    assert second.startswith("worker1: plans 5 .. 5") and "aten::mm" not in second
+    assert "aten::add" in second and "aten::add" not in first
+
+
+def test_kernel_windows_must_be_in_order_and_apart():
+    assert kernel_windows("d") == ("d", [(300, 399)])
+    assert kernel_windows("d:2:6,100:50") == ("d", [(2, 7), (100, 149)])
+    for bad in ("d:5:3,6:2", "d:5:3,8:1", "d:0:3", "d:4:0"):
+        with pytest.raises(ValueError, match="in order"):
+            kernel_windows(bad)
 
 
 def test_kernel_window_is_off_without_the_variable(tmp_path, monkeypatch):

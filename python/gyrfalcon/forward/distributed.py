@@ -22,6 +22,7 @@ from gyrfalcon.forward.parallel import ParallelContext
 # NOTE: torch 2.13 deprecates all_gather_into_tensor for all_gather_single (the same
 # call); the GPU machine's torch 2.11 may have only the former.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 # NOTE: where the one-shot kernels beat NCCL (benchmarks/bench_all_reduce.py on two H100s,
 # inside graphs, 2fd852e: 2.4 against 6.7 us at 8 KiB, 3.2 against 7.4 at 128 KiB, 3.9
@@ -74,10 +75,11 @@ class GroupCommunicator:
         return ranks_last.reshape(*x.shape[:-1], self.size * x.shape[-1])
 
     def all_gather_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        """(x [n_r, ...] of every rank concatenated in rank order along dim 0, [n_r]):
-        the counts are gathered first (a host sync), then every rank's rows padded to
-        the largest count in one all-gather. With `equal_rows` the counts are known
-        (this rank's on every rank): one all-gather, host-free, CUDA graphs capture it."""
+        """(x [n_r, ...] of every rank padded with zero rows to the most rows R of any
+        rank, in rank order: [size R, ...], [n_r]): the counts are gathered first (a host
+        sync), then the padded rows in one all-gather. With `equal_rows` the counts are
+        known (this rank's on every rank): one all-gather, host-free, CUDA graphs capture
+        it."""
         x = x.contiguous()
         if self.equal_rows:
             stacked = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
@@ -88,12 +90,20 @@ class GroupCommunicator:
         _all_gather_single(counts_t, count, group=self.group)
         counts = counts_t.tolist()
         rows = max(counts)
-        padded = x.new_zeros((rows, *x.shape[1:]))
-        padded[: x.shape[0]] = x
+        padded = x if x.shape[0] == rows else x.new_zeros((rows, *x.shape[1:]))
+        if padded is not x:
+            padded[: x.shape[0]] = x
         stacked = x.new_empty((self.size * rows, *x.shape[1:]))  # rank r at [r rows, ...)
         _all_gather_single(stacked, padded, group=self.group)
-        parts = [stacked[r * rows : r * rows + n] for r, n in enumerate(counts)]
-        return torch.cat(parts), counts
+        return stacked, counts
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's block [n, ...] of the sum over the group of x [size n, ...]."""
+        x = x.contiguous()
+        assert x.shape[0] % self.size == 0, (x.shape, self.size)
+        out = x.new_empty((x.shape[0] // self.size, *x.shape[1:]))
+        _reduce_scatter_single(out, x, group=self.group)
+        return out
 
 
 def backend_for(device: torch.device) -> str:

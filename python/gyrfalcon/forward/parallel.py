@@ -41,9 +41,15 @@ class Communicator(Protocol):
     equal_rows: bool
 
     def all_gather_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        """(x [n_r, ...] of every rank concatenated in rank order along dim 0: [sum n_r,
-        ...], [n_0, n_1, ...]); the ranks' row counts may differ (0 included), the other
-        dims may not. A new tensor."""
+        """(x [n_r, ...] of every rank, padded with zero rows to the most rows R of any
+        rank, in rank order along dim 0: [size R, ...], [n_0, n_1, ...]); the ranks' row
+        counts may differ (0 included), the other dims may not. A new tensor, except
+        that a group of one may return x itself."""
+        ...
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's block of the elementwise sum over the group's ranks of x [size n,
+        ...] (the same shape on each): rows [rank n, (rank + 1) n) of the sum, [n, ...]."""
         ...
 
 
@@ -217,11 +223,19 @@ class ParallelContext:
         return self._comm("all-gather").all_gather(x)
 
     def all_gather_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        """(x [n_r, ...] of every TP rank concatenated along dim 0, each rank's n_r):
-        the row counts may differ. (x, [n]) at tp_size 1."""
+        """(x [n_r, ...] of every TP rank padded to the most rows R, in rank order along
+        dim 0: [tp R, ...], each rank's n_r): the row counts may differ. (x, [n]) at
+        tp_size 1."""
         if self.tp_size == 1:
             return x, [x.shape[0]]
         return self._comm("all-gather rows").all_gather_rows(x)
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """This TP rank's block of the sum over the group of x [tp n, ...]: [n, ...]; x
+        itself at tp_size 1."""
+        if self.tp_size == 1:
+            return x
+        return self._comm("reduce-scatter").reduce_scatter(x)
 
     def _comm(self, what: str) -> Communicator:
         if self.comm is None:

@@ -17,15 +17,18 @@ is "all-gather the tokens, compute the owned experts, reduce":
     rank runs only the (token, slot) pairs routed to its experts (ids of other ranks'
     experts become -1 and are skipped) and one all-reduce of [T, H] combines them;
   * ranks bringing their own tokens (DP attention; `forward(..., tokens_local=True)`)
-    all-gather them first (`all_gather_rows`), every rank routes all of them, and
-    after the all-reduce each keeps its own rows.
-Cost: one all-reduce of [T, H] a layer either way, the same bytes as MoE-TP. An
-all-to-all dispatch would send each token only to the ranks owning its k experts
-and combine back the same way: fewer bytes once ep exceeds k, for a count exchange
-and a permutation (a follow-up if the all-reduce shows). The gathered form adds an
-all-gather of [sum T, H] and reduces all sum T rows, not each rank's share. Compute
-per rank is the (token, slot) pairs routed to its experts: T k / ep on average,
-more on the rank holding hot experts (EP does not balance load).
+    all-gather them first (`all_gather_rows`: each rank's rows padded to the most of
+    any rank; padding rows route to no expert), every rank routes all of them, and a
+    reduce-scatter hands each rank the sums of its own rows: half an all-reduce's
+    traffic (where a DP group has several TP ranks, which must hold the same bits of
+    their group's rows, an all-reduce, and each takes its group's TP rank 0's copy).
+Cost under TP attention: one all-reduce of [T, H] a layer, the same bytes as MoE-TP;
+under DP attention an all-gather and a reduce-scatter of [ranks R, H], together an
+all-reduce's bytes. An all-to-all dispatch would send each token only to the ranks
+owning its k experts and combine back the same way: fewer bytes once ep exceeds k,
+for a count exchange and a permutation. Compute per rank is the (token, slot) pairs
+routed to its experts: T k / ep on average, more on the rank holding hot experts (EP
+does not balance load).
 
 The expert compute is one call, `fused_experts`: the fused GPU kernel
 (`kernels/fused_moe.fused_moe`, the contract of `moe_reference`, host-free, so CUDA
@@ -228,6 +231,10 @@ class SparseMoeBlock(nn.Module):
         # order, and the group's TP ranks must hold the same bits)
         first = self.parallel.tp_rank
         self.rows_from = first - ctx.parallel.tp_rank if self.tokens_local else first
+        # the combine: a reduce-scatter where every rank takes its own block (ranks bring
+        # their own rows: DP groups of one rank), half an all-reduce's traffic; else an
+        # all-reduce and the block of `rows_from` (the same on every rank of the group)
+        self.scatter = not self.tokens_local or ctx.parallel.tp_size == 1
         self.gate = TopKRouter(hidden_size, num_experts, top_k, renormalize, weights_fp32)
         self.experts = MoeExperts(hidden_size, num_experts, intermediate_size, ctx)
 
@@ -256,12 +263,25 @@ class SparseMoeBlock(nn.Module):
         """
         if tokens_local is None:
             tokens_local = self.tokens_local
+        if not tokens_local:
+            return self.parallel.all_reduce(self.experts(x, *self.gate(x)))
         rows = x.shape[0]
-        if tokens_local:
-            x, counts = self.parallel.all_gather_rows(x)  # [sum T, H]
+        x, counts = self.parallel.all_gather_rows(x)  # [ranks R, H], padded to R rows each
+        width = x.shape[0] // len(counts)
         topk_weights, topk_ids = self.gate(x)
-        out = self.parallel.all_reduce(self.experts(x, topk_weights, topk_ids))
-        if tokens_local:
-            start = sum(counts[: self.rows_from])
-            out = out[start : start + rows]
-        return out
+        if min(counts) < width:  # NOTE: eager steps only: graphs gather equal rows
+            topk_ids = topk_ids.masked_fill(padding_rows(counts, width, x.device)[:, None], -1)
+        y = self.experts(x, topk_weights, topk_ids)
+        if self.scatter:  # every rank takes its own block: each gets only its sums
+            return self.parallel.reduce_scatter(y)[:rows]
+        start = self.rows_from * width
+        return self.parallel.all_reduce(y)[start : start + rows]
+
+
+def padding_rows(counts: list[int], width: int, device: torch.device) -> torch.Tensor:
+    """[len(counts) width] bool: the padding rows of a gather that padded rank r's
+    counts[r] rows to `width` (rank r's block is rows [r width, (r + 1) width), its own
+    rows first). They route to no expert (ids -1): no compute, and zeros in the sum."""
+    assert all(0 <= n <= width for n in counts), (counts, width)
+    pad = torch.arange(width) >= torch.tensor(counts)[:, None]  # [ranks, width]
+    return pad.reshape(-1).to(device, non_blocking=True)

@@ -98,6 +98,9 @@ class FusingMember:
     def all_gather_rows(self, x):
         return self.member.all_gather_rows(x)
 
+    def reduce_scatter(self, x):
+        return self.member.reduce_scatter(x)
+
     def all_reduce_add_rmsnorm(self, x, residual, weight, eps):
         self.fused += 1
         h = self.all_reduce(x) + residual

@@ -13,7 +13,13 @@ from parallel_util import ThreadGroup, run_ranks
 from gyrfalcon.forward.parallel import ParallelContext
 from gyrfalcon.kernels.dispatch import TORCH_REFERENCE
 from gyrfalcon.layers.context import LayerContext
-from gyrfalcon.layers.moe import MoeExperts, SparseMoeBlock, TopKRouter, moe_reference
+from gyrfalcon.layers.moe import (
+    MoeExperts,
+    SparseMoeBlock,
+    TopKRouter,
+    moe_reference,
+    padding_rows,
+)
 
 H, E, INTER = 64, 8, 32
 
@@ -190,7 +196,26 @@ def test_ranks_with_their_own_tokens_get_their_rows_of_the_moe(ep):
     one = block(ParallelContext())
     group = ThreadGroup(2)
     ranks = [block(ParallelContext(r, 2, group.member(r), ep_size=ep)) for r in range(2)]
+    seen: list[list[torch.Tensor]] = [[], []]
+    for r, b in enumerate(ranks):  # the ids each rank's experts are given
+        forward = b.experts.forward
+        b.experts.forward = lambda x, w, ids, _f=forward, _r=r: (
+            seen[_r].append(ids) or _f(x, w, ids)
+        )
     outs = run_ranks(lambda r: ranks[r](xs[r], tokens_local=True), 2)
     for x, out in zip(xs, outs):
         assert out.shape == x.shape
         torch.testing.assert_close(out, one(x), atol=1e-5, rtol=1e-5)
+    for ids in (seen[0][0], seen[1][0]):  # rank 1's 5 padding rows go to no expert
+        assert ids.shape == (10, 3) and (ids[5:] == -1).all() and (ids[:5] >= 0).all()
+
+
+def test_padding_rows_of_a_gather_are_each_ranks_rows_past_its_count():
+    """Ranks bringing 2, 0 and 3 rows, padded to 3 each: rank r's block is rows
+    [3 r, 3 r + 3), its own rows first."""
+    got = padding_rows([2, 0, 3], 3, torch.device("cpu"))
+    want = [False, False, True, True, True, True, False, False, False]
+    assert got.tolist() == want
+    assert not padding_rows([4, 4], 4, torch.device("cpu")).any()
+    with pytest.raises(AssertionError):
+        padding_rows([5, 1], 4, torch.device("cpu"))
