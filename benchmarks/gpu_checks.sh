@@ -190,7 +190,8 @@ case "${1:-tests}" in
     for R in "${RUNS[@]}"; do
       N=${R%%:*} T=.; [ "$N" = "${N#*@}" ] || T=${N#*@}
       NAME="moe_${N%%@*}_$([ "$T" = . ] && echo head || basename "$T")"
-      [ -n "${KPROF:-}" ] && export GYRFALCON_KERNEL_PROFILE="$OUT/kprof/$NAME:$KPROF"
+      unset GYRFALCON_KERNEL_PROFILE  # NOTE: this tree's windows (older trees read one)
+      [ -n "${KPROF:-}" ] && [ "$T" = . ] && export GYRFALCON_KERNEL_PROFILE="$OUT/kprof/$NAME:$KPROF"
       PYTHONPATH=$T/python:/tmp/site SERVER_FLAGS="--attention-backend triton ${R#*:} ${MOE_FLAGS:-}" \
         start_server "$NAME"
       for C in ${MOE_CONC:-16 64 256}; do
