@@ -90,18 +90,22 @@ _CONFIGS: tuple[tuple[int | None, MoeConfig], ...] = (
 )
 
 
-def warm_up_token_counts(num_experts: int, top_k: int, max_tokens: int) -> list[int]:
-    """Token counts T <= max_tokens whose `fused_moe` launches (E experts, top-k) build
-    every kernel variant any T <= max_tokens would: each `moe_config` class (by the mean
-    rows P / E, P = T k) at its fewest and most tokens, and at both sides of the switch
-    between the align paths (one chunk of `align_tile` rows, or several) inside it;
-    the last class, unbounded, at its fewest and past the switch only."""
+def warm_up_token_counts(
+    num_experts: int, top_k: int, max_tokens: int, routed_experts: int | None = None
+) -> list[int]:
+    """Token counts T <= max_tokens whose `fused_moe` launches (E experts, top-k; the
+    pairs routed over `routed_experts`, default E) build every kernel variant any T <=
+    max_tokens would: each `moe_config` class (by the mean rows P / routed_experts, P =
+    T k) at its fewest and most tokens, and at both sides of the switch between the
+    align paths (one chunk of `align_tile(E)` rows, or several) inside it; the last
+    class, unbounded, at its fewest and past the switch only."""
+    routed = routed_experts or num_experts
     switch = align_tile(num_experts)[1] // top_k  # the most T whose P fits one chunk
     out: set[int] = set()
     fewer = 0  # the rows the classes before serve
     for most, _ in _CONFIGS:
-        lo = fewer * num_experts // top_k + 1  # the fewest T with T k / E > fewer
-        hi = max(lo, switch + 1) if most is None else most * num_experts // top_k
+        lo = fewer * routed // top_k + 1  # the fewest T with T k / routed > fewer
+        hi = max(lo, switch + 1) if most is None else most * routed // top_k
         hi = min(hi, max_tokens)
         out.update(t for t in (lo, hi, switch, switch + 1) if lo <= t <= hi)
         fewer = most or 0
@@ -222,6 +226,7 @@ def fused_moe(
     topk_ids: torch.Tensor,
     *,
     config: MoeConfig | None = None,
+    routed_experts: int | None = None,
     pdl: bool = True,
 ) -> torch.Tensor:
     """`moe_reference`'s weighted expert sum, on the device, without a host sync.
@@ -229,7 +234,10 @@ def fused_moe(
     x [T, H] (bf16 / fp16 / fp32, last dim contiguous); w13 [E, 2I, H] (gate rows then
     up rows) and w2 [E, H, I], contiguous, x's dtype; topk_weights [T, k] (float32 or
     x's dtype); topk_ids [T, k] integer, ids outside [0, E) skipped. Returns [T, H] in
-    x's dtype. config: None picks `moe_config(T k, E, x.element_size())`. pdl: may launch with
+    x's dtype. config: None picks `moe_config(T k, routed_experts, x.element_size())`:
+    routed_experts is how many experts the pairs are routed over (default E; under EP
+    every rank's, of which this call holds E, so that its blocks fit the rows each of its
+    experts gets: T k / routed_experts on average, not T k / E). pdl: may launch with
     programmatic dependent launch (where the device supports it).
     """
     assert x.dim() == 2 and x.stride(-1) == 1, x.shape
@@ -249,7 +257,8 @@ def fused_moe(
         return out
     if inter == 0:
         return out.zero_()
-    cfg = config if config is not None else moe_config(num_pairs, num_experts, x.element_size())
+    routed = routed_experts or num_experts
+    cfg = config if config is not None else moe_config(num_pairs, routed, x.element_size())
     launch = launch_pdl(x, pdl)
     # NOTE: contiguous copies of strided views (a [T, k] slice of a wider top-k, say)
     ids, weights = topk_ids.reshape(-1).contiguous(), topk_weights.reshape(-1).contiguous()

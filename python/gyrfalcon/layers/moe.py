@@ -122,13 +122,17 @@ def fused_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     kernels: KernelPolicy,
+    routed_experts: int | None = None,
 ) -> torch.Tensor:
     """`moe_reference`'s result: the fused GPU kernel on CUDA (the same contract, ids
-    outside [0, E) skipped), the reference otherwise. The one place the kernel plugs in."""
+    outside [0, E) skipped; its blocks sized for the pairs routed over `routed_experts`,
+    every rank's experts under EP), the reference otherwise. The one place the kernel
+    plugs in."""
     if kernels.use_fused(x):
         from gyrfalcon.kernels.fused_moe import fused_moe
 
-        return fused_moe(x, w13, w2, topk_weights, topk_ids, pdl=kernels.pdl)
+        pdl = kernels.pdl
+        return fused_moe(x, w13, w2, topk_weights, topk_ids, routed_experts=routed_experts, pdl=pdl)
     return moe_reference(x, w13, w2, topk_weights, topk_ids)
 
 
@@ -202,7 +206,9 @@ class MoeExperts(nn.Module):
         if s.num_experts != self.num_experts:  # EP: other ranks' experts are skipped
             local = topk_ids - s.start
             topk_ids = local.masked_fill((local < 0) | (local >= s.num_experts), -1)
-        return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, self.kernels)
+        return fused_experts(
+            x, self.w13, self.w2, topk_weights, topk_ids, self.kernels, self.num_experts
+        )
 
 
 def _check_shape(what: str, loaded: torch.Tensor, want: tuple[int, ...]) -> None:
@@ -249,7 +255,7 @@ class SparseMoeBlock(nn.Module):
         if not self.experts.kernels.use_fused(w13):
             return
         local = self.experts.shard.num_experts
-        for t in warm_up_token_counts(local, self.gate.top_k, max_tokens):
+        for t in warm_up_token_counts(local, self.gate.top_k, max_tokens, self.experts.num_experts):
             x = torch.zeros(t, w13.shape[2], dtype=w13.dtype, device=w13.device)
             self.experts(x, *self.gate(x))  # NOTE: the router's dtypes, as in serving
 

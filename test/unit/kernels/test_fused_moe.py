@@ -111,19 +111,21 @@ def test_align_tile_and_config():
 
 
 @pytest.mark.parametrize(
-    "num_experts,top_k", [(64, 8), (128, 8), (8, 2), (4, 2), (1, 1), (16, 4), (32, 8)]
+    "num_experts,top_k,routed",
+    [(64, 8, 64), (128, 8, 128), (8, 2, 8), (4, 2, 4), (1, 1, 1), (16, 4, 16), (32, 8, 32)]
+    + [(32, 8, 128), (16, 8, 128), (4, 2, 8), (1, 1, 8)],  # EP: a rank's share of `routed`
 )
 @pytest.mark.parametrize("max_tokens", [1, 7, 100, 3000])
-def test_warm_up_token_counts_meet_every_kernel_variant(num_experts, top_k, max_tokens):
+def test_warm_up_token_counts_meet_every_kernel_variant(num_experts, top_k, routed, max_tokens):
     """The few token counts of the warm-up build what any batch of up to max_tokens
     tokens would: the same (config, one chunk or several) variants, so no Triton
     kernel is built while serving an eager step (a prefill, a DP gather)."""
 
     def variant(t: int) -> tuple[MoeConfig, bool]:
         one_chunk = t * top_k <= align_tile(num_experts)[1]
-        return moe_config(t * top_k, num_experts), one_chunk
+        return moe_config(t * top_k, routed), one_chunk
 
-    counts = warm_up_token_counts(num_experts, top_k, max_tokens)
+    counts = warm_up_token_counts(num_experts, top_k, max_tokens, routed)
     assert counts and max(counts) <= max_tokens and len(counts) <= 9
     want = {variant(t) for t in range(1, max_tokens + 1)}
     assert {variant(t) for t in counts} == want
@@ -192,6 +194,20 @@ def test_default_config_and_strided_rows():
     weights, ids = routing(9, 2, 8, seed=5, w_dtype=torch.bfloat16)
     wide = tokens(9, torch.bfloat16).repeat(1, 2)  # rows of stride 2 H
     check(wide[:, :H], w13, w2, weights, ids, config=None)
+
+
+def test_one_ranks_share_of_the_experts_under_ep_with_blocks_for_its_rows():
+    """EP: 4 local experts of 16 (ids of the others' skipped); the default config is
+    picked from the rows each local expert gets (T k / 16 -> 16-row blocks), not from
+    T k / 4 (64-row blocks), and the sum is still the reference's."""
+    w13, w2 = experts(4)
+    weights, global_ids = routing(32, 8, 16, seed=3, invalid=False)
+    ids = global_ids.masked_fill(global_ids >= 4, -1)  # rank 0 owns experts 0..3
+    assert moe_config(32 * 8, 16).block_m == 16 and moe_config(32 * 8, 4).block_m == 64
+    out = fused_moe(tokens(32), w13, w2, weights, ids, routed_experts=16)
+    torch.testing.assert_close(
+        out, moe_reference(tokens(32), w13, w2, weights, ids), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_every_token_on_one_expert_and_idle_experts():
