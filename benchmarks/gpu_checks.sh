@@ -181,9 +181,11 @@ case "${1:-tests}" in
   moe)  # the Qwen3-30B-A3B shape (dummy) as DP attention + EP and as MoE-TP: MOE_RUNS
     # ("name:flags;name:flags", default DP 2 + EP 2 and TP 2; "name@.ab/<commit>:flags"
     # serves an older tree from benchmarks/ab_trees.sh, carried), random 1024 in / 512 out
-    # at each concurrency of MOE_CONC (one wave of prompts each, no warm-up request).
+    # at each concurrency of MOE_CONC (one wave of prompts each, after one warm-up request:
+    # a first burst of 256 prompts on a fresh server ran 20% slower with TP 4).
     # KPROF="FIRST:COUNT[,FIRST:COUNT]": every rank's kernels over those plans
-    # (profiling.KernelWindow), sent back as kprof.tgz; the server logs as moe_logs.tgz
+    # (profiling.KernelWindow; no warm-up request, so that the windows' plans are the
+    # burst's on every rank), sent back as kprof.tgz; the server logs as moe_logs.tgz
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     export MODEL=benchmarks/models/qwen3-30b-a3b
     IFS=';' read -ra RUNS <<< "${MOE_RUNS:-dp2ep2:--dp-size 2 --ep-size 2;tp2:--tp-size 2}"
@@ -196,7 +198,8 @@ case "${1:-tests}" in
         start_server "$NAME"
       for C in ${MOE_CONC:-16 64 256}; do
         serve_bench "${NAME}_c$C" --num-prompts "$C" --random-input-len 1024 \
-          --random-output-len 512 --ignore-eos --max-concurrency "$C" --seed 4 --warmup-requests 0
+          --random-output-len 512 --ignore-eos --max-concurrency "$C" --seed 4 \
+          --warmup-requests "$([ -n "${KPROF:-}" ] && echo 0 || echo 1)"
       done
       python3 -c "import json, urllib.request as u; i = json.load(u.urlopen('http://127.0.0.1:8100/server_info'))
 print('pages after the runs:', i['num_free_pages'], 'of', i['num_total_pages'], 'free, integrity', i['integrity_ok'])"
