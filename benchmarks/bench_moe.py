@@ -15,6 +15,10 @@ Every T is checked first: fused against the reference (max error over max |ref|)
 a graph captured once and replayed after new ids and weights were copied into its
 static inputs (the graph-safety contract: grids and buffers depend on shapes only).
 GB/s counts the routed experts' weight bytes once per call; TFLOP/s counts 6 T k H I.
+--ep N times one rank's share under expert parallelism (DP attention + EP N: every
+rank's tokens gathered): E / N local experts, the pairs routed to the others' skipped,
+the kernel's blocks sized for the pairs routed over all E (`routed_experts`); it also
+times the blocks a config from the local E alone would pick (`local_config_graph_us`).
 
     PYTHONPATH=python python3 benchmarks/bench_moe.py --device cuda --out moe.json
 """
@@ -22,6 +26,7 @@ GB/s counts the routed experts' weight bytes once per call; TFLOP/s counts 6 T k
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import sys
@@ -50,20 +55,24 @@ MAX_REL_ERR = 2**-6  # fused vs reference, relative to max |reference|
 class Case:
     """One (model, T): expert weight copies, tokens and their routing."""
 
-    def __init__(self, model: str, tokens: int, dtype: torch.dtype, seed: int):
+    def __init__(self, model: str, tokens: int, dtype: torch.dtype, seed: int, ep: int = 1):
         hidden, inter, experts, top_k = MODELS[model]
+        self.routed_experts = experts
+        self.local = local = experts // ep  # rank 0's experts [0, local); the rest skipped
         dev = torch.device("cuda")
         gen = torch.Generator(device=dev).manual_seed(seed)
         self.model, self.tokens, self.top_k = model, tokens, top_k
         self.hidden, self.inter = hidden, inter
-        w13 = torch.randn(experts, 2 * inter, hidden, device=dev, generator=gen) * hidden**-0.5
-        w2 = torch.randn(experts, hidden, inter, device=dev, generator=gen) * inter**-0.5
+        w13 = torch.randn(local, 2 * inter, hidden, device=dev, generator=gen) * hidden**-0.5
+        w2 = torch.randn(local, hidden, inter, device=dev, generator=gen) * inter**-0.5
         self.x = torch.randn(tokens, hidden, device=dev, generator=gen).to(dtype)
         self.router = torch.randn(experts, hidden, device=dev, generator=gen).to(dtype) * 0.1
         self.weights, self.ids = self.route(self.x)
-        routed = int(self.ids.unique().numel())  # NOTE: a sync, outside any timing
+        live = self.ids[self.ids >= 0]
+        self.live_pairs = int(live.numel())  # NOTE: syncs, outside any timing
+        routed = int(live.unique().numel())
         self.routed_bytes = routed * 3 * inter * hidden * dtype.itemsize
-        copies = 1 + -(-ROTATE_BYTES // self.routed_bytes)
+        copies = 1 + -(-ROTATE_BYTES // max(self.routed_bytes, 1))
         self.w13 = [w13.to(dtype)] + [w13.roll(i, 0).to(dtype) for i in range(1, copies)]
         self.w2 = [w2.to(dtype)] + [w2.roll(i, 0).to(dtype) for i in range(1, copies)]
         del w13, w2
@@ -72,10 +81,11 @@ class Case:
         from gyrfalcon.layers.moe import route_topk
 
         logits = x @ self.router.T
-        return route_topk(logits, self.top_k, renormalize=True, weights_fp32=False)
+        weights, ids = route_topk(logits, self.top_k, renormalize=True, weights_fp32=False)
+        return weights, ids.masked_fill(ids >= self.local, -1)  # other ranks' experts
 
     def flops(self) -> float:
-        return 6.0 * self.tokens * self.top_k * self.hidden * self.inter
+        return 6.0 * self.live_pairs * self.hidden * self.inter
 
 
 def time_events(fn, iters: int) -> float:
@@ -147,7 +157,7 @@ def sweep(case: Case, ns: argparse.Namespace, want: torch.Tensor) -> dict:
     copies = list(zip(case.w13, case.w2))
     calls = max(ns.iters, len(copies))
     timed = {}
-    for cfg in sweep_configs(case.tokens * case.top_k, case.w13[0].shape[0]):
+    for cfg in sweep_configs(case.tokens * case.top_k, case.routed_experts):
         name = f"m{cfg.block_m}/n{cfg.block_n}/k{cfg.block_k}/w{cfg.num_warps}/s{cfg.num_stages}"
         try:
             got = fused_moe(x, case.w13[0], case.w2[0], w, ids, config=cfg)
@@ -166,13 +176,18 @@ def sweep(case: Case, ns: argparse.Namespace, want: torch.Tensor) -> dict:
 
 def bench(case: Case, ns: argparse.Namespace) -> dict:
     from gyrfalcon.bench.graph_timing import time_graph
-    from gyrfalcon.kernels.fused_moe import fused_moe, moe_config
+    from gyrfalcon.kernels.fused_moe import fused_moe as fused_any
+    from gyrfalcon.kernels.fused_moe import moe_config
     from gyrfalcon.layers.moe import moe_reference
 
+    fused_moe = functools.partial(fused_any, routed_experts=case.routed_experts)
     x, w, ids = case.x, case.weights, case.ids
     copies = list(zip(case.w13, case.w2))
     row: dict = {"model": case.model, "tokens": case.tokens, "weight_copies": len(copies)}
-    row["config"] = str(moe_config(case.tokens * case.top_k, case.w13[0].shape[0]))
+    row["live_pairs"] = case.live_pairs
+    pairs = case.tokens * case.top_k
+    cfg = moe_config(pairs, case.routed_experts)
+    row["config"] = str(cfg)
     want = moe_reference(x, case.w13[0], case.w2[0], w, ids)
     row["max_rel_err"] = rel_err(fused_moe(x, case.w13[0], case.w2[0], w, ids), want)
     row["graph_rel_err"] = check_graph_replay(case, fused_moe, moe_reference)
@@ -187,6 +202,13 @@ def bench(case: Case, ns: argparse.Namespace) -> dict:
     calls = max(ns.iters, len(copies))
     fns = [lambda c=c: fused_moe(x, *c, w, ids) for c in (copies * calls)[:calls]]
     row["fused_graph_us"] = time_graph(fns, ns.replays)
+    local_cfg = moe_config(pairs, case.local)
+    if local_cfg != cfg:  # EP: the blocks the local experts' count alone would pick
+        fns = [
+            lambda c=c: fused_moe(x, *c, w, ids, config=local_cfg) for c in (copies * calls)[:calls]
+        ]
+        row["local_config"] = str(local_cfg)
+        row["local_config_graph_us"] = time_graph(fns, ns.replays)
     row["speedup_graph"] = row["reference_us"] / row["fused_graph_us"]
     row["graph_gbps"] = case.routed_bytes / row["fused_graph_us"] / 1e3
     row["graph_tflops"] = case.flops() / row["fused_graph_us"] / 1e6
@@ -225,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=20, help="calls per timed run / graph")
     ap.add_argument("--replays", type=int, default=7)
     ap.add_argument("--sweep", action="store_true", help="also time a grid of MoeConfigs")
+    ap.add_argument(
+        "--ep", type=int, default=1, help="time one rank's share of the experts under EP N"
+    )
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ns = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -240,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for tokens in (int(v) for v in ns.tokens.split(",")):
         try:
-            row = bench(Case(ns.model, tokens, DTYPES[ns.dtype], seed=tokens), ns)
+            row = bench(Case(ns.model, tokens, DTYPES[ns.dtype], seed=tokens, ep=ns.ep), ns)
         except Exception as exc:  # report, keep the other T
             print(f"T={tokens}: {type(exc).__name__}: {exc}", file=sys.stderr)
             torch.cuda.synchronize()
@@ -249,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
         rows.append(row)
         print(fmt_row(row), flush=True)
+        if "local_config_graph_us" in row:
+            local_us = row["local_config_graph_us"]
+            print(f"  blocks of the local E alone: {local_us:.1f} us", flush=True)
     elapsed = time.monotonic() - t0
     print(f"total {elapsed:.0f} s")
     result = {
@@ -257,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         "device_name": props.name,
         "model": ns.model,
         "shape": {"hidden": hidden, "inter": inter, "experts": experts, "top_k": top_k},
+        "ep": ns.ep,
         "dtype": ns.dtype,
         "commit": git_commit(),
         "torch": torch.__version__,
