@@ -181,8 +181,9 @@ case "${1:-tests}" in
   moe)  # the Qwen3-30B-A3B shape (dummy) as DP attention + EP and as MoE-TP: MOE_RUNS
     # ("name:flags;name:flags", default DP 2 + EP 2 and TP 2; "name@.ab/<commit>:flags"
     # serves an older tree from benchmarks/ab_trees.sh, carried), random 1024 in / 512 out
-    # at each concurrency of MOE_CONC (one wave of prompts each, after one warm-up request:
-    # a first burst of 256 prompts on a fresh server ran 20% slower with TP 4).
+    # at each concurrency of MOE_CONC (one wave of prompts each, after one warm-up request,
+    # as run_config.sh sends: stop 41's runs sent none, and TP 4's c256 read 18-20% under
+    # 0c81a1d's, which had one; not yet told apart from a change since).
     # KPROF="FIRST:COUNT[,FIRST:COUNT]": every rank's kernels over those plans
     # (profiling.KernelWindow; no warm-up request, so that the windows' plans are the
     # burst's on every rank), sent back as kprof.tgz; the server logs as moe_logs.tgz
