@@ -186,7 +186,8 @@ case "${1:-tests}" in
     # 0c81a1d's, which had one; not yet told apart from a change since).
     # KPROF="FIRST:COUNT[,FIRST:COUNT]": every rank's kernels over those plans
     # (profiling.KernelWindow; no warm-up request, so that the windows' plans are the
-    # burst's on every rank), sent back as kprof.tgz; the server logs as moe_logs.tgz.
+    # burst's on every rank), sent back as kprof.tgz; the server logs as moe_logs.tgz, the
+    # benchmarks' JSONs as moe_serving.tgz.
     # MOE_REPEAT=N: N bursts of each concurrency (files _r2 .. _rN; one DP 4 server's c256
     # read 10,664 and 12,001 tok/s in two single-burst runs)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -213,7 +214,10 @@ print('pages after the runs:', i['num_free_pages'], 'of', i['num_total_pages'], 
     done
     unset GYRFALCON_KERNEL_PROFILE
     [ -d "$OUT/kprof" ] && tar czf "$OUT/kprof.tgz" -C "$OUT" kprof && rm -rf "$OUT/kprof"
-    tar czf "$OUT/moe_logs.tgz" -C "$OUT" $(cd "$OUT" && ls server_moe_*.log) && rm -f "$OUT"/server_moe_*.log ;;
+    # NOTE: one archive each: $OUT sends back 8 files at most
+    tar czf "$OUT/moe_logs.tgz" -C "$OUT" $(cd "$OUT" && ls server_moe_*.log) && rm -f "$OUT"/server_moe_*.log
+    tar czf "$OUT/moe_serving.tgz" -C "$OUT" $(cd "$OUT" && ls serving_moe_*.json startup_moe_*.json) \
+      && rm -f "$OUT"/serving_moe_*.json "$OUT"/startup_moe_*.json ;;
   rank-spec)  # EAGLE3 over several GPUs: each config of RANK_CONFIGS (default the MoE pair
     # attn_dp2_moe_ep2 and attn_tp2_moe_tp2) served plain and as its _eagle3 variant (dummy
     # drafter) by benchmarks/run_config.sh (triton attention, GYRFALCON_STEP_TIMES=1, at each
