@@ -51,8 +51,8 @@ import datetime
 import json
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,10 +73,21 @@ from gyrfalcon.bench.client import (
     post_stream,
 )
 from gyrfalcon.bench.datasets import SampleRequest
-from gyrfalcon.bench.metrics import RequestResult, percentile
+from gyrfalcon.bench.multiturn_report import (
+    TurnResult,
+    format_report,
+    request_row,
+    summarize_turns,
+)
 from gyrfalcon.bench.provenance import git_commit
 from gyrfalcon.bench.serving import base_url_of
 from gyrfalcon.bench.serving_args import DEFAULTS as SERVE_DEFAULTS
+from gyrfalcon.bench.token_texts import (
+    ids_by_text,
+    read_token_texts,
+    resolve_answer,
+    vocab_size,
+)
 
 
 @dataclass(frozen=True)
@@ -201,108 +212,7 @@ def turn_payload(model: str, prompt: list[int], output_len: int) -> dict[str, An
     return build_payload("completions", model, sample, True, {"logprobs": 0})
 
 
-# ---------------------------------------------------------------- answer ids
-
-
-async def first_refused_id(accepted: Callable[[int], Awaitable[bool]], limit: int) -> int:
-    """The smallest id `accepted` refuses, for an `accepted` true exactly below it
-    (doubling, then bisecting). RuntimeError if 0 is refused or none below `limit` is."""
-    if not await accepted(0):
-        raise RuntimeError("token id 0 is refused")
-    low, high = 0, 1  # low is accepted; high is unknown until the loop ends
-    while await accepted(high):
-        low, high = high, high * 2
-        if high > limit:
-            raise RuntimeError(f"every token id up to {low} is accepted")
-    while high - low > 1:
-        mid = (low + high) // 2
-        if await accepted(mid):
-            low = mid
-        else:
-            high = mid
-    return high
-
-
-async def vocab_size(session: aiohttp.ClientSession, base_url: str, model: str) -> int:
-    """How many token ids the server takes: the first id POST /detokenize refuses
-    (400: outside the vocabulary). Costs no engine work."""
-
-    async def accepted(token_id: int) -> bool:
-        body = {"model": model, "tokens": [token_id]}
-        async with session.post(f"{base_url}/detokenize", json=body) as response:
-            if response.status in (200, 400):
-                return response.status == 200
-            text = (await response.text())[:ERROR_BODY_CHARS]
-            raise RuntimeError(f"/detokenize: HTTP {response.status}: {text}")
-
-    return await first_refused_id(accepted, DEFAULTS.max_vocab)
-
-
-def probe_payload(model: str, ids: list[int]) -> dict[str, Any]:
-    """An echoed completion of `ids`: its logprobs name the text of each of them."""
-    return {"model": model, "prompt": ids, "echo": True, "logprobs": 0, "max_tokens": 1,
-            "temperature": 0.0}  # fmt: skip
-
-
-async def read_token_texts(
-    session: aiohttp.ClientSession, url: str, model: str, vocab: int, chunk: int, concurrency: int
-) -> list[str]:
-    """The server's text of each id below `vocab`, as its logprobs show that token."""
-    limiter = asyncio.Semaphore(concurrency)
-
-    async def one(low: int) -> list[str]:
-        ids = list(range(low, min(low + chunk, vocab)))
-        async with limiter, session.post(url, json=probe_payload(model, ids)) as response:
-            if response.status != 200:
-                text = (await response.text())[:ERROR_BODY_CHARS]
-                raise RuntimeError(f"reading token texts: HTTP {response.status}: {text}")
-            body = await response.json()
-        tokens = body["choices"][0]["logprobs"]["tokens"]
-        if len(tokens) <= len(ids):
-            raise RuntimeError(f"an echo of {len(ids)} ids came back with {len(tokens)} tokens")
-        return tokens[: len(ids)]
-
-    parts = await asyncio.gather(*(one(low) for low in range(0, vocab, chunk)))
-    return [text for part in parts for text in part]
-
-
-def ids_by_text(texts: Sequence[str]) -> dict[str, list[int]]:
-    """text -> the ids that read so, ascending (texts[i] is the text of id i)."""
-    table: dict[str, list[int]] = {}
-    for token_id, text in enumerate(texts):
-        table.setdefault(text, []).append(token_id)
-    return table
-
-
-def resolve_answer(
-    texts: Sequence[str], table: dict[str, list[int]], filler: int
-) -> tuple[list[int], int]:
-    """(the ids of an answer's token texts, how many of them are not exactly known): a
-    text several ids share gives the smallest of them, an unknown text `filler`."""
-    ids: list[int] = []
-    inexact = 0
-    for text in texts:
-        candidates = table.get(text)
-        ids.append(candidates[0] if candidates else filler)
-        inexact += candidates is None or len(candidates) > 1
-    return ids, inexact
-
-
 # ---------------------------------------------------------------- one turn
-
-
-@dataclass
-class TurnResult:
-    """One request of a conversation: the bench client's figures and what this
-    benchmark adds."""
-
-    conversation: int
-    turn: int  # 1-based
-    prompt_len: int  # ids sent
-    request: RequestResult = field(default_factory=RequestResult)
-    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
-    answer_texts: list[str] = field(default_factory=list)  # one per generated token
-    answer_tokens_inexact: int = 0
 
 
 class TurnStream:
@@ -404,132 +314,6 @@ async def run_conversation(
     return results
 
 
-# ---------------------------------------------------------------- figures
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else seconds * 1000.0
-
-
-def _cached_sum(results: Sequence[TurnResult]) -> int | None:
-    """Cached prompt tokens of the results, None if none of them reported any."""
-    reported = [r.cached_tokens for r in results if r.cached_tokens is not None]
-    return sum(reported) if reported else None
-
-
-def turn_row(turn: int, results: Sequence[TurnResult]) -> dict[str, Any]:
-    """The figures of the successful requests of one turn index."""
-    ttft = [r.request.ttft for r in results]
-    prompt = sum(r.request.prompt_tokens for r in results)
-    cached = _cached_sum(results)
-    return {
-        "turn": turn,
-        "completed": len(results),
-        "median_ttft_ms": _ms(percentile(ttft, 50.0)),
-        "p90_ttft_ms": _ms(percentile(ttft, 90.0)),
-        "prompt_tokens": prompt,
-        "cached_tokens": cached,
-        "cached_ratio": cached / prompt if cached is not None and prompt else None,
-    }
-
-
-def summarize_turns(
-    results: Sequence[TurnResult], duration: float, turns: int, num_conversations: int
-) -> dict[str, Any]:
-    """The run's figures; token counts and latencies over successful requests."""
-    ok = [r for r in results if r.request.success]
-    output = sum(r.request.output_tokens for r in ok)
-    prompt = sum(r.request.prompt_tokens for r in ok)
-    cached = _cached_sum(ok)
-    ttft = [r.request.ttft for r in ok]
-    tpot = [t for r in ok if (t := r.request.tpot) is not None]
-    finished = {r.conversation for r in ok if r.turn == turns}
-    return {
-        "conversations": num_conversations,
-        "conversations_completed": len(finished),
-        "requests": len(results),
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
-        "duration_s": duration,
-        "total_output_tokens": output,
-        "output_throughput": output / duration if duration > 0 else 0.0,
-        "median_ttft_ms": _ms(percentile(ttft, 50.0)),
-        "p90_ttft_ms": _ms(percentile(ttft, 90.0)),
-        "median_tpot_ms": _ms(percentile(tpot, 50.0)),
-        "median_e2el_ms": _ms(percentile([r.request.e2el for r in ok], 50.0)),
-        "total_prompt_tokens": prompt,
-        "total_cached_tokens": cached,
-        "cached_ratio": cached / prompt if cached is not None and prompt else None,
-        "answer_tokens_inexact": sum(r.answer_tokens_inexact for r in ok),
-        "per_turn": [turn_row(k, [r for r in ok if r.turn == k]) for k in range(1, turns + 1)],
-    }
-
-
-def request_row(r: TurnResult, t0: float) -> dict[str, Any]:
-    """One request in the JSON report (start_s: seconds after the run began)."""
-    q = r.request
-    return {
-        "conversation": r.conversation,
-        "turn": r.turn,
-        "success": q.success,
-        "error": q.error,
-        "start_s": q.start_time - t0,
-        "prompt_len": r.prompt_len,
-        "prompt_tokens": q.prompt_tokens if q.success else None,
-        "cached_tokens": r.cached_tokens,
-        "output_tokens": q.output_tokens if q.success else None,
-        "ttft_ms": _ms(q.ttft) if q.success else None,
-        "tpot_ms": _ms(q.tpot),
-        "e2el_ms": _ms(q.e2el) if q.success else None,
-        "finish_reason": q.finish_reason,
-        "answer_tokens_inexact": r.answer_tokens_inexact,
-    }
-
-
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "n/a"
-    return f"{value:.2f}" if isinstance(value, float) else str(value)
-
-
-def format_report(summary: dict[str, Any], errors: Sequence[str] = (), width: int = 60) -> str:
-    """The summary as a table, then one line per turn index."""
-
-    def row(label: str, value: Any) -> str:
-        return f"{label + ':':<{width - 14}}{_fmt(value):>14}"
-
-    ratio = summary["cached_ratio"]
-    lines = [" Multi-turn Benchmark Result ".center(width, "=")]
-    lines += [
-        row("Conversations completed", summary["conversations_completed"]),
-        row("Successful requests", summary["completed"]),
-        row("Failed requests", summary["failed"]),
-        row("Benchmark duration (s)", summary["duration_s"]),
-        row("Total generated tokens", summary["total_output_tokens"]),
-        row("Output token throughput (tok/s)", summary["output_throughput"]),
-        row("Median TTFT (ms)", summary["median_ttft_ms"]),
-        row("P90 TTFT (ms)", summary["p90_ttft_ms"]),
-        row("Median TPOT (ms)", summary["median_tpot_ms"]),
-        row("Total prompt tokens", summary["total_prompt_tokens"]),
-        row("Cached prompt tokens", summary["total_cached_tokens"]),
-        row("Cached share of prompt tokens (%)", None if ratio is None else 100.0 * ratio),
-        row("Answer tokens not exactly known", summary["answer_tokens_inexact"]),
-        " Per turn ".center(width, "-"),
-        f"{'turn':>4}{'requests':>10}{'med TTFT ms':>13}{'p90 TTFT ms':>13}{'cached %':>10}",
-    ]
-    for t in summary["per_turn"]:
-        share = None if t["cached_ratio"] is None else 100.0 * t["cached_ratio"]
-        lines.append(
-            f"{t['turn']:>4}{t['completed']:>10}{_fmt(t['median_ttft_ms']):>13}"
-            f"{_fmt(t['p90_ttft_ms']):>13}{_fmt(share):>10}"
-        )
-    if errors:
-        lines.append(" Errors (distinct, first few) ".center(width, "-"))
-        lines += [f"  {e[: width - 2]}" for e in errors]
-    lines.append("=" * width)
-    return "\n".join(lines)
-
-
 # ---------------------------------------------------------------- the run
 
 
@@ -565,7 +349,7 @@ async def benchmark(ns: argparse.Namespace) -> int:
         version = await fetch_version(session, base_url)
 
         t0 = time.perf_counter()
-        vocab = await vocab_size(session, base_url, model)
+        vocab = await vocab_size(session, base_url, model, DEFAULTS.max_vocab)
         if ns.token_range[1] > vocab:
             raise ValueError(f"--token-range {ns.token_range} is outside the vocabulary of {vocab}")
         chunk = min(ns.probe_chunk, max_model_len - 1) if max_model_len else ns.probe_chunk

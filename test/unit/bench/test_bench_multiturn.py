@@ -15,6 +15,8 @@ from bench_scripts import bench_script
 from conftest import make_tiny_hf_model
 from server_util import start_server, stop_server, wait_drained
 
+from gyrfalcon.bench.token_texts import first_refused_id, ids_by_text, resolve_answer
+
 PAGE = 16
 # every answer crosses a page boundary (prompts of 56, 76, 96 tokens): the page it
 # completes is cached only by decoding, and matches the next turn only with exact ids
@@ -107,14 +109,14 @@ def test_a_turn_prompt_is_the_history_then_the_new_user_ids(bm):
     assert bm.last_prompt_len(5, 4, 3, 2) == len(bm.turn_prompt([0] * 5, [[0] * 4] * 2, [[0] * 3]))
 
 
-def test_answer_texts_resolve_to_ids(bm):
-    table = bm.ids_by_text(["<a>", "x", "\ufffd", "\ufffd", "y"])
+def test_answer_texts_resolve_to_ids():
+    table = ids_by_text(["<a>", "x", "\ufffd", "\ufffd", "y"])
     assert table == {"<a>": [0], "x": [1], "\ufffd": [2, 3], "y": [4]}
-    assert bm.resolve_answer(["y", "x", "<a>"], table, 9) == ([4, 1, 0], 0)
-    assert bm.resolve_answer(["\ufffd", "z", "x"], table, 9) == ([2, 9, 1], 2)
+    assert resolve_answer(["y", "x", "<a>"], table, 9) == ([4, 1, 0], 0)
+    assert resolve_answer(["\ufffd", "z", "x"], table, 9) == ([2, 9, 1], 2)
 
 
-def test_vocabulary_size_is_the_first_refused_id(bm):
+def test_vocabulary_size_is_the_first_refused_id():
     asked = []
 
     async def below(n: int, token_id: int) -> bool:
@@ -122,12 +124,12 @@ def test_vocabulary_size_is_the_first_refused_id(bm):
         return token_id < n
 
     for n in (1, 2, 3, 256, 257, 49152):
-        assert asyncio.run(bm.first_refused_id(lambda t, n=n: below(n, t), 2**31)) == n
+        assert asyncio.run(first_refused_id(lambda t, n=n: below(n, t), 2**31)) == n
     assert len(asked) < 200
     with pytest.raises(RuntimeError):
-        asyncio.run(bm.first_refused_id(lambda t: below(0, t), 2**31))
+        asyncio.run(first_refused_id(lambda t: below(0, t), 2**31))
     with pytest.raises(RuntimeError):
-        asyncio.run(bm.first_refused_id(lambda t: below(10**6, t), 1000))
+        asyncio.run(first_refused_id(lambda t: below(10**6, t), 1000))
 
 
 def test_parse_args(bm):
