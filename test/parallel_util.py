@@ -250,6 +250,53 @@ def rank_checks_collectives(
 
         want = torch.cat([part(m) for m in members], dim=-1)
         assert torch.equal(parallel.all_gather(part(rank)), want), shape
+    comm = parallel.comm
+    if comm is None:
+        return
+    check_rows_collectives(comm, rank % tp_size, tp_size)
+    comm.one_shot = _SumThroughGroup(comm.group)  # the one-shot branch: the same results
+    check_rows_collectives(comm, rank % tp_size, tp_size)
+    assert comm.one_shot.calls == 3, comm.one_shot.calls  # the equal-rows gather, 2 scatters
+
+
+class _SumThroughGroup:
+    """A stand-in for the one-shot all-reduce (CUDA only) on the CPU: the group's sum."""
+
+    def __init__(self, group):
+        self.group, self.calls = group, 0
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return x.is_contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        self.calls += 1
+        dist.all_reduce(x, group=self.group)
+        return x
+
+
+def check_rows_collectives(comm, rank: int, size: int) -> None:
+    """The rows' gather (rank r brings r + 1 rows: each padded to `size`; then equal
+    rows, as graphs gather) and the reduce-scatter, against what they must give."""
+    h = 3
+
+    def rows(m: int, n: int) -> torch.Tensor:
+        return torch.arange(float(n * h)).reshape(n, h) + 100 * m + 1
+
+    comm.equal_rows = False
+    got, counts = comm.all_gather_rows(rows(rank, rank + 1))
+    assert counts == [m + 1 for m in range(size)]
+    padded = [torch.cat([rows(m, m + 1), torch.zeros(size - m - 1, h)]) for m in range(size)]
+    assert torch.equal(got, torch.cat(padded))
+    comm.equal_rows = True
+    got, counts = comm.all_gather_rows(rows(rank, 2))
+    assert counts == [2] * size and torch.equal(got, torch.cat([rows(m, 2) for m in range(size)]))
+    comm.equal_rows = False
+    for n in (1, 4):
+        x = torch.cat([rows(rank, n) * (b + 1) for b in range(size)])  # block b for rank b
+        want = sum(rows(m, n) for m in range(size)) * (rank + 1)
+        assert torch.equal(comm.reduce_scatter(x), want), n
 
 
 def save_rank(out_dir: str, rank: int, out: dict) -> None:

@@ -36,22 +36,32 @@ FUSED_MAX_ROWS = 16
 class GroupCommunicator:
     """The collectives of one TP group (`forward/parallel.Communicator`) over a
     torch.distributed process group of `size` ranks; small all-reduces through
-    `one_shot` when given (`forward/one_shot.py`), the rest through the group."""
+    `one_shot` when given (`forward/one_shot.py`), the rest through the group. With a
+    one-shot, the graphs' small gathers and reduce-scatters go through it too: a gather
+    as the sum of every rank's rows placed in its own block of zeros (x + 0 is x), a
+    reduce-scatter as the whole sum, of which this rank keeps its block (one PDL
+    launch each, against NCCL's ~10-20 us and its break of the launch chain)."""
 
     def __init__(
         self, group: dist.ProcessGroup, size: int, one_shot: OneShotAllReduce | None = None
     ):
         self.group, self.size, self.one_shot = group, size, one_shot
+        self.rank = dist.get_rank(group)
         # every rank brings the same number of rows (`ParallelContext.rows_agreed`)
         self.equal_rows = False
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum over the group, in x's storage (x must be contiguous)."""
+    def _one_shot_takes(self, x: torch.Tensor) -> bool:
         # NOTE: every rank decides alike: the same shapes and dtype on every rank
         one_shot = self.one_shot
-        if one_shot is not None and x.numel() * x.element_size() <= ONE_SHOT_MAX_BYTES:
-            if one_shot.fits(x):
-                return one_shot(x)
+        if one_shot is None or x.numel() * x.element_size() > ONE_SHOT_MAX_BYTES:
+            return False
+        return one_shot.fits(x)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the group, in x's storage (x must be contiguous)."""
+        if self._one_shot_takes(x):
+            assert self.one_shot is not None
+            return self.one_shot(x)
         dist.all_reduce(x, group=self.group)
         return x
 
@@ -82,9 +92,13 @@ class GroupCommunicator:
         it."""
         x = x.contiguous()
         if self.equal_rows:
-            stacked = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
+            n = x.shape[0]
+            stacked = x.new_empty((self.size * n, *x.shape[1:]))
+            if self._one_shot_takes(stacked):  # NOTE: the sum of blocks of zeros but one
+                stacked.zero_()[self.rank * n : (self.rank + 1) * n] = x
+                return self.all_reduce(stacked), [n] * self.size
             _all_gather_single(stacked, x, group=self.group)
-            return stacked, [x.shape[0]] * self.size
+            return stacked, [n] * self.size
         count = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
         counts_t = count.new_empty(self.size)
         _all_gather_single(counts_t, count, group=self.group)
@@ -101,7 +115,10 @@ class GroupCommunicator:
         """This rank's block [n, ...] of the sum over the group of x [size n, ...]."""
         x = x.contiguous()
         assert x.shape[0] % self.size == 0, (x.shape, self.size)
-        out = x.new_empty((x.shape[0] // self.size, *x.shape[1:]))
+        n = x.shape[0] // self.size
+        if self._one_shot_takes(x):
+            return self.all_reduce(x)[self.rank * n : (self.rank + 1) * n]
+        out = x.new_empty((n, *x.shape[1:]))
         _reduce_scatter_single(out, x, group=self.group)
         return out
 
@@ -121,6 +138,7 @@ def init_tensor_parallel(
     ep_size: int = 1,
     custom_all_reduce: bool = False,
     pdl: bool = True,
+    world_one_shot: bool = False,
 ) -> ParallelContext:
     """Join the default process group as `rank` of `world_size` through `init_addr`
     ("tcp://host:port", rank 0's store), build every TP group of `tp_size`
@@ -131,8 +149,9 @@ def init_tensor_parallel(
     Every rank calls it with the same arguments but its rank; `timeout` bounds the
     rendezvous and every collective. `custom_all_reduce`: the TP group's small
     all-reduces go through one Triton launch over symmetric memory on CUDA
-    (`forward/one_shot.py`; `pdl`: it may launch with programmatic dependent launch).
-    `destroy_distributed` undoes it."""
+    (`forward/one_shot.py`; `pdl`: it may launch with programmatic dependent launch);
+    `world_one_shot`: the same for the world group of DP attention's experts (every
+    rank on one node). `destroy_distributed` undoes it."""
     if not init_addr.startswith("tcp://"):
         raise ValueError(f"init address {init_addr!r} is not tcp://host:port")
     if tp_size < 1 or world_size % tp_size:
@@ -162,7 +181,9 @@ def init_tensor_parallel(
     )
     expert = None
     if dp_attention:  # NOTE: experts over the whole world, each rank with its own tokens
-        world = GroupCommunicator(dist.group.WORLD, world_size)
+        whole = dist.group.WORLD
+        world_sums = one_shot_for(whole, device, pdl) if world_one_shot else None
+        world = GroupCommunicator(whole, world_size, world_sums)
         expert = ParallelContext(rank, world_size, world, ep_size=world_size)
     if tp_size == 1:
         return ParallelContext(expert=expert)

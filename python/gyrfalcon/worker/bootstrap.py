@@ -41,12 +41,13 @@ def build_worker(
         assert args.dist_init_addr is not None, "the launcher sets --dist-init-addr"
         timeout = timedelta(seconds=args.dist_timeout)
         # NOTE: the one-shot all-reduce writes into peers' memory: only within one node
-        one_shot = not args.disable_custom_all_reduce and tp_groups_within_nodes(
-            layout.world_size, layout.tp_size, args.nnodes
-        )
+        # (for the TP groups; for the world, DP attention's expert group)
+        custom, world = not args.disable_custom_all_reduce, layout.world_size
+        one_shot = custom and tp_groups_within_nodes(world, layout.tp_size, args.nnodes)
+        whole = custom and tp_groups_within_nodes(world, world, args.nnodes)
         parallel = init_tensor_parallel(
-            rank, layout.world_size, layout.tp_size, args.dist_init_addr, device, timeout,
-            args.ep_size, one_shot, not args.disable_pdl,
+            rank, world, layout.tp_size, args.dist_init_addr, device, timeout, args.ep_size,
+            one_shot, not args.disable_pdl, whole,
         )  # fmt: skip
         if cfg.num_experts:
             how = "expert parallel" if args.ep_size > 1 else "MoE-TP"
