@@ -286,8 +286,9 @@ class ServerArgs:
     disable_custom_all_reduce: bool = field(
         default=False,
         metadata={
-            "help": "TP all-reduces all through NCCL (default on CUDA: small ones in one "
-            "Triton launch over symmetric memory)"
+            "help": "TP all-reduces, and DP attention's expert gathers and sums, all "
+            "through NCCL (default on CUDA: small ones in one Triton launch over "
+            "symmetric memory)"
         },
     )
     # speculative decoding (SGLang's flag names)
