@@ -104,8 +104,9 @@ class GroupCommunicator:
         _all_gather_single(counts_t, count, group=self.group)
         counts = counts_t.tolist()
         rows = max(counts)
-        padded = x if x.shape[0] == rows else x.new_zeros((rows, *x.shape[1:]))
-        if padded is not x:
+        padded = x
+        if x.shape[0] < rows:
+            padded = x.new_zeros((rows, *x.shape[1:]))
             padded[: x.shape[0]] = x
         stacked = x.new_empty((self.size * rows, *x.shape[1:]))  # rank r at [r rows, ...)
         _all_gather_single(stacked, padded, group=self.group)
