@@ -19,6 +19,8 @@ GB/s counts the routed experts' weight bytes once per call; TFLOP/s counts 6 T k
 rank's tokens gathered): E / N local experts, the pairs routed to the others' skipped,
 the kernel's blocks sized for the pairs routed over all E (`routed_experts`); it also
 times the blocks a config from the local E alone would pick (`local_config_graph_us`).
+--tp N times one rank's share under MoE-TP N instead: every expert, I / N of its
+intermediate rows (the same bytes a rank reads as under EP N, in narrower tiles).
 
     PYTHONPATH=python python3 benchmarks/bench_moe.py --device cuda --out moe.json
 """
@@ -55,8 +57,13 @@ MAX_REL_ERR = 2**-6  # fused vs reference, relative to max |reference|
 class Case:
     """One (model, T): expert weight copies, tokens and their routing."""
 
-    def __init__(self, model: str, tokens: int, dtype: torch.dtype, seed: int, ep: int = 1):
+    def __init__(
+        self, model: str, tokens: int, dtype: torch.dtype, seed: int, ep: int = 1, tp: int = 1
+    ):
         hidden, inter, experts, top_k = MODELS[model]
+        assert ep == 1 or tp == 1, "a rank's experts split one way: EP or MoE-TP"
+        assert inter % tp == 0 and experts % ep == 0, (inter, tp, experts, ep)
+        inter //= tp  # MoE-TP: this rank's intermediate rows of every expert
         self.routed_experts = experts
         self.local = local = experts // ep  # rank 0's experts [0, local); the rest skipped
         dev = torch.device("cuda")
@@ -250,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--ep", type=int, default=1, help="time one rank's share of the experts under EP N"
     )
+    ap.add_argument(
+        "--tp", type=int, default=1, help="time one rank's share of the experts under MoE-TP N"
+    )
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ns = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -265,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for tokens in (int(v) for v in ns.tokens.split(",")):
         try:
-            row = bench(Case(ns.model, tokens, DTYPES[ns.dtype], seed=tokens, ep=ns.ep), ns)
+            case = Case(ns.model, tokens, DTYPES[ns.dtype], seed=tokens, ep=ns.ep, tp=ns.tp)
+            row = bench(case, ns)
         except Exception as exc:  # report, keep the other T
             print(f"T={tokens}: {type(exc).__name__}: {exc}", file=sys.stderr)
             torch.cuda.synchronize()
@@ -286,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": ns.model,
         "shape": {"hidden": hidden, "inter": inter, "experts": experts, "top_k": top_k},
         "ep": ns.ep,
+        "tp": ns.tp,
         "dtype": ns.dtype,
         "commit": git_commit(),
         "torch": torch.__version__,
