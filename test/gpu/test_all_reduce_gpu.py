@@ -1,7 +1,8 @@
 """The one-shot all-reduce over NVLink (`forward/one_shot.py`) on real GPUs: every rank
 gets the rank-order float32 sum, bit for bit, eagerly and in CUDA graphs replayed many
 times between PDL-launched kernels, for sizes from one element to the largest it takes;
-larger tensors still go through NCCL.
+larger tensors still go through NCCL. DP attention's row gathers and reduce-scatters
+through it are exact too (`one_shot_util.check_rows_through_one_shot`).
 
 The rank count is GYRFALCON_GPU_RANKS (default 2)."""
 
