@@ -50,18 +50,18 @@ class GroupCommunicator:
         # every rank brings the same number of rows (`ParallelContext.rows_agreed`)
         self.equal_rows = False
 
-    def _one_shot_takes(self, x: torch.Tensor) -> bool:
+    def _one_shot_for(self, x: torch.Tensor) -> OneShotAllReduce | None:
+        """The one-shot sum where it takes x, else None (NCCL)."""
         # NOTE: every rank decides alike: the same shapes and dtype on every rank
         one_shot = self.one_shot
         if one_shot is None or x.numel() * x.element_size() > ONE_SHOT_MAX_BYTES:
-            return False
-        return one_shot.fits(x)
+            return None
+        return one_shot if one_shot.fits(x) else None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the group, in x's storage (x must be contiguous)."""
-        if self._one_shot_takes(x):
-            assert self.one_shot is not None
-            return self.one_shot(x)
+        if (one_shot := self._one_shot_for(x)) is not None:
+            return one_shot(x)
         dist.all_reduce(x, group=self.group)
         return x
 
@@ -94,9 +94,10 @@ class GroupCommunicator:
         if self.equal_rows:
             n = x.shape[0]
             stacked = x.new_empty((self.size * n, *x.shape[1:]))
-            if self._one_shot_takes(stacked):  # NOTE: the sum of blocks of zeros but one
+            if (one_shot := self._one_shot_for(stacked)) is not None:
+                # NOTE: the sum of blocks of zeros but one
                 stacked.zero_()[self.rank * n : (self.rank + 1) * n] = x
-                return self.all_reduce(stacked), [n] * self.size
+                return one_shot(stacked), [n] * self.size
             _all_gather_single(stacked, x, group=self.group)
             return stacked, [n] * self.size
         count = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
@@ -117,8 +118,8 @@ class GroupCommunicator:
         x = x.contiguous()
         assert x.shape[0] % self.size == 0, (x.shape, self.size)
         n = x.shape[0] // self.size
-        if self._one_shot_takes(x):
-            return self.all_reduce(x)[self.rank * n : (self.rank + 1) * n]
+        if (one_shot := self._one_shot_for(x)) is not None:
+            return one_shot(x)[self.rank * n : (self.rank + 1) * n]
         out = x.new_empty((n, *x.shape[1:]))
         _reduce_scatter_single(out, x, group=self.group)
         return out

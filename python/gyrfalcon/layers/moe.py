@@ -131,8 +131,9 @@ def fused_experts(
     if kernels.use_fused(x):
         from gyrfalcon.kernels.fused_moe import fused_moe
 
-        pdl = kernels.pdl
-        return fused_moe(x, w13, w2, topk_weights, topk_ids, routed_experts=routed_experts, pdl=pdl)
+        return fused_moe(
+            x, w13, w2, topk_weights, topk_ids, routed_experts=routed_experts, pdl=kernels.pdl
+        )
     return moe_reference(x, w13, w2, topk_weights, topk_ids)
 
 
