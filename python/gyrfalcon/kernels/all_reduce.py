@@ -7,7 +7,8 @@ of the fused kernel):
 
 1. counts the call: `use` is this program's count of calls (a per-rank counter per
    program index, in device memory, so a CUDA graph's replays advance it);
-2. pushes its part into every peer's buffer, half `use % 2`, slot r, as 64-bit words
+2. pushes its part into every peer's buffer, half `use % 2`, slot r, at the program's
+   own place (`place_of`: the same words whatever the element size), as 64-bit words
    that each carry 32 bits of data (two 16-bit elements or one float32) and the flag
    `flag_of(use)` in their upper half;
 3. reads its own buffer's slot p for every peer p until every word there carries the
@@ -24,7 +25,12 @@ ahead and start call `use + 1`, which writes the other half. It cannot start cal
 `use + 2` (writing the half we may still read) before finishing call `use + 1`, which
 needs our words of call `use + 1`, sent only after this call has finished reading.
 Flags compare for equality: a half holds the flag of call `use - 2` until the peer
-writes call `use`'s.
+writes call `use`'s. That holds because only program b ever writes program b's place:
+were places counted in elements, a float32 call's program 0 would fill the words a
+bfloat16 call's program 1 reads, with flags of program 0's count, which can equal the
+flag program 1 waits for: a stale part summed as this call's (the calls of
+test/gpu/test_all_reduce_gpu.py reach this; a rank of four H100s failed its exact
+check there).
 
 The kernel opens with the PDL gate like every decode-path kernel: launched with
 programmatic dependent launch it keeps the chain of early launches that an NCCL kernel
@@ -45,7 +51,7 @@ from gyrfalcon.kernels.pdl import pdl_gate
 
 CHUNK = 2048  # elements per program
 MAX_PROGRAMS = 64  # programs of one call at most (every one resident: < the SM count)
-# the fused sum + add + RMSNorm: one program per row, row r's part at r * ROW_STRIDE
+# the fused sum + add + RMSNorm: one program per row, row r's part at word r * ROW_STRIDE
 MAX_ROWS = 16
 ROW_STRIDE = MAX_PROGRAMS * CHUNK // MAX_ROWS  # the widest row it takes
 FLAG_PERIOD = 0x7FFFFFFF  # flags run 1..FLAG_PERIOD, never the zero of a fresh buffer
@@ -59,9 +65,16 @@ def flag_of(use: int) -> int:
 
 
 def words_per_slot(half_elems: int) -> int:
-    """64-bit words of one sender's slot in a buffer half: one per element at most
-    (float32; 16-bit elements take half as many)."""
-    return half_elems
+    """64-bit words of one sender's slot in a buffer half: CHUNK words (one per element
+    of float32; 16-bit elements use half of them) for every program a call of
+    half_elems elements runs."""
+    return triton.cdiv(half_elems, CHUNK) * CHUNK
+
+
+def place_of(program: int) -> int:
+    """Where program `program`'s part of the sum kernel starts in a slot, in words:
+    CHUNK words of its own, whatever the element size (the module docstring says why)."""
+    return program * CHUNK
 
 
 def buffer_words(world: int, half_elems: int) -> int:
@@ -98,7 +111,7 @@ def _unpack(words, ety: tl.constexpr, BLOCK: tl.constexpr, PAIRS: tl.constexpr):
 @triton.jit
 def _exchange_sum(
     x,  # [BLOCK] this program's part of this rank's addend
-    start,  # where the part starts in a buffer half, in elements (even)
+    place,  # where the part starts in a slot, in words (the program's own: `place_of`)
     n,  # elements of the part (those of x past it are not sent)
     buf_ptrs,
     use_ptr,
@@ -115,7 +128,7 @@ def _exchange_sum(
     ety = x.dtype
     use = tl.load(use_ptr + pid) + 1
     flag = (use - 1) % _FLAG_PERIOD + 1  # flag_of(use)
-    woffs = start // EPW + tl.arange(0, BLOCK // EPW)
+    woffs = place + tl.arange(0, BLOCK // EPW)
     wmask = tl.arange(0, BLOCK // EPW) * EPW < n
     half = (use % 2) * WORLD * slot_words
     words = _pack(x, BLOCK, PAIRS) | (flag << 32)
@@ -159,7 +172,8 @@ def _one_shot_all_reduce_kernel(
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
     acc = _exchange_sum(
-        x, start, n - start, buf_ptrs, use_ptr, rank, slot_words, WORLD, CHUNK, EPW, PAIRS
+        x, tl.program_id(0) * CHUNK, n - start, buf_ptrs, use_ptr, rank, slot_words, WORLD,
+        CHUNK, EPW, PAIRS,
     )  # fmt: skip
     tl.store(out_ptr + offs, acc.to(x.dtype), mask=mask)
 

@@ -29,6 +29,7 @@ from gyrfalcon.kernels.all_reduce import (  # noqa: E402
     flag_of,
     one_shot_add_rmsnorm,
     one_shot_all_reduce,
+    place_of,
     programs_for,
     words_per_slot,
 )
@@ -63,21 +64,21 @@ class Ranks:
         self.uses = [torch.zeros(MAX_PROGRAMS, dtype=torch.int64) for _ in range(world)]
         self.buf_ptrs = torch.tensor([t.data_ptr() for t in self.data], dtype=torch.int64)
 
-    def at(self, receiver: int, sender: int, use: int, start: int, n: int) -> torch.Tensor:
-        """The words of `n` elements from element `start` of the sender's slot in the
-        receiver's buffer, in the half of call `use`."""
+    def at(self, receiver: int, sender: int, use: int, place: int, n: int) -> torch.Tensor:
+        """The words of `n` elements of this call's dtype from word `place` of the
+        sender's slot in the receiver's buffer, in the half of call `use`."""
         epw = 4 // torch.tensor([], dtype=self.dtype).element_size()
-        first = ((use % 2) * self.world + sender) * self.slot + start // epw
+        first = ((use % 2) * self.world + sender) * self.slot + place
         return self.data[receiver][first : first + (n + epw - 1) // epw]
 
     def arrive(self, p: int, x: torch.Tensor, waiting: int) -> None:
         """Rank p's step 2 for its next call, seen from rank `waiting`: its chunks."""
         n = x.numel()
-        chunks = [(b, b * CHUNK, x[b * CHUNK : (b + 1) * CHUNK]) for b in range(programs_for(n))]
+        chunks = [(b, place_of(b), x[b * CHUNK : (b + 1) * CHUNK]) for b in range(programs_for(n))]
         self.arrive_parts(p, chunks, waiting)
 
     def arrive_parts(self, p: int, parts: list, waiting: int, ahead: int = 1) -> None:
-        """`arrive` for parts (program, place in a buffer half, values); `ahead`: which
+        """`arrive` for parts (program, place in a slot in words, values); `ahead`: which
         of p's next calls (2: the one after its next)."""
         for b, at, values in parts:
             use = int(self.uses[p][b]) + ahead
@@ -160,6 +161,31 @@ def test_calls_alternate_halves_and_count_per_program():
             assert torch.equal(ranks.at(r, peer, count, 0, n), sent), (count, r)
 
 
+def test_no_stale_part_carries_the_flag_a_program_waits_for():
+    """float32 and bfloat16 calls through one buffer, each program's part at its own
+    place whatever the element size: before every call, no program's place in the half
+    of its next count already carries that count's flag, which a late peer's stale part
+    would pass for (places counted in elements fail at the second call: the float32
+    call's program 0 left flag 1 where the bfloat16 call's program 1 waits for flag 1).
+    Every call sums right."""
+    world = 3
+    ranks = Ranks(world, torch.float32)
+    calls = [(CHUNK, torch.float32), (2 * CHUNK, torch.bfloat16), (3 * CHUNK + 5, torch.float32),
+             (4 * CHUNK, torch.bfloat16), (CHUNK + 1, torch.bfloat16), (4 * CHUNK, torch.float32)]  # fmt: skip
+    for call, (n, dtype) in enumerate(calls):
+        ranks.dtype = dtype
+        for r in range(world):
+            for b in range(programs_for(n)):
+                use = int(ranks.uses[r][b]) + 1
+                elems = min(CHUNK, n - b * CHUNK)
+                for peer in set(range(world)) - {r}:
+                    flags = ranks.at(r, peer, use, place_of(b), elems) >> 32
+                    assert not flags.eq(flag_of(use)).all(), (call, r, peer, b)
+        xs = addends(world, n, dtype, seed=call)
+        for out in ranks.all_reduce(xs):
+            close_to_reference(out, xs)
+
+
 def test_a_peer_already_a_call_ahead():
     """A peer that finished this call may already have sent its next one (the other
     half): this rank's call and then its next both sum the right parts."""
@@ -195,7 +221,7 @@ def test_in_place_and_shape_checks():
 
 
 def rows_of(x: torch.Tensor) -> list:
-    """The fused kernel's parts: row r is program r, at r * ROW_STRIDE."""
+    """The fused kernel's parts: row r is program r, at word r * ROW_STRIDE."""
     return [(r, r * ROW_STRIDE, x[r]) for r in range(x.shape[0])]
 
 
