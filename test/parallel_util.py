@@ -9,6 +9,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import sys
 import threading
 import time
 import traceback
@@ -207,11 +208,16 @@ def _rank_main(
         with torch.inference_mode():
             fn(rank, world_size, init_addr, out_dir, *args)
     except BaseException:
+        text = traceback.format_exc()
         with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        destroy_distributed()
+            f.write(text)
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        # NOTE: no process-group teardown: with peers inside a collective NCCL's can
+        # block (a failed rank on four H100s never exited, and its test ran to the
+        # deadline without its traceback); spawn_ranks kills the others
+        os._exit(1)
+    destroy_distributed()
 
 
 # ---- what the gloo tests' ranks run -----------------------------------------------
