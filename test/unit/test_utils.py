@@ -1,10 +1,12 @@
 """Child-process start-up helpers: who may stop a child, OpenMP environment, threads."""
 
 import ctypes
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -87,3 +89,34 @@ def test_set_torch_threads_before_torch_is_imported():
         "assert 'torch' not in sys.modules; import torch; print(torch.get_num_threads())"
     )
     assert got == "1"
+
+
+def _ignores_sigterm(ready) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # NOTE: a child stuck in its teardown
+    ready.set()
+    while True:
+        time.sleep(1)
+
+
+def _obeys_sigterm(ready) -> None:
+    ready.set()
+    while True:
+        time.sleep(1)
+
+
+def test_stop_children_gives_late_children_one_grace_period_together(monkeypatch):
+    """Three children that ignore SIGTERM are killed after one grace period, not one
+    each (four GPU workers stuck in their teardown took 20 s to stop); a child that
+    obeys SIGTERM ends by it, not by SIGKILL."""
+    monkeypatch.setattr(utils, "CHILD_JOIN_TIMEOUT_S", 1.0)
+    ctx = multiprocessing.get_context("fork")
+    events = [ctx.Event() for _ in range(4)]
+    targets = [_ignores_sigterm] * 3 + [_obeys_sigterm]
+    procs = [ctx.Process(target=t, args=(e,), daemon=True) for t, e in zip(targets, events)]
+    for p in procs:
+        p.start()
+    assert all(e.wait(30) for e in events)
+    start = time.monotonic()
+    utils.stop_children(procs)
+    assert time.monotonic() - start < 2.5  # one second of grace, not three
+    assert [p.exitcode for p in procs] == [-signal.SIGKILL] * 3 + [-signal.SIGTERM]

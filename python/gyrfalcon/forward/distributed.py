@@ -203,7 +203,9 @@ def init_tensor_parallel(
     return ParallelContext(rank % tp_size, tp_size, comm, 1 if dp_attention else ep_size, expert)
 
 
-def destroy_distributed() -> None:
-    """Destroy every process group of this process (a no-op when none was made)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def destroy_distributed() -> bool:
+    """Destroy every process group of this process; whether there were any."""
+    if not dist.is_initialized():
+        return False
+    dist.destroy_process_group()
+    return True
