@@ -1,7 +1,7 @@
 """What each rank of test/gpu/test_all_reduce_gpu.py runs (spawned ranks import it by
 name, so it lives beside the other test helpers, not in the test module): the one-shot
 sum alone and fused with the add + RMSNorm, eagerly and in graphs, and DP attention's
-row gathers and reduce-scatters through it."""
+row gathers and reduce-scatters through its rows kernels."""
 
 import os
 from datetime import timedelta
@@ -161,39 +161,43 @@ def rank_checks_one_shot(rank: int, world: int, init_addr: str, out_dir: str) ->
             )
             assert torch.equal(res_out[i], want[1]), (replay, i)
             assert torch.equal(norm_out[i], want[0]), (replay, i)
-    check_rows_through_one_shot(comm, rank, world, device)
+    check_rows_through_one_shot(rank, world, device)
     torch.save({"ok": True}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def check_rows_through_one_shot(comm, rank: int, world: int, device) -> None:
+def check_rows_through_one_shot(rank: int, world: int, device) -> None:
     """DP attention's equal-rows gather and its reduce-scatter (the MoE layers' under
-    graphs): through the one-shot up to ONE_SHOT_MAX_BYTES, exact (a gather is each
-    rank's rows, a reduce-scatter this rank's block of the rank-order sum); NCCL above."""
-    from gyrfalcon.forward.distributed import ONE_SHOT_MAX_BYTES
+    graphs) over the world, whose one-shot has its rows kernels: through them up to a
+    buffer half per rank, exact (a gather is each rank's rows, a reduce-scatter this
+    rank's block of the rank-order sum); NCCL above. bfloat16 and float32 calls in turn
+    through one set of buffers."""
+    import torch.distributed as dist
 
+    from gyrfalcon.forward.distributed import GroupCommunicator
+    from gyrfalcon.forward.one_shot import one_shot_for
+
+    whole = dist.group.WORLD
+    comm = GroupCommunicator(whole, world, one_shot_for(whole, device, True, rows=True))
     hidden, seed = 2048, 1000
     comm.equal_rows = True
-    try:
-        for dtype in (torch.bfloat16, torch.float32):
-            for rows in (1, 7, 16, 64):
-                seed += 1
-                n = rows * hidden
-                say(rank, f"rows through the group: {rows} {dtype}")
-                one_shot = world * n * dtype.itemsize <= ONE_SHOT_MAX_BYTES
-                got, counts = comm.all_gather_rows(
-                    addend(rank, n, dtype, seed, device).view(rows, hidden)
-                )
-                want = torch.cat([addend(r, n, dtype, seed, device) for r in range(world)])
-                assert counts == [rows] * world, (counts, rows)
-                assert_same(got, want.view(-1, hidden), ("gather", dtype, rows, one_shot))
-                x = addend(rank, world * n, dtype, seed, device).view(world * rows, hidden)
-                got = comm.reduce_scatter(x)
-                whole = rank_order_sum(world, world * n, dtype, seed, device).view(-1, hidden)
-                want = whole[rank * rows : (rank + 1) * rows]
-                if one_shot:
-                    assert_same(got, want, ("reduce-scatter", dtype, rows))
-                else:  # NOTE: NCCL's order of summation is its own
-                    mine = slice(rank * n, (rank + 1) * n)
-                    assert_any_order_sum(got, world, world * n, dtype, seed, device, mine)
-    finally:
-        comm.equal_rows = False
+    for dtype in (torch.bfloat16, torch.float32):
+        for rows in (1, 7, 16, 64, 65):
+            seed += 1
+            n = rows * hidden
+            say(rank, f"rows through the group: {rows} {dtype}")
+            one_shot = n <= comm.one_shot.half_elems
+            got, counts = comm.all_gather_rows(
+                addend(rank, n, dtype, seed, device).view(rows, hidden)
+            )
+            want = torch.cat([addend(r, n, dtype, seed, device) for r in range(world)])
+            assert counts == [rows] * world, (counts, rows)
+            assert_same(got, want.view(-1, hidden), ("gather", dtype, rows, one_shot))
+            x = addend(rank, world * n, dtype, seed, device).view(world * rows, hidden)
+            got = comm.reduce_scatter(x)
+            whole_sum = rank_order_sum(world, world * n, dtype, seed, device).view(-1, hidden)
+            want = whole_sum[rank * rows : (rank + 1) * rows]
+            if one_shot:
+                assert_same(got, want, ("reduce-scatter", dtype, rows))
+            else:  # NOTE: NCCL's order of summation is its own
+                mine = slice(rank * n, (rank + 1) * n)
+                assert_any_order_sum(got, world, world * n, dtype, seed, device, mine)

@@ -260,26 +260,36 @@ def rank_checks_collectives(
     if comm is None:
         return
     check_rows_collectives(comm, rank % tp_size, tp_size)
-    comm.one_shot = _SumThroughGroup(comm.group)  # the one-shot branch: the same results
+    comm.one_shot = _RowsThroughGroup(comm.group)  # the one-shot branch: the same results
     check_rows_collectives(comm, rank % tp_size, tp_size)
-    assert comm.one_shot.calls == 3, comm.one_shot.calls  # the equal-rows gather, 2 scatters
+    assert comm.one_shot.calls == ["gather", "scatter", "scatter"], comm.one_shot.calls
 
 
-class _SumThroughGroup:
-    """A stand-in for the one-shot all-reduce (CUDA only) on the CPU: the group's sum."""
+class _RowsThroughGroup:
+    """A stand-in on the CPU for the one-shot's rows kernels (CUDA only): the group's
+    gather and reduce-scatter, each call recorded."""
 
     def __init__(self, group):
-        self.group, self.calls = group, 0
+        self.group, self.calls = group, []
 
-    def fits(self, x: torch.Tensor) -> bool:
-        return x.is_contiguous()
+    def rows_fit(self, part: torch.Tensor) -> bool:
+        return True
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        from gyrfalcon.forward.distributed import _all_gather_single
 
-        self.calls += 1
-        dist.all_reduce(x, group=self.group)
-        return x
+        self.calls.append("gather")
+        out = x.new_empty((self.group.size() * x.shape[0], *x.shape[1:]))
+        _all_gather_single(out, x.contiguous(), group=self.group)
+        return out
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        from gyrfalcon.forward.distributed import _reduce_scatter_single
+
+        self.calls.append("scatter")
+        out = x.new_empty((x.shape[0] // self.group.size(), *x.shape[1:]))
+        _reduce_scatter_single(out, x.contiguous(), group=self.group)
+        return out
 
 
 def check_rows_collectives(comm, rank: int, size: int) -> None:

@@ -37,10 +37,9 @@ class GroupCommunicator:
     """The collectives of one TP group (`forward/parallel.Communicator`) over a
     torch.distributed process group of `size` ranks; small all-reduces through
     `one_shot` when given (`forward/one_shot.py`), the rest through the group. With a
-    one-shot, the graphs' small gathers and reduce-scatters go through it too: a gather
-    as the sum of every rank's rows placed in its own block of zeros (x + 0 is x), a
-    reduce-scatter as the whole sum, of which this rank keeps its block (one PDL
-    launch each, against NCCL's ~10-20 us and its break of the launch chain)."""
+    one-shot built with its rows kernels (DP attention's world), the graphs' gathers
+    and reduce-scatters of up to a buffer half per rank go through them (one PDL
+    launch each, against NCCL's ~15-30 us and its break of the launch chain)."""
 
     def __init__(
         self, group: dist.ProcessGroup, size: int, one_shot: OneShotAllReduce | None = None
@@ -57,6 +56,12 @@ class GroupCommunicator:
         if one_shot is None or x.numel() * x.element_size() > ONE_SHOT_MAX_BYTES:
             return None
         return one_shot if one_shot.fits(x) else None
+
+    def _rows_one_shot_for(self, part: torch.Tensor) -> OneShotAllReduce | None:
+        """The one-shot's rows kernels where they take a rank's part like `part`."""
+        # NOTE: every rank decides alike: the same shapes and dtype on every rank
+        one_shot = self.one_shot
+        return one_shot if one_shot is not None and one_shot.rows_fit(part) else None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the group, in x's storage (x must be contiguous)."""
@@ -93,11 +98,9 @@ class GroupCommunicator:
         x = x.contiguous()
         if self.equal_rows:
             n = x.shape[0]
+            if (one_shot := self._rows_one_shot_for(x)) is not None:
+                return one_shot.gather(x), [n] * self.size
             stacked = x.new_empty((self.size * n, *x.shape[1:]))
-            if (one_shot := self._one_shot_for(stacked)) is not None:
-                # NOTE: the sum of blocks of zeros but one
-                stacked.zero_()[self.rank * n : (self.rank + 1) * n] = x
-                return one_shot(stacked), [n] * self.size
             _all_gather_single(stacked, x, group=self.group)
             return stacked, [n] * self.size
         count = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
@@ -118,8 +121,8 @@ class GroupCommunicator:
         x = x.contiguous()
         assert x.shape[0] % self.size == 0, (x.shape, self.size)
         n = x.shape[0] // self.size
-        if (one_shot := self._one_shot_for(x)) is not None:
-            return one_shot(x)[self.rank * n : (self.rank + 1) * n]
+        if (one_shot := self._rows_one_shot_for(x[:n])) is not None:
+            return one_shot.reduce_scatter(x)
         out = x.new_empty((n, *x.shape[1:]))
         _reduce_scatter_single(out, x, group=self.group)
         return out
@@ -152,8 +155,9 @@ def init_tensor_parallel(
     rendezvous and every collective. `custom_all_reduce`: the TP group's small
     all-reduces go through one Triton launch over symmetric memory on CUDA
     (`forward/one_shot.py`; `pdl`: it may launch with programmatic dependent launch);
-    `world_one_shot`: the same for the world group of DP attention's experts (every
-    rank on one node). `destroy_distributed` undoes it."""
+    `world_one_shot`: the same for the world group of DP attention's experts, with its
+    row gather and reduce-scatter (every rank on one node). `destroy_distributed`
+    undoes it."""
     if not init_addr.startswith("tcp://"):
         raise ValueError(f"init address {init_addr!r} is not tcp://host:port")
     if tp_size < 1 or world_size % tp_size:
@@ -184,7 +188,7 @@ def init_tensor_parallel(
     expert = None
     if dp_attention:  # NOTE: experts over the whole world, each rank with its own tokens
         whole = dist.group.WORLD
-        world_sums = one_shot_for(whole, device, pdl) if world_one_shot else None
+        world_sums = one_shot_for(whole, device, pdl, rows=True) if world_one_shot else None
         world = GroupCommunicator(whole, world_size, world_sums)
         expert = ParallelContext(rank, world_size, world, ep_size=world_size)
     if tp_size == 1:

@@ -62,17 +62,24 @@ class OneShotAllReduce:
     decode-sized rows (`add_rmsnorm`). Every rank of the group builds it at the same
     point (the rendezvous is collective)."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, pdl: bool):
+    def __init__(
+        self, group: dist.ProcessGroup, device: torch.device, pdl: bool, rows: bool = False
+    ):
         # NOTE: triton imported here, not with this module: the CPU tests set the
         # interpreter up before their first triton import
-        from gyrfalcon.kernels import all_reduce
+        from gyrfalcon.kernels import all_reduce, rows_exchange
 
-        self.kernels, self.pdl = all_reduce, pdl
+        self.kernels, self.rows_kernels, self.pdl = all_reduce, rows_exchange, pdl
         self.half_elems = all_reduce.MAX_PROGRAMS * all_reduce.CHUNK  # the largest it sums
         # NOTE: each kernel its own state: a program's part must sit at one place in
         # every call that advances its count (kernels/all_reduce.py)
         self.sum = _Exchange(group, device, self.half_elems)
         self.norm = _Exchange(group, device, self.half_elems)
+        # rows: DP attention's gather and reduce-scatter too (kernels/rows_exchange.py)
+        self.rows = rows
+        if rows:
+            self.gathers = _Exchange(group, device, self.half_elems)
+            self.scatters = _Exchange(group, device, self.half_elems)
         torch.cuda.synchronize(device)
         dist.barrier(group=group)  # NOTE: every rank's buffer is zero before any call
 
@@ -98,15 +105,37 @@ class OneShotAllReduce:
             pdl=self.pdl,
         )  # fmt: skip
 
+    def rows_fit(self, part: torch.Tensor) -> bool:
+        """Whether `gather` and `reduce_scatter` take a rank's part like `part` (its
+        rows, or one block): built with `rows`, a dtype of DTYPES, within a half."""
+        return (
+            self.rows
+            and part.dtype in DTYPES
+            and self.rows_kernels.rows_fit(part.numel(), self.half_elems)
+        )
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's x [m, ...] stacked in rank order: [ranks m, ...] (`rows_fit`)."""
+        return self.rows_kernels.one_shot_gather(
+            x, *self.gathers.args(), self.half_elems, pdl=self.pdl
+        )
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's block [m, ...] of the sum over the group of x [ranks m, ...]."""
+        return self.rows_kernels.one_shot_reduce_scatter(
+            x, *self.scatters.args(), self.half_elems, pdl=self.pdl
+        )
+
 
 def one_shot_for(
-    group: dist.ProcessGroup, device: torch.device, pdl: bool
+    group: dist.ProcessGroup, device: torch.device, pdl: bool, rows: bool = False
 ) -> OneShotAllReduce | None:
     """A `OneShotAllReduce` for the group where the device supports it, else None (the
-    caller stays with NCCL). Collective over the group: every rank calls it alike."""
+    caller stays with NCCL); `rows`: with the row gather and reduce-scatter. Collective
+    over the group: every rank calls it alike."""
     if not available(device):
         return None
-    one_shot = OneShotAllReduce(group, device, pdl)
+    one_shot = OneShotAllReduce(group, device, pdl, rows)
     logger.info("one-shot all-reduce (Triton, symmetric memory) for tensors up to %d elements",
                 one_shot.half_elems)  # fmt: skip
     return one_shot

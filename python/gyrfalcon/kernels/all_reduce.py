@@ -83,7 +83,7 @@ def buffer_words(world: int, half_elems: int) -> int:
 
 
 @triton.jit
-def _pack(x, BLOCK: tl.constexpr, PAIRS: tl.constexpr):
+def pack_words(x, BLOCK: tl.constexpr, PAIRS: tl.constexpr):
     """x [BLOCK] as the 32 data bits of BLOCK // 2 words (16-bit elements, PAIRS) or of
     BLOCK words (float32), as int64 with the upper half clear."""
     if PAIRS:
@@ -96,8 +96,8 @@ def _pack(x, BLOCK: tl.constexpr, PAIRS: tl.constexpr):
 
 
 @triton.jit
-def _unpack(words, ety: tl.constexpr, BLOCK: tl.constexpr, PAIRS: tl.constexpr):
-    """The inverse of `_pack`: [BLOCK] elements of dtype ety from the words' low halves."""
+def unpack_words(words, ety: tl.constexpr, BLOCK: tl.constexpr, PAIRS: tl.constexpr):
+    """The inverse of `pack_words`: [BLOCK] elements of dtype ety from the words' low halves."""
     data = (words & 0xFFFFFFFF).to(tl.uint32)
     if PAIRS:
         lo = (data & 0xFFFF).to(tl.uint16)
@@ -106,6 +106,34 @@ def _unpack(words, ety: tl.constexpr, BLOCK: tl.constexpr, PAIRS: tl.constexpr):
     else:
         values = data.to(ety, bitcast=True)
     return values
+
+
+@triton.jit
+def call_of(use_ptr, pid, WORLD: tl.constexpr, slot_words):
+    """Step 1 for program pid: (its count of this call, the call's flag, the offset of
+    the call's half in a buffer, in words)."""
+    use = tl.load(use_ptr + pid) + 1
+    flag = (use - 1) % _FLAG_PERIOD + 1  # flag_of(use)
+    return use, flag, (use % 2) * WORLD * slot_words
+
+
+@triton.jit
+def push_words(buf_ptrs, peer, half, rank, slot_words, woffs, words, wmask):
+    """Step 2 toward one peer: the words into its buffer, this half, slot `rank`."""
+    dst = tl.load(buf_ptrs + peer).to(tl.pointer_type(tl.int64))
+    tl.store(dst + half + rank * slot_words + woffs, words, mask=wmask)
+
+
+@triton.jit
+def await_words(buf_ptrs, peer, half, rank, slot_words, woffs, wmask, flag):
+    """Step 3 for one peer: its words in this rank's buffer, this half, slot `peer`,
+    once every one carries `flag`."""
+    mine = tl.load(buf_ptrs + rank).to(tl.pointer_type(tl.int64))
+    src = mine + half + peer * slot_words + woffs
+    got = tl.load(src, mask=wmask, other=0, volatile=True)
+    while tl.sum((wmask & ((got >> 32) != flag)).to(tl.int32), axis=0) > 0:
+        got = tl.load(src, mask=wmask, other=0, volatile=True)
+    return got
 
 
 @triton.jit
@@ -126,27 +154,20 @@ def _exchange_sum(
     over the ranks, in rank order, of what each rank's same program brought."""
     pid = tl.program_id(0)
     ety = x.dtype
-    use = tl.load(use_ptr + pid) + 1
-    flag = (use - 1) % _FLAG_PERIOD + 1  # flag_of(use)
+    use, flag, half = call_of(use_ptr, pid, WORLD, slot_words)
     woffs = place + tl.arange(0, BLOCK // EPW)
     wmask = tl.arange(0, BLOCK // EPW) * EPW < n
-    half = (use % 2) * WORLD * slot_words
-    words = _pack(x, BLOCK, PAIRS) | (flag << 32)
+    words = pack_words(x, BLOCK, PAIRS) | (flag << 32)
     for p in tl.static_range(WORLD):
         if p != rank:
-            peer = tl.load(buf_ptrs + p).to(tl.pointer_type(tl.int64))
-            tl.store(peer + half + rank * slot_words + woffs, words, mask=wmask)
-    mine = tl.load(buf_ptrs + rank).to(tl.pointer_type(tl.int64))
+            push_words(buf_ptrs, p, half, rank, slot_words, woffs, words, wmask)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for p in tl.static_range(WORLD):
         if p == rank:
             acc += x.to(tl.float32)
         else:
-            src = mine + half + p * slot_words + woffs
-            got = tl.load(src, mask=wmask, other=0, volatile=True)
-            while tl.sum((wmask & ((got >> 32) != flag)).to(tl.int32), axis=0) > 0:
-                got = tl.load(src, mask=wmask, other=0, volatile=True)
-            acc += _unpack(got, ety, BLOCK, PAIRS).to(tl.float32)
+            got = await_words(buf_ptrs, p, half, rank, slot_words, woffs, wmask, flag)
+            acc += unpack_words(got, ety, BLOCK, PAIRS).to(tl.float32)
     tl.store(use_ptr + pid, use)
     return acc
 
@@ -222,12 +243,12 @@ def programs_for(numel: int) -> int:
     return triton.cdiv(numel, CHUNK)
 
 
-def _elems_per_word(x: torch.Tensor) -> int:
+def elems_per_word(x: torch.Tensor) -> int:
     assert x.element_size() in (2, 4), x.dtype
     return 4 // x.element_size()
 
 
-def _check_buffers(buf_ptrs: torch.Tensor, uses: torch.Tensor, rank: int, programs: int) -> int:
+def check_buffers(buf_ptrs: torch.Tensor, uses: torch.Tensor, rank: int, programs: int) -> int:
     world = buf_ptrs.numel()
     assert buf_ptrs.dtype == torch.int64 and 0 <= rank < world, (buf_ptrs.dtype, world, rank)
     assert uses.dtype == torch.int64 and uses.numel() >= programs, (uses.dtype, programs)
@@ -254,8 +275,8 @@ def one_shot_all_reduce(
     assert out.dtype == x.dtype and 0 < n <= half_elems, (n, half_elems)
     grid = programs_for(n)
     assert grid <= MAX_PROGRAMS, grid
-    world = _check_buffers(buf_ptrs, uses, rank, grid)
-    epw = _elems_per_word(x)
+    world = check_buffers(buf_ptrs, uses, rank, grid)
+    epw = elems_per_word(x)
     launch = launch_pdl(x, pdl)
     _one_shot_all_reduce_kernel[(grid,)](
         x, out, buf_ptrs, uses, n, rank, words_per_slot(half_elems),
@@ -300,10 +321,10 @@ def one_shot_add_rmsnorm(
     assert residual.shape == x.shape and residual.dtype == x.dtype and residual.is_contiguous()
     m, hidden = x.shape
     assert weight.shape == (hidden,) and weight.is_contiguous()
-    world = _check_buffers(buf_ptrs, uses, rank, m)
+    world = check_buffers(buf_ptrs, uses, rank, m)
     block, chunks, warps = norm_launch_params(hidden, None)
     assert chunks == 1, hidden
-    epw = _elems_per_word(x)
+    epw = elems_per_word(x)
     launch = launch_pdl(x, pdl)
     _one_shot_add_rmsnorm_kernel[(m,)](
         x, residual, weight, buf_ptrs, uses, hidden, eps, rank, words_per_slot(half_elems),
