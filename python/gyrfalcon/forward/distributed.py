@@ -37,15 +37,15 @@ class GroupCommunicator:
     """The collectives of one TP group (`forward/parallel.Communicator`) over a
     torch.distributed process group of `size` ranks; small all-reduces through
     `one_shot` when given (`forward/one_shot.py`), the rest through the group. With a
-    one-shot built with its rows kernels (DP attention's world), the graphs' gathers
-    and reduce-scatters of up to a buffer half per rank go through them (one PDL
-    launch each, against NCCL's ~15-30 us and its break of the launch chain)."""
+    one-shot built with its rows kernels (DP attention's world), the equal-rows
+    gathers (the graphs') and the reduce-scatters of up to a buffer half per rank go
+    through them (one PDL launch each, against NCCL's ~15-30 us and its break of the
+    launch chain)."""
 
     def __init__(
         self, group: dist.ProcessGroup, size: int, one_shot: OneShotAllReduce | None = None
     ):
         self.group, self.size, self.one_shot = group, size, one_shot
-        self.rank = dist.get_rank(group)
         # every rank brings the same number of rows (`ParallelContext.rows_agreed`)
         self.equal_rows = False
 
