@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_tiny_hf_model
-from parallel_util import load_model, prefill_batch, rank_moe_logits, spawn_ranks
+from gloo_ranks import rank_moe_logits
+from parallel_util import load_model, prefill_batch, spawn_ranks
 
 from gyrfalcon.layers.context import LayerContext
 

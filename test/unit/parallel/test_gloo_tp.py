@@ -12,16 +12,14 @@ import time
 import pytest
 import torch
 from conftest import make_tiny_hf_model
-from parallel_util import (
+from gloo_ranks import (
     COLLECTIVE_TIMEOUT,
-    load_model,
-    prefill_batch,
     rank_checks_collectives,
     rank_fails_while_peer_waits,
     rank_outlives_its_peer,
     rank_tp_logits,
-    spawn_ranks,
 )
+from parallel_util import load_model, prefill_batch, spawn_ranks
 
 from gyrfalcon.layers.context import LayerContext
 

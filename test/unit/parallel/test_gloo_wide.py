@@ -11,14 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_tiny_hf_model
-from parallel_util import (
-    load_model,
-    prefill_batch,
-    prefill_logits,
-    rank_dp_attention_logits,
-    rank_tp_logits,
-    spawn_ranks,
-)
+from gloo_ranks import rank_dp_attention_logits, rank_tp_logits
+from parallel_util import load_model, prefill_batch, prefill_logits, spawn_ranks
 
 from gyrfalcon.layers.context import LayerContext
 
