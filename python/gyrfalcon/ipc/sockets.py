@@ -132,8 +132,10 @@ class Channel:
         assert self._dec is not None
         return self._dec.decode(self.sock.recv(copy=False))
 
-    def close(self) -> None:
-        self.sock.close(linger=0)
+    def close(self, linger_ms: int = 0) -> None:
+        """Close; `linger_ms` > 0 waits up to that long for queued messages to go
+        (a process about to `os._exit`)."""
+        self.sock.close(linger=linger_ms)
 
 
 class Fanout:

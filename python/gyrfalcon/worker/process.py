@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import sys
-import time
+import os
 import traceback
 from typing import TYPE_CHECKING
 
@@ -18,7 +17,6 @@ import zmq
 
 from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs
-from gyrfalcon.forward.distributed import destroy_distributed
 from gyrfalcon.ipc.contract import RankLayout
 from gyrfalcon.ipc.messages import SchedulerToWorker, Shutdown, StepPlan, WorkerError, WorkerReady
 from gyrfalcon.ipc.sockets import Channel, WorkerEndpoints
@@ -33,6 +31,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 POLL_MS = 1000
+EXIT_LINGER_MS = 2000  # how long an exiting worker waits for its queued messages to go
 
 
 def run_worker(
@@ -51,21 +50,25 @@ def run_worker(
     ctx = zmq.Context()
     inbox = Channel(ctx, zmq.PULL, endpoints.from_scheduler, False, SchedulerToWorker)
     outbox = Channel(ctx, zmq.PUSH, endpoints.to_scheduler, False)
+    code = 1
     try:
         with process_profile(f"worker{rank}"):
             _serve(args, model_dir, cfg, rank, layout, inbox, outbox, stop)
+        code = 0
+    except SystemExit as e:  # a stop while loading (ChildStop)
+        code = e.code if isinstance(e.code, int) else 1
     except Exception:
         text = traceback.format_exc()
         logger.error("worker %d failed:\n%s", rank, text)
         outbox.send(WorkerError(rank, text.strip().splitlines()[-1]))
-        sys.exit(1)
     finally:
-        # NOTE: timed: four GPU workers once outlived their grace period after the
-        # summary; this line says whether the process groups' teardown held them
-        start = time.monotonic()
-        if destroy_distributed():
-            seconds = time.monotonic() - start
-            logger.info("rank %d: process groups destroyed in %.2f s", rank, seconds)
+        # NOTE: no teardown (process groups, symmetric memory, CUDA graphs): on GPUs it
+        # held every worker past its grace period until killed, the process-group
+        # destroy never returning (stop 43, two and four H100s); the OS frees it all.
+        # What is queued (a WorkerError, the last results) goes first.
+        outbox.close(linger_ms=EXIT_LINGER_MS)
+        logging.shutdown()
+        os._exit(code)
 
 
 def _serve(
