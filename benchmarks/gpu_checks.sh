@@ -19,6 +19,8 @@
 #           flashinfer has already built.
 #   stage:  copy the carried .stage*/ parts to /tmp/stage (before the wheels: the parts
 #           and .whl do not fit one transfer), join the SmolLM2 GGUF once all are there;
+#           carry each part alone (.stage1 is 48 MiB: with the tree's ~13 MiB, even .data
+#           beside it went over the 64 MiB a call takes, stop 43);
 #   train-drafter: train the SmolLM2 EAGLE3 drafter (docs/train_eagle3.md; prompts from
 #           .data/train_prompts.jsonl, carried) into drafters/smollm2-eagle3, sent back
 #           as $OUT/drafter.tgz.part* (15 MiB parts), then its offline acceptance on
