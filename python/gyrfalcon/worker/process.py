@@ -56,7 +56,7 @@ def run_worker(
             _serve(args, model_dir, cfg, rank, layout, inbox, outbox, stop)
         code = 0
     except SystemExit as e:  # a stop while loading (ChildStop)
-        code = e.code if isinstance(e.code, int) else 1
+        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
     except Exception:
         text = traceback.format_exc()
         logger.error("worker %d failed:\n%s", rank, text)
