@@ -321,7 +321,7 @@ PY
       ${DATA_CACHE:+--data-cache "$DATA_CACHE"} ${DRAFT_INTER:+--draft-intermediate-size "$DRAFT_INTER"} \
       ${TRAIN_FLAGS:-} \
       > "$OUT/train_drafter.log" 2>&1
-    echo "train exit $?"; grep -aE "Elapsed|acceptance|accept|loss|phase|summary|kept|sequences" "$OUT/train_drafter.log" | tail -25
+    echo "train exit $?"; grep -aE "Elapsed|acceptance|accept|loss|phase|summary|kept|sequences|generation with|engine ready" "$OUT/train_drafter.log" | tail -25
     # NOTE: measured only (never trained on): the offline acceptance on MT-Bench's first
     # turns, to set beside the held-out estimate and the served figure
     python3 benchmarks/eval_drafter.py --device cuda --target-model "$GYRFALCON_SMOLLM2_GGUF" \

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import random
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -134,6 +135,9 @@ class EngineCopies:
         self.workers = workers
         self.procs: list[Any] = []
         self.conns: list[Any] = []
+        # NOTE: per `complete` call: (its name, share 0's seconds, the seconds it then
+        # waited for the copies' shares; the first call's include the copies' start)
+        self.calls: list[tuple[str, float, float]] = []
         ctx = mp.get_context("spawn")  # NOTE: a forked child would share the parent's CUDA
         for _ in range(1, workers):
             mine, theirs = ctx.Pipe()
@@ -161,6 +165,13 @@ class EngineCopies:
                 self.close()
                 raise RuntimeError(f"generation worker {w} of {self.workers}: {got}")
             out[w :: self.workers] = [Completion(ids, reason) for ids, reason in got]
+
+    def summary(self) -> str:
+        """Where the generation's time went, call by call (`calls`)."""
+        return "; ".join(
+            f"{name}: share 0 {own:.1f} s, the copies' {waited:.1f} s later"
+            for name, own, waited in self.calls
+        )
 
     def close(self) -> None:
         for proc, conn in zip(self.procs, self.conns, strict=True):
@@ -215,8 +226,11 @@ def complete(
     n = copies.workers
     copies.send(prompts, sampling)
     out: list[Completion | None] = [None] * len(prompts)
+    start = time.perf_counter()
     out[0::n] = _complete(engine, prompts[0::n], sampling[0::n], desc)
+    own_done = time.perf_counter()
     copies.gather(out)
+    copies.calls.append((desc, own_done - start, time.perf_counter() - own_done))
     assert all(c is not None for c in out)
     return out  # type: ignore[return-value]
 

@@ -183,6 +183,8 @@ def generate(args: TrainArgs, prompts: list[str]) -> Generated:
             log(f"generating: {cached}")
         with EngineCopies(engine, args.generate_workers) as copies:
             instructions, seqs = _generate_with(engine, copies, tokenizer, args, prompts)
+        if copies.calls:
+            log(f"generation with {copies.workers} engines: {copies.summary()}")
         if args.data_cache:
             save_data(args.data_cache, key, instructions, seqs)
             log(f"saved the generated text to {args.data_cache}")

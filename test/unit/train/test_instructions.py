@@ -148,6 +148,10 @@ def test_engine_copies_in_other_processes_write_and_answer_the_same(target, engi
         assert write_instructions(engine, tok, 12, seed=3, copies=copies) == alone
         assert generate_answers(engine, prompts, 8, copies) == want
         proc = copies.procs[0]
+        # where each call's time went, for the trainer's log
+        assert [name for name, *_ in copies.calls] == ["writing instructions", "generating answers"]
+        assert all(own > 0 and waited >= 0 for _, own, waited in copies.calls)
+        assert copies.summary().startswith("writing instructions: share 0 ")
     assert not proc.is_alive() and proc.exitcode == 0  # closed with the context
     # a copy that cannot start: the error names it, share 0's requests all finished
     with EngineCopies(_BadCopies(engine), 2) as copies:
