@@ -31,7 +31,12 @@
 #           DRAFT_INTER (--draft-intermediate-size), DRAFT_VOCAB (--draft-vocab-size, 16384),
 #           TRAIN_FLAGS (more train-eagle3 flags, e.g. "--step-loss-decay 0.6"), TTT
 #           (--ttt-steps, 4), KPROF=FIRST:COUNT (the kernels of those training steps,
-#           $OUT/kprof/kernels_train_eagle3.txt);
+#           $OUT/kprof/kernels_train_eagle3.txt), DRAFTER_DIR (where the checkpoint goes):
+#           two recipes at once on a two-GPU machine, each on its own GPU, OUT and
+#           DRAFTER_DIR (and DATA_CACHE) apart:
+#             OUT=$OUT/a DRAFTER_DIR=/tmp/da CUDA_VISIBLE_DEVICES=0 ... train-drafter &
+#             OUT=$OUT/b DRAFTER_DIR=/tmp/db CUDA_VISIBLE_DEVICES=1 ... train-drafter & wait
+#           (4 files each come back; $OUT sends back 8 at most);
 #   spec:   bench_spec.py (MT-Bench first turns, .data/mt_bench_dev.jsonl) with the drafter
 #           in drafters/smollm2-eagle3 (or staged: .drafter/drafter.tgz.part* carried with a
 #           stage part), then bench_spec_step.py for the 8B and SmolLM2 shapes (dummy
@@ -309,11 +314,11 @@ PY
     tar czf - -C /tmp/fi-pack . | split -b 15M - "$OUT/fi-aot.tgz.part"
     ls -la "$OUT" ;;
   train-drafter)
-    rm -rf drafters/smollm2-eagle3
+    D=${DRAFTER_DIR:-drafters/smollm2-eagle3}; rm -rf "$D"
     [ -n "${KPROF:-}" ] && export GYRFALCON_KERNEL_PROFILE="$OUT/kprof:$KPROF"
     /usr/bin/time -v python3 -m gyrfalcon.cli train-eagle3 --prompts .data/train_prompts.jsonl \
       --target-model "$GYRFALCON_SMOLLM2_GGUF" \
-      --device cuda --output-dir drafters/smollm2-eagle3 --num-prompts ${NUM_PROMPTS:-4000} \
+      --device cuda --output-dir "$D" --num-prompts ${NUM_PROMPTS:-4000} \
       --holdout 64 --max-new-tokens 256 --max-steps ${MAX_STEPS:-3000} --batch-size ${BATCH:-16} \
       --lr ${LR:-3e-4} --ttt-steps ${TTT:-4} --draft-vocab-size ${DRAFT_VOCAB:-16384} --eval-every ${EVAL_EVERY:-500} \
       --self-instructions ${SELF_INSTRUCTIONS:-0} --follow-up-turns ${FOLLOW_UPS:-0} \
@@ -325,9 +330,9 @@ PY
     # NOTE: measured only (never trained on): the offline acceptance on MT-Bench's first
     # turns, to set beside the held-out estimate and the served figure
     python3 benchmarks/eval_drafter.py --device cuda --target-model "$GYRFALCON_SMOLLM2_GGUF" \
-      --draft-model drafters/smollm2-eagle3 --prompts .data/mt_bench_dev.jsonl \
+      --draft-model "$D" --prompts .data/mt_bench_dev.jsonl \
       --output-json "$OUT/eval_drafter_mt_bench.json" 2>&1 | tail -1
-    tar czf - -C drafters smollm2-eagle3 | split -b 15M - "$OUT/drafter.tgz.part"; ls -la "$OUT" ;;
+    tar czf - -C "$(dirname "$D")" "$(basename "$D")" | split -b 15M - "$OUT/drafter.tgz.part"; ls -la "$OUT" ;;
   spec)
     DRAFTER=drafters/smollm2-eagle3
     [ -d "$DRAFTER" ] || DRAFTER=/tmp/drafters/smollm2-eagle3  # staged (mode stage)
