@@ -62,10 +62,10 @@ def run_worker(
         logger.error("worker %d failed:\n%s", rank, text)
         outbox.send(WorkerError(rank, text.strip().splitlines()[-1]))
     finally:
-        # NOTE: no teardown (process groups, symmetric memory, CUDA graphs): on GPUs it
-        # held every worker past its grace period until killed, the process-group
-        # destroy never returning (stop 43, two and four H100s); the OS frees it all.
-        # What is queued (a WorkerError, the last results) goes first.
+        # NOTE: no teardown (process groups, symmetric memory, CUDA graphs): on two
+        # H100s it held every worker past its grace period until killed, never
+        # reaching the end of the process-group destroy (stop 43); the OS frees it
+        # all. What is queued (a WorkerError, the last results) goes first.
         outbox.close(linger_ms=EXIT_LINGER_MS)
         logging.shutdown()
         os._exit(code)
