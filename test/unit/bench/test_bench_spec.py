@@ -149,6 +149,21 @@ def test_compare_outputs_counts_mismatches_and_failures(bs: ModuleType) -> None:
     assert spec_report.compare_outputs(plain, plain)["mismatches"] == 0
 
 
+def test_rounds_against_first_tells_changed_texts_from_moved_acceptance(bs: ModuleType) -> None:
+    def spec(text: str, steps: int = 4, **kw: Any) -> Any:
+        return out(bs, text, tokens=8, spec_accept_length=2.0, spec_verify_steps=steps, **kw)
+
+    first = [spec("a"), spec("b"), spec("c"), spec("d")]
+    second = [spec("a"), spec("B"), spec("c", steps=5), spec("", error="HTTP 500")]
+    third = [spec("a"), spec("b"), spec("c"), spec("d")]
+    got = spec_report.rounds_against_first(first + second + third, 3)
+    assert got == [
+        {"compared": 3, "changed_texts": 1, "same_text_other_acceptance": 1},
+        {"compared": 4, "changed_texts": 0, "same_text_other_acceptance": 0},
+    ]
+    assert spec_report.rounds_against_first(first, 1) == []
+
+
 def fake_runs(bs: ModuleType, spec_texts: list[str]) -> dict[str, Any]:
     plain = [out(bs, t, tokens=8) for t in ("a", "b")]
     spec = [out(bs, t, tokens=8, spec_accept_length=2.0, spec_verify_steps=4) for t in spec_texts]

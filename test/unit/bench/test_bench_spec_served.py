@@ -169,6 +169,8 @@ def test_rounds_need_a_kv_cap_and_alternate_the_servers(bs: ModuleType) -> None:
     md = bs.format_markdown(report)
     assert "3 rounds, both servers up at once" in md
     assert "EAGLE3 accept length per round: c1: 1.00 / 1.00 / 2.00; c2: 1.00 / 1.00 / 2.00" in md
+    # the last round kept its texts, not its acceptance
+    assert "whose acceptance did: c1: 0 and 0 of 2 / 0 and 2 of 2; c2: 0 and 0 of 2" in md
 
 
 def test_main_with_rounds_runs_both_servers_at_once(
