@@ -115,9 +115,16 @@ class PrefixCache:
     def insert(self, req: Request) -> None:
         """Cache the request's pages that became cacheable since its last insert. A page
         whose content is cached already (computed twice, side by side) stays the
-        request's own; the chain goes on from the cached node."""
+        request's own; the chain goes on from the cached node, which the request does
+        not hold and eviction may take."""
         if self.drafter_kv and not verifies_drafts(req.sampling):
             return  # NOTE: its pages lack the drafter's KV (module docstring)
+        if req.cache_node not in self._by_id and req.cache_node != ROOT:
+            # NOTE: the chain went through a node whose page the request does not hold
+            # (a duplicate it computed itself); that node was evicted, its descendants
+            # with it. Walking again from the root finds what is still cached and caches
+            # the request's own copies in place of the rest.
+            req.cache_node, req.num_cache_pages = ROOT, 0
         num_known = len(req.prompt_ids) + len(req.output_ids)
         upto = min(cacheable_pages(req.num_computed, num_known, self.page_size), len(req.pages))
         if upto <= req.num_cache_pages:

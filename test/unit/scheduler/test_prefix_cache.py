@@ -152,6 +152,19 @@ def test_eviction_with_a_live_user_of_a_descendant():
     assert cache.num_pages == 0
     alloc.check_integrity([b.pages])
     cache.check_integrity()
+    # b goes on: its chain hung under an evicted node, so it starts again at the root
+    # and its own copies become the cached ones (train-eagle3 writing 48,000 instructions
+    # from one prompt met the dangling node: a KeyError in the scheduler)
+    b.pages += alloc.alloc(1)
+    b.prompt_ids += [14, 15, 16, 17]
+    b.num_computed = 16
+    cache.insert(b)
+    assert cache.num_pages == 4 and b.num_cache_pages == 4
+    probe = Request("p", b.prompt_ids + [18], SamplingParams(), arrival=2)
+    assert cache.acquire(probe) == 16 and probe.pages == b.pages[:4]
+    cache.release(probe)
+    alloc.check_integrity([b.pages])
+    cache.check_integrity()
 
 
 # ---------------------------------------------------------------- the scheduler
@@ -233,3 +246,24 @@ def test_pressure_evicts_and_every_request_finishes(num_pages):
     s.check_integrity()
     assert s.num_free_pages == s.num_usable_pages
     assert s.stats(0).prefix_cache_hits > 0
+
+
+def test_identical_prompts_side_by_side_then_their_cached_copy_evicted():
+    """The same prompt twice at once (how train-eagle3 asks for instructions): b
+    computes its own copy of a's pages and chains on under a's. a ends, another prompt
+    takes a's cached pages, and b goes on decoding past a page boundary."""
+    s = make(12)  # 11 usable pages
+    prompt = list(range(1, 10))
+    s.add_request(GenerateRequest("a", prompt, SamplingParams(max_tokens=1)))
+    s.add_request(GenerateRequest("b", prompt, SamplingParams(max_tokens=12, ignore_eos=True)))
+    plan = s.build_plan()
+    assert [r.rid for r in plan.batches[0].rows] == ["a", "b"]  # side by side
+    s.process_result(StepResult(plan.step_id, [RowResult("a", [EOS]), RowResult("b", [70])]))
+    s.add_request(GenerateRequest("x", list(range(200, 220)), SamplingParams(max_tokens=2)))
+    run(s, {"b": [70] * 11, "x": [71, EOS]})
+    assert not s.requests
+    s.check_integrity()
+    assert s.num_free_pages == s.num_usable_pages
+    # b's own copies of the prompt's pages are cached now
+    s.add_request(GenerateRequest("c", prompt + [70] * 4, SamplingParams(max_tokens=1)))
+    assert run(s, {"c": [EOS]})[0].start == 12
