@@ -86,13 +86,22 @@ class PrefixCache:
             parent = node.id
         return nodes
 
+    def _match_request(self, req: Request) -> list[Node]:
+        """The nodes `acquire` would start req on (none when prompt logprobs are asked
+        for: those need every prompt position's logits)."""
+        if req.sampling.prompt_logprobs is not None:
+            return []
+        return self.match(req.prompt_ids + req.output_ids)
+
+    def cached_tokens(self, req: Request) -> int:
+        """How many of req's tokens `acquire` would find cached now (DP routing)."""
+        return len(self._match_request(req)) * self.page_size
+
     def acquire(self, req: Request) -> int:
         """Start a request with no pages on its cached prefix: share the pages, count
-        their positions computed; returns the tokens found (0 when prompt logprobs are
-        asked for: those need every prompt position's logits)."""
+        their positions computed; returns the tokens found."""
         assert not req.pages and req.num_computed == 0, "only a request without pages"
-        tokens = req.prompt_ids + req.output_ids
-        nodes = [] if req.sampling.prompt_logprobs is not None else self.match(tokens)
+        nodes = self._match_request(req)
         pages = [n.page for n in nodes]
         self.alloc.share(pages)
         req.pages = pages

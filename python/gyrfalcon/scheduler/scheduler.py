@@ -159,7 +159,7 @@ class Scheduler:
                 final_output(req, "error", err, int(HTTPStatus.SERVICE_UNAVAILABLE))
             )
             return
-        req.dp_rank = pick_rank(self.ranks)
+        req.dp_rank = pick_rank(self.ranks, req)
         self.requests[req.rid] = req
         self.ranks[req.dp_rank].waiting.append(req)
 

@@ -138,6 +138,52 @@ def test_requests_are_bound_to_a_rank_with_its_own_pages():
     assert idle.finished_rids == ["b"] and plan.batches[0].finished_rids == []
 
 
+def serve(s: Scheduler, outputs: dict[str, list[int]]) -> dict[str, int]:
+    """Every rank's rows answered from outputs[rid] until idle; the start of each
+    request's first row (its cached prefix)."""
+    starts: dict[str, int] = {}
+    while s.has_work():
+        plan = s.build_plan()
+        for dp_rank, batch in enumerate(plan.batches):
+            for r in batch.rows:
+                starts.setdefault(r.rid, r.start)
+            rows = [
+                RowResult(r.rid, [outputs[r.rid].pop(0)] if r.sample else []) for r in batch.rows
+            ]
+            s.process_result(StepResult(plan.step_id, rows, dp_rank))
+    s.check_integrity()
+    return starts
+
+
+def test_a_chats_next_turn_goes_to_the_rank_holding_its_earlier_turns():
+    """DP attention with prefix caching: each DP rank caches only its own pages, so a
+    second turn routed by load alone would compute the whole conversation again."""
+    cfg = SchedulerConfig(32, 4, 64, 8, 64, 64, (EOS,), True, 1, 1.0, 2, prefix_caching=True)
+    s = Scheduler(cfg)
+    first = {"x": list(range(1, 11)), "y": list(range(30, 40))}
+    for rid, prompt in first.items():
+        s.add_request(GenerateRequest(rid, prompt, SamplingParams(max_tokens=3)))
+    assert [s.requests[r].dp_rank for r in "xy"] == [0, 1]
+    serve(s, {"x": [20, 21, EOS], "y": [50, 51, EOS]})
+    # y's next turn: rank 0 is the least loaded rank and the lowest, but y's pages are
+    # on rank 1; x's next turn then goes to rank 0 although rank 1 is as busy
+    y2 = first["y"] + [50, 51, EOS, 60, 61]
+    x2 = first["x"] + [20, 21, EOS, 70, 71]
+    s.add_request(GenerateRequest("y2", y2, SamplingParams(max_tokens=1)))
+    s.add_request(GenerateRequest("x2", x2, SamplingParams(max_tokens=1)))
+    assert [s.requests[r].dp_rank for r in ("y2", "x2")] == [1, 0]
+    starts = serve(s, {"y2": [EOS], "x2": [EOS]})
+    assert starts == {"y2": 12, "x2": 12}  # 10 prompt + 2 outputs computed, found cached
+    # x's pages are on rank 0: more of its turns go there while rank 0 holds at most 2
+    # requests more than rank 1 (the slack), then load wins over the cache
+    more = [f"x{i}" for i in range(3, 7)]
+    for rid in more:
+        s.add_request(GenerateRequest(rid, x2 + [EOS, 80], SamplingParams(max_tokens=1)))
+    assert [s.requests[r].dp_rank for r in more] == [0, 0, 0, 1]
+    starts = serve(s, {rid: [EOS] for rid in more})
+    assert [starts[r] for r in more] == [12, 12, 12, 0]  # x2 cached 3 pages
+
+
 def test_rank_layout_maps_ranks_to_dp_groups():
     layout = RankLayout(dp_size=2, tp_size=2)
     assert layout.world_size == 4
