@@ -96,6 +96,12 @@ class PageAllocator:
         assert page in self._held, f"page {page} is not cached"
         if self.on_evict is not None:
             self.on_evict(page)
+        self.unhold(page)
+
+    def unhold(self, page: int) -> None:
+        """The cache drops its reference on `page` untold: it is dropping the page's
+        node itself (a descendant of an evicted node)."""
+        assert page in self._held, f"page {page} is not cached"
         self._held.discard(page)
         self._evictable.pop(page, None)
         self.free([page])

@@ -153,13 +153,19 @@ class PrefixCache:
     def _forget(self, page: int) -> None:
         """The allocator takes `page` back: drop its node and every descendant (their
         keys name it as an ancestor; their pages stay with whoever else holds them)."""
-        node = self._by_page.pop(page)
-        for child in list(node.children):
-            self.alloc.evict(self._by_id[child].page)
-        del self._by_key[node.key], self._by_id[node.id]
-        parent = self._by_id.get(node.key[0])
+        top = self._by_page[page]
+        parent = self._by_id.get(top.key[0])
         if parent is not None:
-            parent.children.discard(node.id)
+            parent.children.discard(top.id)
+        # NOTE: a loop, not a recursion through the allocator: a generation of
+        # thousands of pages hangs under one node (Python's recursion limit is 1,000)
+        stack = [top]
+        while stack:
+            node = stack.pop()
+            stack += [self._by_id[c] for c in node.children]
+            del self._by_key[node.key], self._by_id[node.id], self._by_page[node.page]
+            if node is not top:
+                self.alloc.unhold(node.page)
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless the tree and the allocator's holds agree."""

@@ -267,3 +267,20 @@ def test_identical_prompts_side_by_side_then_their_cached_copy_evicted():
     # b's own copies of the prompt's pages are cached now
     s.add_request(GenerateRequest("c", prompt + [70] * 4, SamplingParams(max_tokens=1)))
     assert run(s, {"c": [EOS]})[0].start == 12
+
+
+def test_evicting_the_root_of_a_long_generation():
+    """A node with thousands of cached pages under it (a long answer, one token a
+    page here) goes with all of them; the eviction recursed once per page before."""
+    n = 3000
+    alloc = PageAllocator(n + 2)
+    cache = PrefixCache(alloc, 1)
+    a = Request("a", list(range(1, n + 2)), SamplingParams(), arrival=0)
+    a.pages, a.num_computed = alloc.alloc(n + 1), n + 1
+    cache.insert(a)
+    assert cache.num_pages == n
+    alloc.free(a.pages)
+    alloc.evict(a.pages[0])
+    assert cache.num_pages == 0 and alloc.num_free == n + 1 and alloc.num_evictable == 0
+    cache.check_integrity()
+    alloc.check_integrity([])
