@@ -296,9 +296,11 @@ PY
     ;;
   multiturn)  # prefix caching: benchmarks/bench_multiturn.py (shared 1024-token system
     # prompt, 4 turns, 64 conversations at once) on the 8B shape, with the cache and without
-    # NOTE: MT_RUNS=cache: runs the cached server alone
+    # NOTE: MT_RUNS=cache: runs the cached server alone; MT_TREE=COMMIT serves .ab/COMMIT's
+    # python/ instead of this tree's (benchmarks/ab_trees.sh; carry .ab)
     for R in ${MT_RUNS:-"cache:" "nocache:--disable-prefix-caching"}; do
-      SERVER_FLAGS="--attention-backend triton ${R#*:}" start_server "multiturn_${R%%:*}"
+      PYTHONPATH=${MT_TREE:+$PWD/.ab/$MT_TREE/python:}$PYTHONPATH \
+        SERVER_FLAGS="--attention-backend triton ${R#*:}" start_server "multiturn_${R%%:*}"
       python3 benchmarks/bench_multiturn.py --port 8100 --device-kind "$KIND" --tag "${R%%:*}" \
         --num-conversations ${MT_CONV:-64} --concurrency ${MT_CONC:-64} \
         --output-json "$OUT/multiturn_${R%%:*}.json" 2>&1 | tail -25
