@@ -295,15 +295,18 @@ for (name, bs), tok in sorted(runs.items()):
 PY
     ;;
   multiturn)  # prefix caching: benchmarks/bench_multiturn.py (shared 1024-token system
-    # prompt, 4 turns, 64 conversations at once) on the 8B shape, with the cache and without
-    # NOTE: MT_RUNS=cache: runs the cached server alone; MT_TREE=COMMIT serves .ab/COMMIT's
-    # python/ instead of this tree's (benchmarks/ab_trees.sh; carry .ab)
-    for R in ${MT_RUNS:-"cache:" "nocache:--disable-prefix-caching"}; do
-      PYTHONPATH=${MT_TREE:+$PWD/.ab/$MT_TREE/python:}$PYTHONPATH \
-        SERVER_FLAGS="--attention-backend triton ${R#*:}" start_server "multiturn_${R%%:*}"
-      python3 benchmarks/bench_multiturn.py --port 8100 --device-kind "$KIND" --tag "${R%%:*}" \
+    # prompt, 4 turns, 64 conversations at once) on the 8B shape, with the cache and without.
+    # MT_RUNS as MOE_RUNS ("name:flags;name:flags"; "name@.ab/<commit>:flags" serves an
+    # older tree from benchmarks/ab_trees.sh, carried), e.g. "dp2:--dp-size 2" alone
+    IFS=';' read -ra RUNS <<< "${MT_RUNS:-cache:;nocache:--disable-prefix-caching}"
+    for R in "${RUNS[@]}"; do
+      N=${R%%:*} T=.; [ "$N" = "${N#*@}" ] || T=${N#*@}
+      NAME="${N%%@*}$([ "$T" = . ] || echo "_$(basename "$T")")"
+      PYTHONPATH=$T/python:/tmp/site SERVER_FLAGS="--attention-backend triton ${R#*:}" \
+        start_server "multiturn_$NAME"
+      python3 benchmarks/bench_multiturn.py --port 8100 --device-kind "$KIND" --tag "$NAME" \
         --num-conversations ${MT_CONV:-64} --concurrency ${MT_CONC:-64} \
-        --output-json "$OUT/multiturn_${R%%:*}.json" 2>&1 | tail -25
+        --output-json "$OUT/multiturn_$NAME.json" 2>&1 | tail -25
       kill -TERM $SERVER; wait $SERVER; echo "server exit $?"
     done ;;
   fi-cache)
