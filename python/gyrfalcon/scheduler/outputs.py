@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from itertools import chain, zip_longest
+
 from gyrfalcon.ipc.messages import RequestOutput
 from gyrfalcon.scheduler.request import Request
 
@@ -46,3 +49,15 @@ def delta_output(req: Request) -> RequestOutput:
         num_accepted=req.num_accepted,
         num_cached_tokens=req.num_cached_tokens,
     )
+
+
+def interleave(per_rank: Sequence[list[RequestOutput]]) -> list[RequestOutput]:
+    """The outputs of one step's DP ranks, one of each rank in turn: [a0, b0, a1, b1, a2].
+
+    Why: clients answer in the order outputs reach them. Requests that end in one step
+    on both ranks (chats in lock-step) come back as next turns, and each next turn is
+    routed to the rank holding its earlier turns within a slack of the least loaded
+    (ranks.pick_rank). Rank 0's finishes all first would send rank 0's next turns in a
+    run, and every one past the slack would go to the other rank and compute its
+    whole conversation again."""
+    return [o for o in chain.from_iterable(zip_longest(*per_rank)) if o is not None]

@@ -27,7 +27,7 @@ from gyrfalcon.ipc.messages import (
     StepPlan,
     StepResult,
 )
-from gyrfalcon.scheduler.outputs import delta_output, final_output
+from gyrfalcon.scheduler.outputs import delta_output, final_output, interleave
 from gyrfalcon.scheduler.page_allocator import PageAllocator
 from gyrfalcon.scheduler.plan import agreed_graph, rank_batch
 from gyrfalcon.scheduler.policy import Limits, ReserveRatio, Scheduled, schedule
@@ -221,7 +221,7 @@ class Scheduler:
 
         Sends a plan if one may go out and there is one; then, if no further plan
         may go out or there was nothing to plan, takes results until the oldest plan
-        has every rank's.
+        has every rank's; their outputs go out one rank's in turn (outputs.interleave).
         """
         outputs = self.take_outputs()
         plan = self.build_plan() if self.may_plan() else None
@@ -229,8 +229,12 @@ class Scheduler:
             submit(plan)
         if self.num_inflight and (plan is None or not self.may_plan()):
             out = self.num_inflight
+            # NOTE: by rank, not by result: two results of one rank keep their order
+            per_rank: list[list[RequestOutput]] = [[] for _ in self.ranks]
             while self.num_inflight == out:
-                outputs += self.process_result(receive())
+                result = receive()
+                per_rank[result.dp_rank] += self.process_result(result)
+            outputs += interleave(per_rank)
         return outputs
 
     def process_result(self, result: StepResult) -> list[RequestOutput]:

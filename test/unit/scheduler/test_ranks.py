@@ -8,11 +8,13 @@ from gyrfalcon.ipc.messages import (
     ForwardMode,
     GenerateRequest,
     RankBatch,
+    RequestOutput,
     RowResult,
     SamplingParams,
     ScheduledRow,
     StepResult,
 )
+from gyrfalcon.scheduler.outputs import interleave
 from gyrfalcon.scheduler.plan import agreed_graph
 from gyrfalcon.scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -235,3 +237,64 @@ def test_the_scheduler_sends_the_agreed_size_with_every_plan():
     # a and c decode on rank 0 while rank 1 idles: both replay the 2-row graph
     assert (ForwardMode.DECODE, ForwardMode.IDLE, 2) in steps
     assert all(rows == 0 for m0, m1, rows in steps if ForwardMode.MIXED in (m0, m1))
+
+
+@pytest.mark.parametrize("inflight", [1, 2])
+def test_chats_in_lock_step_keep_their_rank_turn_after_turn(inflight):
+    """Chats that start together with equal answer lengths end every turn in one step
+    on both ranks, and their clients send the next turns in the order the outputs
+    arrive. Every next turn must go to the rank holding its earlier turns and find
+    them cached; with rank 0's finishes all first, the next turns past the routing
+    slack went to the other rank (a GPU run of bench_multiturn: 37 of 64 second turns
+    kept their rank)."""
+    convs, turns, answer = 16, 3, 4
+    cfg = SchedulerConfig(
+        256, 4, 256, 64, 512, 512, (EOS,), True, inflight, 1.0, 2, prefix_caching=True
+    )
+    s = Scheduler(cfg)
+    system = list(range(1, 9))
+    prompts = {f"c{c}t1": system + [20 + c, 40 + c] for c in range(convs)}
+    rank_of, kept, cached = {}, [], []
+    for rid, prompt in prompts.items():
+        s.add_request(GenerateRequest(rid, prompt, SamplingParams(max_tokens=answer)))
+        rank_of[rid[: rid.index("t")]] = s.requests[rid].dp_rank
+    sims = [RankSim(r) for r in range(2)]
+    got: dict[str, list[int]] = {rid: [] for rid in prompts}
+
+    def submit(plan):
+        for sim in sims:
+            sim.submit(plan)
+        for batch in plan.batches:
+            for n in batch.new_requests:
+                cached.append((n.rid, batch.rows[[r.rid for r in batch.rows].index(n.rid)].start))
+
+    def receive():
+        return next(sim for sim in sims if sim.results).results.pop(0)
+
+    while s.has_work():
+        for out in s.pump(submit, receive):
+            got[out.rid].extend(out.token_ids)
+            if out.finish_reason is None:
+                continue
+            conv, turn = out.rid.split("t")
+            if int(turn) < turns:  # the client sends the next turn at once
+                rid = f"{conv}t{int(turn) + 1}"
+                prompts[rid] = prompts[out.rid] + got[out.rid] + [60, 61]
+                got[rid] = []
+                s.add_request(GenerateRequest(rid, prompts[rid], SamplingParams(max_tokens=answer)))
+                kept.append(s.requests[rid].dp_rank == rank_of[conv])
+    assert sorted(rank_of.values()) == [0] * 8 + [1] * 8
+    assert len(kept) == convs * (turns - 1) and all(kept)
+    # each next turn starts after every page of its earlier turns (the prompt and all
+    # but the last answer token computed), never at the shared system prompt alone
+    for rid, start in cached:
+        if not rid.endswith("t1"):
+            earlier = len(prompts[rid]) - 2 - 1
+            assert start == earlier // 4 * 4, (rid, start)
+    s.check_integrity()
+
+
+def test_interleave_takes_one_output_of_each_rank_in_turn():
+    a0, a1, a2, b0 = (RequestOutput(rid, []) for rid in ("a0", "a1", "a2", "b0"))
+    assert interleave([[a0, a1, a2], [b0]]) == [a0, b0, a1, a2]
+    assert interleave([[], [b0]]) == [b0] and interleave([]) == []
