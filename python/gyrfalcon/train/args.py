@@ -58,6 +58,15 @@ class TrainArgs:
             "as more prompts"
         },
     )
+    instruction_examples: int = field(
+        default=0,
+        metadata={
+            "help": "with --self-instructions: each instruction's prompt lists this many "
+            "requests drawn from the training prompts (a system message; the prompts "
+            "file's sources drawn evenly), steering what the target writes toward them; "
+            "0 = none"
+        },
+    )
     follow_up_turns: int = field(
         default=0,
         metadata={
@@ -178,6 +187,12 @@ class TrainArgs:
             raise ValueError(f"--generate-workers must be >= 1, got {self.generate_workers}")
         if self.self_instructions < 0:
             raise ValueError(f"--self-instructions must be >= 0, got {self.self_instructions}")
+        if self.instruction_examples < 0:
+            raise ValueError(
+                f"--instruction-examples must be >= 0, got {self.instruction_examples}"
+            )
+        if self.instruction_examples and not self.self_instructions:
+            raise ValueError("--instruction-examples needs --self-instructions")
         positive = {
             "--max-new-tokens": self.max_new_tokens,
             "--max-steps": self.max_steps,

@@ -72,6 +72,21 @@ def load_prompts(path: str, num_prompts: int, seed: int) -> list[str]:
     return prompts[:num_prompts] if num_prompts > 0 else prompts
 
 
+def prompts_by_source(path: str, prompts: Sequence[str]) -> list[list[str]]:
+    """`prompts` (drawn from the JSONL file at `path` by `load_prompts`) grouped by each
+    line's 'source' field (one group for lines without one), groups in source order."""
+    source: dict[str, str] = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                rec = json.loads(line)
+                source.setdefault(rec["prompt"], str(rec.get("source", "")))
+    groups: dict[str, list[str]] = {}
+    for p in prompts:
+        groups.setdefault(source[p], []).append(p)
+    return [groups[k] for k in sorted(groups)]
+
+
 def encode_prompts(tokenizer: Any, prompts: Sequence[str], chat_template: bool) -> list[list[int]]:
     """Each prompt as one user turn through the chat template with the generation
     prompt (the template writes BOS and special tokens, so encoding adds none), or the

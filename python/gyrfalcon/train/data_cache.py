@@ -26,6 +26,7 @@ KEY_ARGS = (
     "num_prompts",
     "holdout",
     "self_instructions",
+    "instruction_examples",
     "follow_up_turns",
     "max_new_tokens",
     "dtype",

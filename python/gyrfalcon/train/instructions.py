@@ -9,6 +9,13 @@ kept), each with its own seed drawn from --seed, and keeps those that end their
 turn (EOS) within INSTRUCTION_MAX_TOKENS, are at least MIN_INSTRUCTION_CHARS long and
 are new (`select_instructions`). The kept ones join the file's prompts as ordinary
 prompts: answered greedily, eligible for the held-out split and follow-up turns.
+
+With `--instruction-examples K` each instruction's conversation starts with a system
+message listing K requests drawn from the training prompts (`examples_system`: a source
+of the prompts file drawn evenly, then a request of it), in place of the template's
+default system prompt: the target then writes requests more like those (tasks with
+their constraints) than the chat openers it writes unprompted. The examples come from
+the training prompts only, so they never bring evaluation prompts in.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ INSTRUCTION_TEMPERATURE = 1.0
 INSTRUCTION_TOP_P = 0.95
 MIN_INSTRUCTION_CHARS = 10
 SHOWN_INSTRUCTIONS = 3  # examples in the log
+EXAMPLES_HEADER = "You are a helpful AI assistant. Users send you requests like these:"
 
 
 @dataclass(frozen=True)
@@ -48,18 +56,26 @@ class Instructions:
         )
 
 
-def instruction_prompt(tokenizer: Any) -> list[int]:
+def instruction_prompt(tokenizer: Any, system: str | None = None) -> list[int]:
     """The ids of the chat template up to the start of a user message's content: a
-    conversation of one user message rendered without the generation prompt, cut
-    before that message's text (a default system prompt stays)."""
+    conversation of one user message (after a `system` message, if given) rendered
+    without the generation prompt, cut before that message's text (without `system`,
+    a default system prompt stays)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("--self-instructions needs a tokenizer with a chat template")
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": SENTINEL}], tokenize=False, add_generation_prompt=False
-    )
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": SENTINEL})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
     if SENTINEL not in text:
         raise ValueError("the chat template does not write the user's message as given")
     return tokenizer.encode(text[: text.index(SENTINEL)], add_special_tokens=False)
+
+
+def examples_system(pools: Sequence[Sequence[str]], k: int, rng: random.Random) -> str:
+    """A system message listing k requests, each from a pool drawn uniformly, then
+    drawn uniformly from it (whitespace runs made single spaces: one line each)."""
+    picks = [rng.choice(rng.choice(pools)) for _ in range(k)]
+    return "\n".join([EXAMPLES_HEADER] + [f"- {' '.join(p.split())}" for p in picks])
 
 
 def instruction_sampling(n: int, seed: int) -> list[SamplingParams]:
@@ -111,11 +127,25 @@ def write_instructions(
     seed: int,
     seen: Sequence[str] = (),
     copies: EngineCopies | None = None,
+    example_pools: Sequence[Sequence[str]] = (),
+    num_examples: int = 0,
 ) -> Instructions:
     """N user instructions sampled from the target (module docstring), filtered by
     `select_instructions` (`seen`: the prompts there already); copies: as
-    `data.complete`'s (each instruction's own seed makes it the same either way)."""
-    prompt = instruction_prompt(tokenizer)
+    `data.complete`'s (each instruction's own seed makes it the same either way).
+    num_examples > 0: each prompt lists that many requests of `example_pools`
+    (`examples_system`, drawn with `seed`)."""
+    if num_examples:
+        if not any(example_pools):
+            raise ValueError("--instruction-examples needs training prompts to draw from")
+        pools = [p for p in example_pools if p]
+        rng = random.Random(f"instruction examples {seed}")
+        prompts = [
+            instruction_prompt(tokenizer, examples_system(pools, num_examples, rng))
+            for _ in range(n)
+        ]
+    else:
+        prompts = [instruction_prompt(tokenizer)] * n
     sampling = instruction_sampling(n, seed)
-    completions = complete(engine, [prompt] * n, sampling, "writing instructions", copies)
+    completions = complete(engine, prompts, sampling, "writing instructions", copies)
     return select_instructions(tokenizer, completions, engine.model_cfg.eos_token_ids, seen)

@@ -40,6 +40,7 @@ from gyrfalcon.train.data import (
     follow_up_conversations,
     generate_answers,
     load_prompts,
+    prompts_by_source,
 )
 from gyrfalcon.train.data_cache import data_key, load_data, save_data
 from gyrfalcon.train.drafter import (
@@ -127,8 +128,16 @@ def _generate_with(
     answered sequences with the held-out ones last)."""
     instructions: list[str] = []
     if args.self_instructions:
+        pools = prompts_by_source(args.prompts, prompts) if args.instruction_examples else []
         written = write_instructions(
-            engine, tokenizer, args.self_instructions, args.seed, prompts, copies
+            engine,
+            tokenizer,
+            args.self_instructions,
+            args.seed,
+            prompts,
+            copies,
+            pools,
+            args.instruction_examples,
         )
         log(written.summary())
         instructions = written.kept

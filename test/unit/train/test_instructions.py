@@ -6,6 +6,9 @@ end-to-end run is in test_train_cli.py). Engine copies in other processes
 
 from __future__ import annotations
 
+import json
+import random
+
 import pytest
 import torch
 from conftest import make_tiny_hf_model
@@ -14,8 +17,10 @@ from gyrfalcon.bench.synthetic_tokenizer import make_synthetic_tokenizer
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.engine import LocalEngine
 from gyrfalcon.train.args import TrainArgs
-from gyrfalcon.train.data import Completion, EngineCopies, generate_answers
+from gyrfalcon.train.data import Completion, EngineCopies, generate_answers, prompts_by_source
 from gyrfalcon.train.instructions import (
+    EXAMPLES_HEADER,
+    examples_system,
     instruction_prompt,
     select_instructions,
     write_instructions,
@@ -158,3 +163,48 @@ def test_engine_copies_in_other_processes_write_and_answer_the_same(target, engi
         with pytest.raises(RuntimeError, match="generation worker 1 of 2: .*nonexistent"):
             generate_answers(engine, prompts, 8, copies)
     assert not engine.has_work()
+
+
+def test_example_requests_come_from_every_source_alike(tmp_path):
+    """--instruction-examples: the prompts grouped by the file's sources, then each
+    example drawn from a source chosen evenly, so a source of 2 prompts among 100 is
+    listed as often as the big one; one line each, the same from the same seed."""
+    path = tmp_path / "p.jsonl"
+    lines = [{"prompt": f"math {i}", "source": "math"} for i in range(98)]
+    lines += [
+        {"prompt": "write\n  a poem", "source": "tasks"},
+        {"prompt": "sum up", "source": "tasks"},
+    ]
+    lines += [{"prompt": "no source"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    drawn = [r["prompt"] for r in lines]
+    pools = prompts_by_source(str(path), drawn)
+    assert pools == [["no source"], drawn[:98], ["write\n  a poem", "sum up"]]
+    # only the drawn prompts (the training ones) are ever examples
+    assert prompts_by_source(str(path), drawn[:3]) == [drawn[:3]]
+    text = examples_system(pools, 3000, random.Random(0))
+    first, *listed = text.split("\n")
+    assert first == EXAMPLES_HEADER and len(listed) == 3000
+    from_tasks = sum(x in ("- write a poem", "- sum up") for x in listed)
+    from_math = sum(x.startswith("- math ") for x in listed)
+    assert abs(from_tasks - 1000) < 100 and abs(from_math - 1000) < 100
+    assert examples_system(pools, 5, random.Random(1)) == examples_system(
+        pools, 5, random.Random(1)
+    )
+
+
+def test_examples_are_a_system_message_before_the_users_turn(target, engine):
+    _, tok = target
+    prompt = instruction_prompt(tok, "<30> <31>")
+    assert prompt == [10, 30, 31, EOS, 11]  # in place of the default system prompt
+    pools = [[f"<{40 + i}> <{50 + i}>" for i in range(4)], ["<60> <61> <62>"]]
+    with_examples = write_instructions(engine, tok, 24, 0, example_pools=pools, num_examples=2)
+    assert write_instructions(engine, tok, 24, 0, example_pools=pools, num_examples=2) == (
+        with_examples
+    )
+    assert with_examples.kept != write_instructions(engine, tok, 24, seed=0).kept
+    with pytest.raises(ValueError, match="--instruction-examples needs training prompts"):
+        write_instructions(engine, tok, 4, 0, example_pools=[[]], num_examples=2)
+    args = TrainArgs(prompts="p.jsonl", output_dir="o", instruction_examples=3)
+    with pytest.raises(ValueError, match="--instruction-examples needs --self-instructions"):
+        args.resolved()
