@@ -3,13 +3,15 @@ inputs, which rows count, the acceptance length, the learning-rate schedule."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from gyrfalcon.train.features import Features, bucketed
 from gyrfalcon.train.objective import acceptance_length, served_rounds
 from gyrfalcon.train.rows import ScoredRows, plan_rows
-from gyrfalcon.train.trainer import lr_factor
+from gyrfalcon.train.trainer import HOST_THREADS, limit_host_threads, lr_factor
 from gyrfalcon.train.ttt import query_heads, shift_left, ttt_mask
 
 
@@ -242,3 +244,23 @@ def test_target_temperature_sharpens_the_learned_distribution_toward_the_target_
     hard = F.cross_entropy(drafted, choice, reduction="none")
     torch.testing.assert_close(soft_cross_entropy(drafted, sharp.logits, rows)[0], hard)
     assert not torch.allclose(expected, hard, atol=1e-2)  # T = 1 is not the hard target
+
+
+def test_a_cuda_run_limits_its_host_threads_and_a_cpu_run_keeps_them(monkeypatch):
+    """A CUDA trainer's CPU threads: HOST_THREADS, for its engine copies too (they read
+    OMP_NUM_THREADS when spawned); a CPU run computes on them, so it keeps torch's
+    default; a user's own OMP_NUM_THREADS wins."""
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        limit_host_threads(torch.device("cpu"))
+        assert torch.get_num_threads() == before and "OMP_NUM_THREADS" not in os.environ
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        limit_host_threads(torch.device("cuda"))
+        assert torch.get_num_threads() == before and os.environ["OMP_NUM_THREADS"] == "3"
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        limit_host_threads(torch.device("cuda"))
+        assert torch.get_num_threads() == HOST_THREADS
+        assert os.environ["OMP_NUM_THREADS"] == str(HOST_THREADS)
+    finally:
+        torch.set_num_threads(before)
