@@ -134,6 +134,11 @@ start_server() {  # dummy $MODEL (the 8B) with a synthetic tokenizer; records th
   echo "{\"bench\": \"startup\", \"device_kind\": \"$KIND\", \"model\": \"$name dummy\", \"commit\": \"${GYRFALCON_COMMIT:-unknown}\", \"seconds_to_healthy\": $(python3 -c "print(round($(date +%s.%N) - $t0, 1))")}" > "$OUT/startup_$1.json"
   cat "$OUT/startup_$1.json"; grep -a "captured" "$OUT/server_$1.log"
 }
+parse_run() {  # "name[@tree]:flags" (MOE_RUNS, MT_RUNS) -> N (name), T (tree, . for this one), FLAGS
+  N=${1%%:*} T=. FLAGS=${1#*:}
+  [ "$N" = "${N#*@}" ] || T=${N#*@}
+  N=${N%%@*}
+}
 serve_bench() {  # name, then bench_serving flags
   local name=$1; shift
   python3 -m gyrfalcon.cli bench serve --port 8100 --disable-tqdm --device-kind "$KIND" \
@@ -201,11 +206,11 @@ case "${1:-tests}" in
     export MODEL=benchmarks/models/qwen3-30b-a3b
     IFS=';' read -ra RUNS <<< "${MOE_RUNS:-dp2ep2:--dp-size 2 --ep-size 2;tp2:--tp-size 2}"
     for R in "${RUNS[@]}"; do
-      N=${R%%:*} T=.; [ "$N" = "${N#*@}" ] || T=${N#*@}
-      NAME="moe_${N%%@*}_$([ "$T" = . ] && echo head || basename "$T")"
+      parse_run "$R"
+      NAME="moe_${N}_$([ "$T" = . ] && echo head || basename "$T")"
       unset GYRFALCON_KERNEL_PROFILE  # NOTE: this tree's windows (older trees read one)
       [ -n "${KPROF:-}" ] && [ "$T" = . ] && export GYRFALCON_KERNEL_PROFILE="$OUT/kprof/$NAME:$KPROF"
-      PYTHONPATH=$T/python:/tmp/site SERVER_FLAGS="--attention-backend triton ${R#*:} ${MOE_FLAGS:-}" \
+      PYTHONPATH=$T/python:/tmp/site SERVER_FLAGS="--attention-backend triton $FLAGS ${MOE_FLAGS:-}" \
         start_server "$NAME"
       for C in ${MOE_CONC:-16 64 256}; do
         for I in $(seq "${MOE_REPEAT:-1}"); do
@@ -300,9 +305,9 @@ PY
     # older tree from benchmarks/ab_trees.sh, carried), e.g. "dp2:--dp-size 2" alone
     IFS=';' read -ra RUNS <<< "${MT_RUNS:-cache:;nocache:--disable-prefix-caching}"
     for R in "${RUNS[@]}"; do
-      N=${R%%:*} T=.; [ "$N" = "${N#*@}" ] || T=${N#*@}
-      NAME="${N%%@*}$([ "$T" = . ] || echo "_$(basename "$T")")"
-      PYTHONPATH=$T/python:/tmp/site SERVER_FLAGS="--attention-backend triton ${R#*:}" \
+      parse_run "$R"
+      NAME="$N$([ "$T" = . ] || echo "_$(basename "$T")")"
+      PYTHONPATH=$T/python:/tmp/site SERVER_FLAGS="--attention-backend triton $FLAGS" \
         start_server "multiturn_$NAME"
       python3 benchmarks/bench_multiturn.py --port 8100 --device-kind "$KIND" --tag "$NAME" \
         --num-conversations ${MT_CONV:-64} --concurrency ${MT_CONC:-64} \

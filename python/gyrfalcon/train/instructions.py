@@ -136,9 +136,9 @@ def write_instructions(
     num_examples > 0: each prompt lists that many requests of `example_pools`
     (`examples_system`, drawn with `seed`)."""
     if num_examples:
-        if not any(example_pools):
-            raise ValueError("--instruction-examples needs training prompts to draw from")
         pools = [p for p in example_pools if p]
+        if not pools:
+            raise ValueError("--instruction-examples needs training prompts to draw from")
         rng = random.Random(f"instruction examples {seed}")
         prompts = [
             instruction_prompt(tokenizer, examples_system(pools, num_examples, rng))
