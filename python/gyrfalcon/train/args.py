@@ -15,6 +15,18 @@ from gyrfalcon.config.cli_args import add_dataclass_args
 EVAL_SET_MARKERS = ("mt_bench", "mt-bench")
 
 
+def parse_aux_layer_ids(text: str) -> tuple[int, ...]:
+    """--aux-layer-ids "1,14,28" -> (1, 14, 28); ValueError unless three integers >= 0
+    (the target's layer count is checked against them when the drafter is built)."""
+    try:
+        ids = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--aux-layer-ids takes integers like 1,14,28, not {text!r}") from None
+    if len(ids) != 3 or min(ids) < 0:
+        raise ValueError(f"--aux-layer-ids takes three layer ids >= 0, not {text!r}")
+    return ids
+
+
 @dataclass(frozen=True)
 class TrainArgs:
     prompts: str | None = field(
@@ -106,6 +118,21 @@ class TrainArgs:
     draft_intermediate_size: int | None = field(
         default=None,
         metadata={"help": "the drafter's MLP width (default: the target's intermediate size)"},
+    )
+    aux_layer_ids: str | None = field(
+        default=None,
+        metadata={
+            "help": "three comma-separated target layers whose OUTPUTS the drafter reads "
+            "(eagle_config.eagle_aux_hidden_state_layer_ids, written to its config); "
+            "default: the inputs of layers 2, N // 2, N - 3"
+        },
+    )
+    norm_before_residual: bool = field(
+        default=False,
+        metadata={
+            "help": "the midlayer's residual is hidden_norm(hidden), not hidden (the "
+            "variant vLLM's speculators checkpoints use; written to the config)"
+        },
     )
     draft_vocab_size: int = field(
         default=32000,
@@ -211,6 +238,8 @@ class TrainArgs:
             raise ValueError(
                 f"--target-temperature must be positive, got {self.target_temperature}"
             )
+        if self.aux_layer_ids is not None:
+            parse_aux_layer_ids(self.aux_layer_ids)
         if self.holdout < 1:
             raise ValueError(f"--holdout must be at least 1, got {self.holdout}")
         device = self.device

@@ -6,7 +6,7 @@ embedding module, which stays frozen. Its midlayer has the target's layer shape
 (hidden size, heads, KV heads, head_dim, RoPE; the intermediate size unless
 --draft-intermediate-size widens it) as a plain Llama layer (no qkv bias, no
 qk-norm). The aux layers are the defaults, (2, N // 2, N - 3), written as no ids at
-all: SGLang and vLLM agree on those.
+all (SGLang and vLLM agree on those), unless --aux-layer-ids names others.
 """
 
 from __future__ import annotations
@@ -27,11 +27,18 @@ INIT_STD = 0.02  # HF Llama's initializer_range
 
 
 def draft_config_for(
-    target: ModelConfig, draft_vocab_size: int, dtype: str, intermediate_size: int | None = None
+    target: ModelConfig,
+    draft_vocab_size: int,
+    dtype: str,
+    intermediate_size: int | None = None,
+    aux_layer_ids: tuple[int, ...] | None = None,
+    norm_before_residual: bool = False,
 ) -> DraftConfig:
     """An EAGLE3 drafter of the target's layer shape over `draft_vocab_size` ids, its
     MLP `intermediate_size` wide (default: the target's); `dtype` is the config's
-    torch_dtype (what the checkpoint holds)."""
+    torch_dtype (what the checkpoint holds); aux_layer_ids in eagle_config's
+    convention (outputs of layers; None: the defaults, written as no ids); raises
+    ValueError if the target has no such layer."""
     layer = dataclasses.replace(
         target,
         intermediate_size=intermediate_size or target.intermediate_size,
@@ -42,9 +49,15 @@ def draft_config_for(
         qk_norm=False,
         torch_dtype=dtype,
     )
-    return DraftConfig(
-        layer=layer, draft_vocab_size=draft_vocab_size, target_hidden_size=target.hidden_size
+    cfg = DraftConfig(
+        layer=layer,
+        draft_vocab_size=draft_vocab_size,
+        target_hidden_size=target.hidden_size,
+        eagle_aux_layer_ids=aux_layer_ids,
+        norm_before_residual=norm_before_residual,
     )
+    cfg.aux_layer_ids(target.num_layers)  # NOTE: the check, before any generation
+    return cfg
 
 
 def build_drafter(

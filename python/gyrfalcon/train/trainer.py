@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from gyrfalcon.config.draft_config import DraftConfig
 from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.engine import LocalEngine
@@ -31,7 +32,7 @@ from gyrfalcon.ipc.messages import ForwardMode
 from gyrfalcon.loader.resolve import resolve_model
 from gyrfalcon.models.llama_eagle3 import LlamaForCausalLMEagle3
 from gyrfalcon.profiling import KernelWindow
-from gyrfalcon.train.args import TrainArgs
+from gyrfalcon.train.args import TrainArgs, parse_aux_layer_ids
 from gyrfalcon.train.data import (
     EngineCopies,
     TrainSequence,
@@ -181,6 +182,7 @@ def generate(args: TrainArgs, prompts: list[str]) -> Generated:
     from transformers import AutoTokenizer
 
     model_dir = resolve_model(args.target_model, args.cache_dir)
+    drafter_config(args, ModelConfig.from_dir(model_dir), 1)  # NOTE: fails before generating
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir)
     server_args = ServerArgs(
         model=model_dir,
@@ -213,6 +215,20 @@ def generate(args: TrainArgs, prompts: list[str]) -> Generated:
     if len(seqs) <= args.holdout:
         raise ValueError(f"{len(seqs)} answered prompts; --holdout {args.holdout} leaves none")
     return Generated(model_dir, engine, seqs, instructions)
+
+
+def drafter_config(args: TrainArgs, target_cfg: ModelConfig, draft_vocab: int) -> DraftConfig:
+    """The drafter's config from the arguments; ValueError if the target lacks an aux
+    layer they name."""
+    aux = parse_aux_layer_ids(args.aux_layer_ids) if args.aux_layer_ids else None
+    return draft_config_for(
+        target_cfg,
+        draft_vocab,
+        args.dtype,
+        args.draft_intermediate_size,
+        aux,
+        args.norm_before_residual,
+    )
 
 
 def target_runner(engine: LocalEngine) -> TargetRunner:
@@ -300,7 +316,7 @@ def train(args: TrainArgs, prompts: list[str]) -> dict[str, Any]:
     target_cfg = ModelConfig.from_dir(model_dir)
     draft_vocab = min(args.draft_vocab_size, target_cfg.vocab_size)
     draft_ids = build_draft_vocab(train_seqs, target_cfg.vocab_size, draft_vocab)
-    cfg = draft_config_for(target_cfg, draft_vocab, args.dtype, args.draft_intermediate_size)
+    cfg = drafter_config(args, target_cfg, draft_vocab)
     aux_layers = cfg.aux_layer_ids(target_cfg.num_layers)
     runner = target_runner(engine)
     train_feats = compute_features(runner, train_seqs, aux_layers, device)
@@ -357,8 +373,8 @@ def main(argv: list[str]) -> int:
         args = TrainArgs.from_argv(argv).resolved()
         assert args.prompts is not None
         prompts = load_prompts(args.prompts, args.num_prompts, args.seed)
+        train(args, prompts)
     except (ValueError, OSError) as exc:
         print(f"gyrfalcon train-eagle3: error: {exc}", file=sys.stderr)
         return 2
-    train(args, prompts)
     return 0

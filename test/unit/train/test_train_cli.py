@@ -205,6 +205,42 @@ def test_draft_intermediate_size_widens_the_midlayer_mlp(setup, one_thread):
     assert down.shape == (cfg.hidden_size, 96)
 
 
+def test_aux_layer_ids_and_norm_before_residual_reach_the_served_drafter(setup, one_thread, capsys):
+    """--aux-layer-ids (outputs of target layers, eagle_config's convention) and
+    --norm-before-residual: the features come from those layers, the config says so,
+    and the server's loader reads the drafter back with the same aux layers; ids the
+    target lacks fail before any generation with the flag named."""
+    root, target_dir, _ = setup
+    record = short_run(setup, "aux", "--aux-layer-ids", "0,1,2", "--norm-before-residual")
+    assert record["results"]["aux_layers"] == [1, 2, 3]  # inputs of layers j + 1
+    out = str(root / "drafter-aux")
+    with open(os.path.join(out, "config.json")) as f:
+        hf = json.load(f)
+    assert hf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    assert hf["norm_before_residual"] is True
+    target_cfg = ModelConfig.from_dir(target_dir)
+    ctx = LayerContext()
+    target = build_model(target_cfg, target_dir, torch.float32, CPU, ctx, show_progress=False)
+    drafter = build_draft_model(
+        DraftConfig.from_dir(out), target_cfg, out, torch.float32, CPU, ctx,
+        target.embed_tokens, show_progress=False,
+    )  # fmt: skip
+    assert drafter.aux_layer_ids(target_cfg.num_layers) == (1, 2, 3)
+    assert drafter.cfg.norm_before_residual
+
+    argv = [
+        "train-eagle3", "--target-model", target_dir, "--prompts", str(root / "prompts.jsonl"),
+        "--device", "cpu", "--output-dir", str(root / "drafter-bad"), "--aux-layer-ids", "0,1,4",
+    ]  # fmt: skip
+    capsys.readouterr()
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert "eagle_aux_hidden_state_layer_ids names the output of layer 4" in err
+    assert "target engine ready" not in err and not os.path.exists(root / "drafter-bad")
+    assert cli_main(argv[:-1] + ["1,2"]) == 2
+    assert "--aux-layer-ids takes three layer ids" in capsys.readouterr().err
+
+
 def test_kernel_profile_of_training_steps(setup, one_thread, monkeypatch, tmp_path):
     """GYRFALCON_KERNEL_PROFILE=DIR:FIRST:COUNT profiles those training steps (what a
     step's device time goes to), as it does a served worker's plans."""
