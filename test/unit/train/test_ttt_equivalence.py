@@ -43,10 +43,10 @@ def target(tmp_path_factory):
     return build_model(cfg, path, torch.float32, CPU, LayerContext(), show_progress=False)
 
 
-def make_drafter(target, seed: int = 0):
+def make_drafter(target, seed: int = 0, norm_before_residual: bool = False):
     gen = torch.Generator().manual_seed(seed)
     draft_ids = torch.randperm(target.cfg.vocab_size, generator=gen)[:48].sort().values
-    cfg = draft_config_for(target.cfg, 48, "float32")
+    cfg = draft_config_for(target.cfg, 48, "float32", norm_before_residual=norm_before_residual)
     drafter = build_drafter(cfg, target, draft_ids, CPU, seed)
     with torch.no_grad():  # NOTE: norms off one, head off the target's: every one matters
         for name, p in drafter.named_parameters():
@@ -110,8 +110,12 @@ def assert_unroll_equals_engine(drafter, ids, aux) -> None:
             )
 
 
-def test_unroll_equals_the_engine_extend_and_decode_steps(target):
-    assert_unroll_equals_engine(make_drafter(target), *padded_batch(target))
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_unroll_equals_the_engine_extend_and_decode_steps(target, norm_before_residual):
+    """Both residual layouts (--norm-before-residual: vLLM's speculators variant)."""
+    drafter = make_drafter(target, norm_before_residual=norm_before_residual)
+    assert drafter.midlayer.norm_before_residual == norm_before_residual
+    assert_unroll_equals_engine(drafter, *padded_batch(target))
 
 
 def eagle_repo_mask(seq_len: int, step: int, device=None) -> torch.Tensor:
