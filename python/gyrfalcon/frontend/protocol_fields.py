@@ -132,4 +132,6 @@ def _strings(value: Any, path: str) -> Iterator[tuple[str, str]]:
             yield from _strings(item, f"{path}.{key}" if path else str(key))
     elif isinstance(value, list):
         for i, item in enumerate(value):
-            yield from _strings(item, f"{path}[{i}]")
+            # NOTE: a token-id prompt is a list of ~1,000s of ints: no path built for those
+            if isinstance(item, (str, dict, list)):
+                yield from _strings(item, f"{path}[{i}]")

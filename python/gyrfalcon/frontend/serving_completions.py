@@ -44,7 +44,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for text completions
 @dataclass(frozen=True)
 class _Prompt:
     ids: list[int]
-    text: str  # what `echo` shows
+    text: str  # what `echo` shows ("" without echo)
 
 
 def _encode_prompts(ctx: ServingContext, req: CompletionRequest) -> list[_Prompt]:
@@ -55,7 +55,8 @@ def _encode_prompts(ctx: ServingContext, req: CompletionRequest) -> list[_Prompt
             text = p
         else:
             ctx.check_token_ids(p, "prompt")
-            ids, text = p, ctx.tokenizer.decode(p)
+            # NOTE: decoded for echo only: ~10% of the frontend's time a request otherwise
+            ids, text = p, ctx.tokenizer.decode(p) if req.echo else ""
         if not ids:
             raise RequestError("the prompt is empty", param="prompt")
         prompts.append(_Prompt(ids, text))
