@@ -60,6 +60,11 @@ class ServingMetrics:
         self.itl = hist("inter_token_latency_seconds", "Gap between two outputs of a request")
         self.tpot = hist("time_per_output_token_seconds", "Decode time per token after the first")
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish")
+        # NOTE: the series of this model, bound once: `labels()` per streamed token
+        # (a lock, a dict lookup, label checks) was ~8% of the frontend's time a token
+        self.ttft_of = self.ttft.labels(model_name)
+        self.itl_of = self.itl.labels(model_name)
+        self.generation_tokens_of = self.generation_tokens.labels(model_name)
 
     def start(self) -> RequestTimer:
         """A timer for one request (one choice) arriving now."""
@@ -83,16 +88,16 @@ class RequestTimer:
         self.prompt_tokens = 0
 
     def output(self, out: RequestOutput) -> None:
-        now, name = self.clock(), self.m.model_name
+        now = self.clock()
         if out.token_ids:
             if self.first is None:
                 self.first = now
-                self.m.ttft.labels(name).observe(now - self.arrival)
+                self.m.ttft_of.observe(now - self.arrival)
             elif self.last is not None:
-                self.m.itl.labels(name).observe(now - self.last)
+                self.m.itl_of.observe(now - self.last)
             self.last = now
             self.tokens += len(out.token_ids)
-            self.m.generation_tokens.labels(name).inc(len(out.token_ids))
+            self.m.generation_tokens_of.inc(len(out.token_ids))
         self.prompt_tokens = max(self.prompt_tokens, out.num_prompt_tokens)
 
     def summary(self, reason: str) -> str:
