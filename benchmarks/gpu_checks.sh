@@ -36,7 +36,9 @@
 #           DRAFTER_DIR (and DATA_CACHE) apart:
 #             OUT=$OUT/a DRAFTER_DIR=/tmp/da CUDA_VISIBLE_DEVICES=0 ... train-drafter &
 #             OUT=$OUT/b DRAFTER_DIR=/tmp/db CUDA_VISIBLE_DEVICES=1 ... train-drafter & wait
-#           (4 files each come back; $OUT sends back 8 at most);
+#           (4 files each come back; $OUT sends back 8 at most; SEND_DRAFTER=0: only the log
+#           and the MT-Bench JSON, so four recipes fit, two a GPU on an H200 with one
+#           DATA_CACHE each written by an earlier call);
 #   spec:   bench_spec.py (MT-Bench first turns, .data/mt_bench_dev.jsonl) with the drafter
 #           in drafters/smollm2-eagle3 (or staged: .drafter/drafter.tgz.part* carried with a
 #           stage part), then bench_spec_step.py for the 8B and SmolLM2 shapes (dummy
@@ -342,7 +344,11 @@ PY
     python3 benchmarks/eval_drafter.py --device cuda --target-model "$GYRFALCON_SMOLLM2_GGUF" \
       --draft-model "$D" --prompts .data/mt_bench_dev.jsonl \
       --output-json "$OUT/eval_drafter_mt_bench.json" 2>&1 | tail -1
-    tar czf - -C "$(dirname "$D")" "$(basename "$D")" | split -b 15M - "$OUT/drafter.tgz.part"; ls -la "$OUT" ;;
+    # NOTE: SEND_DRAFTER=0 keeps the checkpoint on the machine: 2 files a recipe, so
+    # four recipes fit the 8 files a call sends back
+    [ "${SEND_DRAFTER:-1}" = 1 ] && tar czf - -C "$(dirname "$D")" "$(basename "$D")" \
+      | split -b 15M - "$OUT/drafter.tgz.part"
+    ls -la "$OUT" ;;
   spec)
     DRAFTER=drafters/smollm2-eagle3
     [ -d "$DRAFTER" ] || DRAFTER=/tmp/drafters/smollm2-eagle3  # staged (mode stage)
