@@ -14,6 +14,7 @@ The phases, one module each (docs/train_eagle3.md walks them):
 - `ttt`: the drafter's differentiable forward with training-time test, on the very
   parameters of that module;
 - `objective`: the loss against the target's distribution, and acceptance;
+- `ema`: an exponential moving average of the weights (--ema-decay);
 - `trainer`: the loop, progress, evaluation on held-out prompts, the checkpoint.
 
 Only `gyrfalcon.cli` imports this package.

@@ -177,6 +177,13 @@ class TrainArgs:
         default=None, metadata={"help": "linear warm-up steps (default: 5%% of max-steps)"}
     )
     max_grad_norm: float = field(default=0.5, metadata={"help": "gradient clipping norm"})
+    ema_decay: float = field(
+        default=0.0,
+        metadata={
+            "help": "evaluate and export an exponential moving average of the weights "
+            "with this decay a step (e.g. 0.999; 0: the weights themselves)"
+        },
+    )
     eval_every: int = field(
         default=500, metadata={"help": "steps between acceptance reports (0: at the end only)"}
     )
@@ -240,6 +247,8 @@ class TrainArgs:
             )
         if self.aux_layer_ids is not None:
             parse_aux_layer_ids(self.aux_layer_ids)
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"--ema-decay must be in [0, 1), got {self.ema_decay}")
         if self.holdout < 1:
             raise ValueError(f"--holdout must be at least 1, got {self.holdout}")
         device = self.device

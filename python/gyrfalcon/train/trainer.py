@@ -18,6 +18,7 @@ import random
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,7 @@ from gyrfalcon.train.drafter import (
     export_drafter,
     trainable_parameters,
 )
+from gyrfalcon.train.ema import WeightAverage
 from gyrfalcon.train.evaluate import Acceptance, evaluate, report, run_batch
 from gyrfalcon.train.features import Features, TargetRunner, compute_features
 from gyrfalcon.train.instructions import write_instructions
@@ -252,6 +254,7 @@ def train_loop(
     """(the loss of every step, the held-out evaluations)."""
     params = trainable_parameters(drafter)
     opt = torch.optim.AdamW(params, lr=args.lr, betas=ADAM_BETAS, weight_decay=0.0)
+    average = WeightAverage(params, args.ema_decay) if args.ema_decay else None
     warmup = args.warmup_steps or 1
     order = batches(train_feats, args.batch_size, args.seed)
     losses: list[torch.Tensor] = []
@@ -270,6 +273,8 @@ def train_loop(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
         opt.step()
+        if average is not None:
+            average.update()
         losses.append(loss.detach())
         done = step + 1
         if done % POSTFIX_EVERY == 0:
@@ -281,7 +286,8 @@ def train_loop(
             or out_of_time
             or (args.eval_every and done % args.eval_every == 0)
         ):
-            acc = evaluate(drafter, target, held_feats, args, device)
+            with average.applied() if average is not None else nullcontext():
+                acc = evaluate(drafter, target, held_feats, args, device)
             evals.append(
                 {"step": done, "acceptance": acc.rates, "served_length": acc.served_length}
             )
@@ -290,6 +296,8 @@ def train_loop(
             log(f"stopped at step {done} of {args.max_steps}: --max-train-seconds reached")
             break
     bar.close()
+    if average is not None:
+        average.store()  # NOTE: the exported drafter is the average (what was evaluated)
     return torch.stack(losses).tolist(), evals
 
 

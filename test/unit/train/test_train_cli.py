@@ -241,6 +241,24 @@ def test_aux_layer_ids_and_norm_before_residual_reach_the_served_drafter(setup, 
     assert "--aux-layer-ids takes three layer ids" in capsys.readouterr().err
 
 
+def test_ema_decay_exports_the_average_and_trains_alike(setup, one_thread):
+    """--ema-decay: the same training (the same losses), but the checkpoint holds the
+    weights' average, not the last weights."""
+    from safetensors.torch import load_file
+
+    root = setup[0]
+    plain = short_run(setup, "ema-off")
+    averaged = short_run(setup, "ema-on", "--ema-decay", "0.5")
+    assert averaged["args"]["ema_decay"] == 0.5
+    for key in ("initial_loss", "final_loss"):
+        assert averaged["results"][key] == pytest.approx(plain["results"][key], rel=1e-6)
+    last = load_file(str(root / "drafter-ema-off" / "model.safetensors"))
+    mean = load_file(str(root / "drafter-ema-on" / "model.safetensors"))
+    assert last.keys() == mean.keys()
+    assert torch.equal(last["d2t"], mean["d2t"])
+    assert not torch.allclose(last["fc.weight"], mean["fc.weight"])
+
+
 def test_kernel_profile_of_training_steps(setup, one_thread, monkeypatch, tmp_path):
     """GYRFALCON_KERNEL_PROFILE=DIR:FIRST:COUNT profiles those training steps (what a
     step's device time goes to), as it does a served worker's plans."""
