@@ -184,7 +184,6 @@ def generate(args: TrainArgs, prompts: list[str]) -> Generated:
     from transformers import AutoTokenizer
 
     model_dir = resolve_model(args.target_model, args.cache_dir)
-    drafter_config(args, ModelConfig.from_dir(model_dir), 1)  # NOTE: fails before generating
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir)
     server_args = ServerArgs(
         model=model_dir,
@@ -381,8 +380,12 @@ def main(argv: list[str]) -> int:
         args = TrainArgs.from_argv(argv).resolved()
         assert args.prompts is not None
         prompts = load_prompts(args.prompts, args.num_prompts, args.seed)
-        train(args, prompts)
+        # NOTE: the drafter's config against the target (its aux layers), before minutes
+        # of generation (the target resolves again in `generate`: converted once, cached)
+        target_cfg = ModelConfig.from_dir(resolve_model(args.target_model, args.cache_dir))
+        drafter_config(args, target_cfg, 1)
     except (ValueError, OSError) as exc:
         print(f"gyrfalcon train-eagle3: error: {exc}", file=sys.stderr)
         return 2
+    train(args, prompts)
     return 0
