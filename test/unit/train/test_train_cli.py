@@ -241,6 +241,54 @@ def test_aux_layer_ids_and_norm_before_residual_reach_the_served_drafter(setup, 
     assert "--aux-layer-ids takes three layer ids" in capsys.readouterr().err
 
 
+def test_the_server_accepts_what_the_trainer_estimates(setup, one_thread):
+    """The trainer's acceptance "in rounds as served" is what a server gets: a drafter
+    trained with --aux-layer-ids and --norm-before-residual, served with EAGLE3 (k = 3,
+    greedy, float32) over prompts it never saw, takes exactly the verify steps that
+    `evaluate` walks over the plain engine's answers to them. A server that read other
+    aux layers or another residual layout than training would draft other tokens here:
+    fewer accepted, the same output (silent, the losslessness tests cannot see it)."""
+    import dataclasses
+
+    from spec_util import engine, prompts, run
+
+    from gyrfalcon.ipc.messages import SamplingParams
+    from gyrfalcon.train.args import TrainArgs
+    from gyrfalcon.train.data import generate_answers
+    from gyrfalcon.train.evaluate import evaluate
+    from gyrfalcon.train.features import compute_features
+    from gyrfalcon.train.trainer import target_runner
+
+    root, target_dir, _ = setup
+    flags = ("--max-steps", "60", "--lr", "1e-2", "--ttt-steps", "3", "--max-new-tokens", "20")
+    short_run(setup, "served", *flags, "--aux-layer-ids", "0,2,1", "--norm-before-residual")
+    out = str(root / "drafter-served")
+    asked = prompts(7, [6, 11, 4, 9, 15, 7])  # token ids: not the training prompts
+
+    plain = engine(target_dir, page_size=4)
+    seqs = generate_answers(plain, asked, 24)
+    runner = target_runner(plain)
+    drafter = build_draft_model(
+        DraftConfig.from_dir(out), plain.model_cfg, out, torch.float32, CPU, LayerContext(),
+        runner.model.embed_tokens, show_progress=False,
+    )  # fmt: skip
+    aux = drafter.aux_layer_ids(plain.model_cfg.num_layers)
+    assert aux == (1, 3, 2) and drafter.cfg.norm_before_residual
+    feats = compute_features(runner, seqs, aux, CPU)
+    args = dataclasses.replace(TrainArgs(), ttt_steps=3, batch_size=4)
+    estimate = evaluate(drafter, runner.model, feats, args, CPU)
+
+    served = run(
+        engine(target_dir, out, 3, page_size=4),
+        asked,
+        SamplingParams(temperature=0.0, max_tokens=24),
+    )
+    assert served.ids == [s.ids[s.prompt_len :] for s in seqs]  # lossless, as always
+    emitted = sum(len(ids) - 1 for ids in served.ids)  # the prefill emits the first
+    assert served.accepted > 0 and served.verify_steps < emitted
+    assert emitted / served.verify_steps == pytest.approx(estimate.served_length, rel=1e-9)
+
+
 def test_ema_decay_exports_the_average_and_trains_alike(setup, one_thread):
     """--ema-decay: the same training (the same losses), but the checkpoint holds the
     weights' average, not the last weights."""
