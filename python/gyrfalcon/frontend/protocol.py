@@ -324,7 +324,9 @@ class CompletionRequest(SamplingRequest):
         if isinstance(self.prompt, list):
             if not self.prompt:
                 raise ParamError("prompt", "prompt must not be empty")
-            if any(isinstance(p, list) and not p for p in self.prompt):
+            # NOTE: a validated prompt list is all ints, all texts or all lists: a
+            # token-id prompt's ~1,000s of ints are not walked
+            if isinstance(self.prompt[0], list) and not all(self.prompt):
                 raise ParamError("prompt", "a token-id prompt must not be empty")
         return self
 
@@ -337,7 +339,7 @@ class CompletionRequest(SamplingRequest):
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if all(isinstance(x, int) for x in p):
+        if isinstance(p[0], int):  # NOTE: one token-id prompt (the list is all ints)
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
 

@@ -100,6 +100,8 @@ class RequestModel(BaseModel):
         out = [f"{prefix}{k}" for k in self.model_extra or {} if k not in REFUSED]
         for name in type(self).model_fields:
             value = getattr(self, name)
+            if isinstance(value, list) and value and isinstance(value[0], int):
+                continue  # NOTE: token ids (a validated list is all ints): no model inside
             items = value if isinstance(value, list) else [value]
             for i, item in enumerate(items):
                 if isinstance(item, RequestModel):
@@ -131,7 +133,10 @@ def _strings(value: Any, path: str) -> Iterator[tuple[str, str]]:
                 yield from _strings(key, path)
             yield from _strings(item, f"{path}.{key}" if path else str(key))
     elif isinstance(value, list):
+        # NOTE: a token-id prompt is a list of ~1,000s of ints: one C-speed pass over it,
+        # and no path built for its items
+        if value and isinstance(value[0], int) and all(type(x) is int for x in value):
+            return
         for i, item in enumerate(value):
-            # NOTE: a token-id prompt is a list of ~1,000s of ints: no path built for those
             if isinstance(item, (str, dict, list)):
                 yield from _strings(item, f"{path}[{i}]")
