@@ -56,7 +56,7 @@ def draft_config_for(
         eagle_aux_layer_ids=aux_layer_ids,
         norm_before_residual=norm_before_residual,
     )
-    cfg.aux_layer_ids(target.num_layers)  # NOTE: the check, before any generation
+    cfg.aux_layer_ids(target.num_layers)  # NOTE: raises if the target lacks a named layer
     return cfg
 
 
