@@ -123,6 +123,9 @@ def main() -> int:
         "mean_acceptance_length": acc.length,
         # NOTE: tokens per verify step of k-draft rounds over the answers, as a server counts
         "served_acceptance_length": acc.served_length,
+        # NOTE: per prompt, in order: (verify steps, tokens); paired comparisons of two
+        # drafters on one machine's answers (benchmarks/compare_drafters.py)
+        "rounds_per_sequence": [list(r) for r in acc.rounds],
         "draft_vocab_coverage": coverage,
     }
     per_step = ", ".join(f"{r:.3f}" for r in acc.rates)

@@ -5,7 +5,7 @@ and in rounds walked as a server walks them."""
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,6 +53,8 @@ class Acceptance:
 
     rates: list[float]  # per unroll step, given the earlier drafts were right
     served_length: float  # tokens per verify step of rounds over the sequences (`served_rounds`)
+    # per sequence, in order: (verify steps, tokens they emit) of its rounds
+    rounds: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def length(self) -> float:
@@ -72,7 +74,7 @@ def evaluate(
     step of speculative rounds of k = --ttt-steps drafts over them."""
     hits = [0] * args.ttt_steps
     rows = [0] * args.ttt_steps
-    steps = emitted = 0
+    per_seq: list[tuple[int, int]] = []
     for lo in range(0, len(features), args.batch_size):
         idx = list(range(lo, min(lo + args.batch_size, len(features))))
         batch = features.batch(idx, args.seq_bucket, args.ttt_steps)
@@ -82,12 +84,10 @@ def evaluate(
             rows[j] += r.rows
         maps = torch.stack([r.hit_map for r in results], dim=1).cpu()  # [B, k, S]
         for i, seq in enumerate(idx):
-            rounds, tokens = served_rounds(
-                maps[i], features.prompt_lens[seq], features.lengths[seq]
-            )
-            steps, emitted = steps + rounds, emitted + tokens
+            per_seq.append(served_rounds(maps[i], features.prompt_lens[seq], features.lengths[seq]))
     rates = [h / max(1, n) for h, n in zip(hits, rows)]
-    return Acceptance(rates, emitted / max(1, steps))
+    steps, emitted = sum(r[0] for r in per_seq), sum(r[1] for r in per_seq)
+    return Acceptance(rates, emitted / max(1, steps), per_seq)
 
 
 def report(step: int, acc: Acceptance) -> str:
