@@ -29,8 +29,9 @@
 #           GEN_WORKERS (engines generating at once, --generate-workers), DATA_CACHE (a
 #           file keeping the generated text for the next run on this machine, --data-cache),
 #           DRAFT_INTER (--draft-intermediate-size), DRAFT_VOCAB (--draft-vocab-size, 16384),
-#           TRAIN_FLAGS (more train-eagle3 flags, e.g. "--step-loss-decay 0.6"), TTT
-#           (--ttt-steps, 4), KPROF=FIRST:COUNT (the kernels of those training steps,
+#           RECIPE_FLAGS (the recipe's "--norm-before-residual --ema-decay 0.999"), TRAIN_FLAGS
+#           (more train-eagle3 flags, e.g. "--step-loss-decay 0.6"), TTT
+#           (--ttt-steps, 3), KPROF=FIRST:COUNT (the kernels of those training steps,
 #           $OUT/kprof/kernels_train_eagle3.txt), DRAFTER_DIR (where the checkpoint goes):
 #           two recipes at once on a two-GPU machine, each on its own GPU, OUT and
 #           DRAFTER_DIR (and DATA_CACHE) apart:
@@ -38,7 +39,8 @@
 #             OUT=$OUT/b DRAFTER_DIR=/tmp/db CUDA_VISIBLE_DEVICES=1 ... train-drafter & wait
 #           (4 files each come back; $OUT sends back 8 at most; SEND_DRAFTER=0: only the log
 #           and the MT-Bench JSON, so four recipes fit, two a GPU on an H200 with one
-#           DATA_CACHE each written by an earlier call);
+#           DATA_CACHE each written by an earlier call, EVAL=0, then eval_drafter.py on
+#           each DRAFTER_DIR once all have finished);
 #   spec:   bench_spec.py (MT-Bench first turns, .data/mt_bench_dev.jsonl) with the drafter
 #           in drafters/smollm2-eagle3 (or staged: .drafter/drafter.tgz.part* carried with a
 #           stage part), then bench_spec_step.py for the 8B and SmolLM2 shapes (dummy
@@ -328,20 +330,24 @@ PY
   train-drafter)
     D=${DRAFTER_DIR:-drafters/smollm2-eagle3}; rm -rf "$D"
     [ -n "${KPROF:-}" ] && export GYRFALCON_KERNEL_PROFILE="$OUT/kprof:$KPROF"
+    # NOTE: the defaults are docs/train_eagle3.md's recipe (stop 47); RECIPE_FLAGS="" drops
+    # its two flags, TRAIN_FLAGS adds others
     /usr/bin/time -v python3 -m gyrfalcon.cli train-eagle3 --prompts .data/train_prompts.jsonl \
       --target-model "$GYRFALCON_SMOLLM2_GGUF" \
-      --device cuda --output-dir "$D" --num-prompts ${NUM_PROMPTS:-4000} \
-      --holdout 64 --max-new-tokens 256 --max-steps ${MAX_STEPS:-3000} --batch-size ${BATCH:-16} \
-      --lr ${LR:-3e-4} --ttt-steps ${TTT:-4} --draft-vocab-size ${DRAFT_VOCAB:-16384} --eval-every ${EVAL_EVERY:-500} \
-      --self-instructions ${SELF_INSTRUCTIONS:-0} --follow-up-turns ${FOLLOW_UPS:-0} \
-      --max-train-seconds ${TRAIN_SECONDS:-240} --generate-workers ${GEN_WORKERS:-1} \
+      --device cuda --output-dir "$D" --num-prompts ${NUM_PROMPTS:-3000} \
+      --holdout 64 --max-new-tokens 256 --max-steps ${MAX_STEPS:-8000} --batch-size ${BATCH:-128} \
+      --lr ${LR:-2e-3} --ttt-steps ${TTT:-3} --draft-vocab-size ${DRAFT_VOCAB:-16384} --eval-every ${EVAL_EVERY:-1000} \
+      --self-instructions ${SELF_INSTRUCTIONS:-24000} --follow-up-turns ${FOLLOW_UPS:-7000} \
+      --max-train-seconds ${TRAIN_SECONDS:-200} --generate-workers ${GEN_WORKERS:-8} \
       ${DATA_CACHE:+--data-cache "$DATA_CACHE"} ${DRAFT_INTER:+--draft-intermediate-size "$DRAFT_INTER"} \
-      ${TRAIN_FLAGS:-} \
+      ${RECIPE_FLAGS---norm-before-residual --ema-decay 0.999} ${TRAIN_FLAGS:-} \
       > "$OUT/train_drafter.log" 2>&1
     echo "train exit $?"; grep -aE "Elapsed|acceptance|accept|loss|phase|summary|kept|sequences|generation with|engine ready" "$OUT/train_drafter.log" | tail -25
     # NOTE: measured only (never trained on): the offline acceptance on MT-Bench's first
-    # turns, to set beside the held-out estimate and the served figure
-    python3 benchmarks/eval_drafter.py --device cuda --target-model "$GYRFALCON_SMOLLM2_GGUF" \
+    # turns, to set beside the held-out estimate and the served figure; EVAL=0 skips it
+    # (two trainers a GPU: the first to finish sized its engine beside the other's ~120 GiB
+    # and failed, stop 47; evaluate every DRAFTER_DIR after `wait` instead)
+    [ "${EVAL:-1}" = 1 ] && python3 benchmarks/eval_drafter.py --device cuda --target-model "$GYRFALCON_SMOLLM2_GGUF" \
       --draft-model "$D" --prompts .data/mt_bench_dev.jsonl \
       --output-json "$OUT/eval_drafter_mt_bench.json" 2>&1 | tail -1
     # NOTE: SEND_DRAFTER=0 keeps the checkpoint on the machine: 2 files a recipe, so
