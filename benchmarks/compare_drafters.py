@@ -2,10 +2,10 @@
 """Drafters against the first, on the same prompts: acceptance in rounds, the
 difference, and its paired bootstrap 95% interval (gyrfalcon.bench.drafter_compare).
 
-    python benchmarks/compare_drafters.py base.json variant1.json variant2.json
+    python benchmarks/compare_drafters.py base.json variant1.json lr2e-3=variant2.json
 
 Each JSON is `benchmarks/eval_drafter.py --output-json` from one machine (the same
-answers; its `rounds_per_sequence`)."""
+answers; its `rounds_per_sequence`). NAME=PATH names a row (default: the file's name)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,10 @@ def main() -> int:
     p.add_argument("--resamples", type=int, default=10000)
     a = p.parse_args()
 
+    def label(arg: str) -> tuple[str, str]:  # NAME=PATH or PATH -> (name, path)
+        name, sep, path = arg.partition("=")
+        return (name, path) if sep and os.path.exists(path) else (os.path.basename(arg), arg)
+
     def rounds(path: str) -> list[list[int]]:
         with open(path) as f:
             data = json.load(f)
@@ -30,13 +34,15 @@ def main() -> int:
             raise SystemExit(f"{path}: no rounds_per_sequence (an older eval_drafter.py)")
         return data["rounds_per_sequence"]
 
-    base = rounds(a.base)
+    base_name, base_path = label(a.base)
+    base = rounds(base_path)
     print("| drafter | in rounds | minus the first | 95% interval |")
     print("| --- | ---: | ---: | --- |")
-    print(f"| {os.path.basename(a.base)} | {in_rounds(base):.3f} | | |")
-    for path in a.others:
+    print(f"| {base_name} | {in_rounds(base):.3f} | | |")
+    for arg in a.others:
+        name, path = label(arg)
         d = paired_difference(base, rounds(path), a.resamples)
-        print(f"| {os.path.basename(path)} | {d.b:.3f} | {d.delta:+.3f} | "
+        print(f"| {name} | {d.b:.3f} | {d.delta:+.3f} | "
               f"[{d.low:+.3f}, {d.high:+.3f}] |")  # fmt: skip
     return 0
 

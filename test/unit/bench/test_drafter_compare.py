@@ -4,7 +4,11 @@ excludes it for one better on every prompt, and refusals for unpaired inputs."""
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -45,3 +49,19 @@ def test_unpaired_inputs_are_refused():
         paired_difference([(1, 2)], [(1, 2), (1, 3)])
     with pytest.raises(ValueError, match="answers differ"):
         paired_difference([(1, 2), (1, 3)], [(1, 2), (1, 4)])
+
+
+def test_the_script_names_rows_by_name_equals_path(tmp_path):
+    """`compare_drafters.py NAME=PATH`: the row carries NAME (several runs' JSONs share a
+    file name); a plain path keeps the file's name."""
+    script = Path(__file__).resolve().parents[3] / "benchmarks" / "compare_drafters.py"
+    for name, steps in (("base.json", 100), ("eval.json", 90)):
+        (tmp_path / name).write_text(json.dumps({"rounds_per_sequence": [[steps, 250]] * 4}))
+    out = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "base.json"),
+         f"lr 2e-3={tmp_path / 'eval.json'}", "--resamples", "50"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[1].startswith("| base.json | 2.500 |")
+    assert rows[2].startswith("| lr 2e-3 | 2.778 | +0.278 |")
