@@ -54,6 +54,7 @@ from gyrfalcon.train.drafter import (
 from gyrfalcon.train.ema import WeightAverage
 from gyrfalcon.train.evaluate import Acceptance, evaluate, report, run_batch
 from gyrfalcon.train.features import Features, TargetRunner, compute_features
+from gyrfalcon.train.grad_stats import grad_norm_stats
 from gyrfalcon.train.instructions import write_instructions
 from gyrfalcon.train.objective import (
     greedy_agreement,
@@ -257,6 +258,7 @@ def train_loop(
     warmup = args.warmup_steps or 1
     order = batches(train_feats, args.batch_size, args.seed)
     losses: list[torch.Tensor] = []
+    norms: list[torch.Tensor] = []  # the total gradient norm of each step, before clipping
     evals: list[dict[str, Any]] = []
     bar = tqdm(range(args.max_steps), desc="training", unit="step")
     kernels = KernelWindow("train_eagle3")  # NOTE: GYRFALCON_KERNEL_PROFILE=DIR:FIRST:COUNT
@@ -270,7 +272,7 @@ def train_loop(
         loss, results = run_batch(drafter, target, batch, args, device)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+        norms.append(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).detach())
         opt.step()
         if average is not None:
             average.update()
@@ -287,10 +289,16 @@ def train_loop(
         ):
             with average.applied() if average is not None else nullcontext():
                 acc = evaluate(drafter, target, held_feats, args, device)
+            since = evals[-1]["step"] if evals else 0
+            grads = grad_norm_stats(torch.stack(norms[since:]).float().tolist(), args.max_grad_norm)
             evals.append(
-                {"step": done, "acceptance": acc.rates, "served_length": acc.served_length}
+                {"step": done, "acceptance": acc.rates, "served_length": acc.served_length,
+                 "grad_norm_median": grads.median, "clipped_share": grads.clipped_share}
+            )  # fmt: skip
+            log(
+                f"{report(done, acc)}; since step {since}: gradient norm median "
+                f"{grads.median:.3g}, {grads.clipped_share:.0%} of steps clipped"
             )
-            log(report(done, acc))
         if out_of_time:
             log(f"stopped at step {done} of {args.max_steps}: --max-train-seconds reached")
             break

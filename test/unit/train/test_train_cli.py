@@ -70,6 +70,8 @@ def test_train_eagle3_end_to_end(setup, one_thread):
     assert record["args"]["max_steps"] == STEPS and record["args"]["prompts"].endswith(".jsonl")
     assert results["final_loss"] < 0.7 * results["initial_loss"], results
     assert [e["step"] for e in results["evaluations"]] == [30, 60]
+    for e in results["evaluations"]:  # each evaluation's window of steps, before clipping
+        assert e["grad_norm_median"] > 0 and 0.0 <= e["clipped_share"] <= 1.0
     assert len(results["acceptance"]) == 3 and results["mean_acceptance_length"] >= 1.0
     assert results["held_out_sequences"] == 4 and results["aux_layers"] == [2, 2, 1]
     # the features line up with the engine's answers (float32: the same argmax)
