@@ -16,7 +16,9 @@ drafter does not generalize.
         --prompts ../shared/data/train_prompts.jsonl --skip 2500 --num-prompts 40
         # the training file's seeded order past the --num-prompts it trained on
 
-Prints one line per set and writes --output-json (optional).
+Several --draft-model directories are measured on the same answers (generated once),
+so their `rounds_per_sequence` pair prompt by prompt (benchmarks/compare_drafters.py);
+one line each, and --output-json takes one path per drafter (optional).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from gyrfalcon.models.llama_eagle3 import LlamaForCausalLMEagle3
 from gyrfalcon.train.args import TrainArgs
 from gyrfalcon.train.data import encode_prompts, generate_answers, load_prompts
 from gyrfalcon.train.evaluate import evaluate
-from gyrfalcon.train.features import compute_features
+from gyrfalcon.train.features import Features, compute_features
 from gyrfalcon.train.trainer import target_runner
 
 
@@ -72,10 +74,14 @@ def load_drafter(
     return drafter.eval()
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target-model", default=None, help="target (default: the embedded SmolLM2)")
-    p.add_argument("--draft-model", required=True, help="EAGLE3 drafter directory")
+    p.add_argument("--tokenizer", default=None, help="default: the target's")
+    p.add_argument(
+        "--draft-model", required=True, nargs="+",
+        help="EAGLE3 drafter directories: each is measured on the same answers",
+    )  # fmt: skip
     p.add_argument("--prompts", required=True, help="jsonl: 'turns' (first one) or 'prompt'")
     p.add_argument("--skip", type=int, default=0, help="prompts skipped first")
     p.add_argument("--num-prompts", type=int, default=0, help="prompts used (0: the rest)")
@@ -84,60 +90,79 @@ def main() -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, else float32")
     p.add_argument("--seed", type=int, default=0, help="the order of 'prompt' files")
-    p.add_argument("--output-json", default=None)
-    a = p.parse_args()
+    p.add_argument("--kv-cache-memory", default=None, help="the engine's (default: sized)")
+    p.add_argument(
+        "--output-json", nargs="*", default=[],
+        help="one path per --draft-model, in their order",
+    )  # fmt: skip
+    a = p.parse_args(argv)
+    if a.output_json and len(a.output_json) != len(a.draft_model):
+        p.error(f"--output-json: {len(a.output_json)} paths for {len(a.draft_model)} drafters")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The target answers once; each drafter is measured on those answers (the features
+    computed once per set of aux layers), so their rounds pair prompt by prompt."""
+    a = parse_args(argv)
     device = torch.device(a.device)
     dtype = a.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     model_dir = resolve_model(a.target_model)
     prompts = read_prompts(a.prompts, a.skip, a.num_prompts, a.seed)
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(a.tokenizer or model_dir)
     # NOTE: triton on CUDA, as train-eagle3 generates (no flashinfer module build)
     backend = "triton" if device.type == "cuda" else "auto"
     server_args = ServerArgs(
-        model=model_dir, device=a.device, dtype=dtype, seed=a.seed,  # type: ignore[arg-type]
-        attention_backend=backend,
+        model=model_dir, tokenizer=a.tokenizer, device=a.device, dtype=dtype,  # type: ignore[arg-type]
+        seed=a.seed, attention_backend=backend, kv_cache_memory=a.kv_cache_memory,
     )  # fmt: skip
     engine = LocalEngine(server_args, model_dir, check_invariants=False)
     seqs = generate_answers(engine, encode_prompts(tokenizer, prompts, True), a.max_new_tokens)
     runner = target_runner(engine)
-    drafter = load_drafter(a.draft_model, runner.model, device)
     target_cfg = ModelConfig.from_dir(model_dir)
-    feats = compute_features(runner, seqs, drafter.cfg.aux_layer_ids(target_cfg.num_layers), device)
-    args = dataclasses.replace(TrainArgs(), ttt_steps=a.k, batch_size=8)
-    acc = evaluate(drafter, runner.model, feats, args, device)
-    # NOTE: a token outside the draft vocabulary is never drafted: this bounds every rate
+    feats_by_aux: dict[tuple[int, ...], Features] = {}
     answers = torch.tensor([t for s in seqs for t in s.ids[s.prompt_len :]], device=device)
-    coverage = float(drafter.t2d[answers].float().mean()) if answers.numel() else 0.0
-    result = {
-        "prompts": a.prompts,
-        "skip": a.skip,
-        "sequences": len(seqs),
-        "answer_tokens": sum(len(s.ids) - s.prompt_len for s in seqs),
-        "draft_model": a.draft_model,
-        "k": a.k,
-        "device": a.device,
-        "dtype": dtype,
-        "acceptance_per_step": acc.rates,
-        "mean_acceptance_length": acc.length,
-        # NOTE: tokens per verify step of k-draft rounds over the answers, as a server counts
-        "served_acceptance_length": acc.served_length,
-        # NOTE: per prompt, in order: (verify steps, tokens); paired comparisons of two
-        # drafters on one machine's answers (benchmarks/compare_drafters.py)
-        "rounds_per_sequence": [list(r) for r in acc.rounds],
-        "draft_vocab_coverage": coverage,
-    }
-    per_step = ", ".join(f"{r:.3f}" for r in acc.rates)
-    print(
-        f"{os.path.basename(a.prompts)} [{a.skip}:+{len(seqs)}]: acceptance per draft step "
-        f"[{per_step}], mean acceptance length {result['mean_acceptance_length']:.2f} (k={a.k}), "
-        f"{acc.served_length:.2f} in rounds as served; "
-        f"{coverage:.3f} of answer tokens in the draft vocabulary"
-    )
-    if a.output_json:
-        with open(a.output_json, "w") as f:
-            json.dump(result, f, indent=2)
+    args = dataclasses.replace(TrainArgs(), ttt_steps=a.k, batch_size=8)
+    for i, path in enumerate(a.draft_model):
+        drafter = load_drafter(path, runner.model, device)
+        aux = tuple(drafter.cfg.aux_layer_ids(target_cfg.num_layers))
+        if aux not in feats_by_aux:
+            feats_by_aux[aux] = compute_features(runner, seqs, aux, device)
+        acc = evaluate(drafter, runner.model, feats_by_aux[aux], args, device)
+        # NOTE: a token outside the draft vocabulary is never drafted: this bounds every rate
+        coverage = float(drafter.t2d[answers].float().mean()) if answers.numel() else 0.0
+        result = {
+            "prompts": a.prompts,
+            "skip": a.skip,
+            "sequences": len(seqs),
+            "answer_tokens": sum(len(s.ids) - s.prompt_len for s in seqs),
+            "draft_model": path,
+            "k": a.k,
+            "device": a.device,
+            "dtype": dtype,
+            "acceptance_per_step": acc.rates,
+            "mean_acceptance_length": acc.length,
+            # NOTE: tokens per verify step of k-draft rounds over the answers, as a server counts
+            "served_acceptance_length": acc.served_length,
+            # NOTE: per prompt, in order: (verify steps, tokens); paired comparisons of two
+            # drafters on one machine's answers (benchmarks/compare_drafters.py)
+            "rounds_per_sequence": [list(r) for r in acc.rounds],
+            "draft_vocab_coverage": coverage,
+        }
+        per_step = ", ".join(f"{r:.3f}" for r in acc.rates)
+        name = f"{path}: " if len(a.draft_model) > 1 else ""
+        print(
+            f"{name}{os.path.basename(a.prompts)} [{a.skip}:+{len(seqs)}]: acceptance per draft "
+            f"step [{per_step}], mean acceptance length {acc.length:.2f} (k={a.k}), "
+            f"{acc.served_length:.2f} in rounds as served; "
+            f"{coverage:.3f} of answer tokens in the draft vocabulary",
+            flush=True,
+        )
+        if a.output_json:
+            with open(a.output_json[i], "w") as f:
+                json.dump(result, f, indent=2)
     return 0
 
 

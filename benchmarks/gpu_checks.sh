@@ -39,8 +39,8 @@
 #             OUT=$OUT/b DRAFTER_DIR=/tmp/db CUDA_VISIBLE_DEVICES=1 ... train-drafter & wait
 #           (4 files each come back; $OUT sends back 8 at most; SEND_DRAFTER=0: only the log
 #           and the MT-Bench JSON, so four recipes fit, two a GPU on an H200 with one
-#           DATA_CACHE each written by an earlier call, EVAL=0, then eval_drafter.py on
-#           each DRAFTER_DIR once all have finished);
+#           DATA_CACHE each written by an earlier call, EVAL=0, then one eval_drafter.py
+#           --draft-model DIR... --output-json F... over them all once all have finished);
 #   spec:   bench_spec.py (MT-Bench first turns, .data/mt_bench_dev.jsonl) with the drafter
 #           in drafters/smollm2-eagle3 (or staged: .drafter/drafter.tgz.part* carried with a
 #           stage part), then bench_spec_step.py for the 8B and SmolLM2 shapes (dummy
@@ -346,7 +346,8 @@ PY
     # NOTE: measured only (never trained on): the offline acceptance on MT-Bench's first
     # turns, to set beside the held-out estimate and the served figure; EVAL=0 skips it
     # (two trainers a GPU: the first to finish sized its engine beside the other's ~120 GiB
-    # and failed, stop 47; evaluate every DRAFTER_DIR after `wait` instead)
+    # and failed, stop 47; evaluate the DRAFTER_DIRs after `wait` instead, in one
+    # eval_drafter.py run: one set of answers for all)
     [ "${EVAL:-1}" = 1 ] && python3 benchmarks/eval_drafter.py --device cuda --target-model "$GYRFALCON_SMOLLM2_GGUF" \
       --draft-model "$D" --prompts .data/mt_bench_dev.jsonl \
       --output-json "$OUT/eval_drafter_mt_bench.json" 2>&1 | tail -1

@@ -316,3 +316,37 @@ def test_kernel_profile_of_training_steps(setup, one_thread, monkeypatch, tmp_pa
     short_run(setup, "kernel-profile")  # 4 steps: the window holds steps 2 and 3
     text = (tmp_path / "kernels_train_eagle3.txt").read_text()
     assert text.startswith("train_eagle3: plans 2 .. 3") and "aten::" in text
+
+
+def test_eval_drafter_measures_several_drafters_on_one_set_of_answers(setup, one_thread, tmp_path):
+    """benchmarks/eval_drafter.py with two drafters of different aux layers: one set of
+    answers (their rounds pair prompt by prompt), and each drafter's figures exactly
+    what it gets measured alone (its own features, nothing carried over)."""
+    import importlib.util
+    from pathlib import Path
+
+    root, target_dir, tok_dir = setup
+    flags = ("--max-steps", "30", "--lr", "1e-2", "--ttt-steps", "3")
+    short_run(setup, "eval-a", *flags)
+    short_run(setup, "eval-b", *flags, "--aux-layer-ids", "0,2,1")
+    path = Path(__file__).resolve().parents[3] / "benchmarks" / "eval_drafter.py"
+    spec = importlib.util.spec_from_file_location("eval_drafter", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    common = [
+        "--target-model", target_dir, "--tokenizer", tok_dir, "--prompts",
+        str(root / "prompts.jsonl"), "--num-prompts", "8", "--max-new-tokens", "16",
+        "--kv-cache-memory", "16MiB",
+    ]  # fmt: skip
+    a, b = str(root / "drafter-eval-a"), str(root / "drafter-eval-b")
+    both = [str(tmp_path / "a.json"), str(tmp_path / "b.json")]
+    assert script.main([*common, "--draft-model", a, b, "--output-json", *both]) == 0
+    alone = str(tmp_path / "b-alone.json")
+    assert script.main([*common, "--draft-model", b, "--output-json", alone]) == 0
+    ra, rb, rb_alone = (json.loads(Path(p).read_text()) for p in (*both, alone))
+    assert ra["draft_model"] == a and rb["draft_model"] == b
+    assert [r[1] for r in ra["rounds_per_sequence"]] == [r[1] for r in rb["rounds_per_sequence"]]
+    assert rb == rb_alone
+    assert ra["rounds_per_sequence"] != rb["rounds_per_sequence"]  # two drafters, two walks
+    with pytest.raises(SystemExit):  # one output path for two drafters
+        script.main([*common, "--draft-model", a, b, "--output-json", both[0]])
