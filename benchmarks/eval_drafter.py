@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     target_cfg = ModelConfig.from_dir(model_dir)
     feats_by_aux: dict[tuple[int, ...], Features] = {}
     answers = torch.tensor([t for s in seqs for t in s.ids[s.prompt_len :]], device=device)
+    answer_tokens = answers.numel()
     args = dataclasses.replace(TrainArgs(), ttt_steps=a.k, batch_size=8)
     for i, path in enumerate(a.draft_model):
         drafter = load_drafter(path, runner.model, device)
@@ -132,12 +133,12 @@ def main(argv: list[str] | None = None) -> int:
             feats_by_aux[aux] = compute_features(runner, seqs, aux, device)
         acc = evaluate(drafter, runner.model, feats_by_aux[aux], args, device)
         # NOTE: a token outside the draft vocabulary is never drafted: this bounds every rate
-        coverage = float(drafter.t2d[answers].float().mean()) if answers.numel() else 0.0
+        coverage = float(drafter.t2d[answers].float().mean()) if answer_tokens else 0.0
         result = {
             "prompts": a.prompts,
             "skip": a.skip,
             "sequences": len(seqs),
-            "answer_tokens": sum(len(s.ids) - s.prompt_len for s in seqs),
+            "answer_tokens": answer_tokens,
             "draft_model": path,
             "k": a.k,
             "device": a.device,

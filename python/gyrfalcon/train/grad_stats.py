@@ -11,6 +11,7 @@ AdamW's epsilon term: a sweep should know that before it spends a run on one.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,8 +27,4 @@ def grad_norm_stats(norms: Sequence[float], max_norm: float) -> GradStats:
     a step counts as clipped when its norm is above `max_norm`."""
     if not norms:
         raise ValueError("no steps in the window")
-    ordered = sorted(norms)
-    n = len(ordered)
-    mid = n // 2
-    median = ordered[mid] if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-    return GradStats(median, sum(v > max_norm for v in ordered) / n)
+    return GradStats(statistics.median(norms), sum(v > max_norm for v in norms) / len(norms))
