@@ -223,9 +223,12 @@ case "${1:-tests}" in
             --seed $((3 + I)) --warmup-requests "$([ -n "${KPROF:-}" ] && echo 0 || echo 1)"
         done
       done
-      python3 -c "import json, urllib.request as u; i = json.load(u.urlopen('http://127.0.0.1:8100/server_info'))
-print('pages after the runs:', i['num_free_pages'], 'of', i['num_total_pages'], 'free, integrity', i['integrity_ok'])"
+      PAGES=$(python3 -c "import json, urllib.request as u; i = json.load(u.urlopen('http://127.0.0.1:8100/server_info'))
+print('pages after the runs:', i['num_free_pages'], 'of', i['num_total_pages'], 'free, integrity', i['integrity_ok'])")
       kill -TERM $SERVER; wait $SERVER; echo "server exit $?"
+      # NOTE: also in the log (appended once the server is gone): four servers' output
+      # outgrew the call's returned tail, and two servers' accounting with it (stop 48)
+      echo "$PAGES" | tee -a "$OUT/server_$NAME.log"
       grep -a "target forwards" "$OUT/server_$NAME.log" | tail -4
     done
     unset GYRFALCON_KERNEL_PROFILE
