@@ -97,7 +97,21 @@ def setup_child(name: str, log_level: str, stopping: ctypes.c_bool) -> ChildStop
     signal.signal(signal.SIGTERM, stop.on_sigterm)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, CHILD_START_BLOCKED)  # blocked by the launcher
     die_with_parent()
+    use_a_thread_lock_for_progress_bars()
     return stop
+
+
+def use_a_thread_lock_for_progress_bars() -> None:
+    """tqdm's first bar makes a multiprocessing lock: a named semaphore that the
+    resource tracker records. A child leaves by `os._exit` (worker/process.py), so
+    it never releases it, and at shutdown the tracker unlinks it with a "leaked
+    semaphore objects" warning, one per worker (stop 48). A spawned child's bars
+    share that lock with no other process anyway; a thread lock serves the same."""
+    import threading
+
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
 
 
 def start_children(procs: Sequence[BaseProcess]) -> None:

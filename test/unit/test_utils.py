@@ -120,3 +120,41 @@ def test_stop_children_gives_late_children_one_grace_period_together(monkeypatch
     utils.stop_children(procs)
     assert time.monotonic() - start < 2.5  # one second of grace, not three
     assert [p.exitcode for p in procs] == [-signal.SIGKILL] * 3 + [-signal.SIGTERM]
+
+
+LEAK_SCRIPT = """
+import ctypes, multiprocessing as mp, os
+from gyrfalcon.utils import setup_child
+
+
+def child(setup):
+    if setup:
+        setup_child("worker0", "WARNING", ctypes.c_bool(False))
+    from tqdm.auto import tqdm
+    for _ in tqdm(range(2), desc="Capturing CUDA graphs", disable=False):
+        pass
+    os._exit(0)  # as a worker leaves (worker/process.py)
+
+
+if __name__ == "__main__":
+    import sys
+    p = mp.get_context("spawn").Process(target=child, args=(sys.argv[1] == "1",))
+    p.start()
+    p.join()
+    assert p.exitcode == 0
+"""
+
+
+@pytest.mark.parametrize("setup", [True, False], ids=["setup_child", "bare"])
+def test_a_child_leaving_by_os_exit_leaks_no_semaphore(tmp_path, setup):
+    """A worker's progress bars (weights, graph capture) then `os._exit`: after
+    setup_child the resource tracker finds nothing to clean up at shutdown; a bare
+    child (the control) shows what every server's log ended with before."""
+    script = tmp_path / "leak.py"
+    script.write_text(LEAK_SCRIPT)
+    run = subprocess.run(
+        [sys.executable, str(script), "1" if setup else "0"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert ("leaked semaphore" in run.stderr) is not setup, run.stderr[-2000:]
