@@ -57,6 +57,7 @@ def rank_checks_collectives(
     if comm is None:
         return
     check_rows_collectives(comm, rank % tp_size, tp_size)
+    check_kept_counts(comm, rank % tp_size, tp_size)
     comm.one_shot = _RowsThroughGroup(comm.group)  # the one-shot branch: the same results
     check_rows_collectives(comm, rank % tp_size, tp_size)
     assert comm.one_shot.calls == ["gather", "scatter", "scatter"], comm.one_shot.calls
@@ -110,6 +111,28 @@ def check_rows_collectives(comm, rank: int, size: int) -> None:
         x = torch.cat([rows(rank, n) * (b + 1) for b in range(size)])  # block b for rank b
         want = sum(rows(m, n) for m in range(size)) * (rank + 1)
         assert torch.equal(comm.reduce_scatter(x), want), n
+
+
+def check_kept_counts(comm, rank: int, size: int) -> None:
+    """`keep_counts` (one eager forward, `ParallelContext.counts_once`): the counts the
+    first gather exchanged serve the next one; a gather of other counts then fails on
+    every rank before any collective (proof that nothing was asked); setting it again
+    (the next forward) drops the kept counts, and they are asked afresh."""
+    comm.keep_counts = True
+    try:
+        for _ in range(2):
+            got, counts = comm.all_gather_rows(torch.ones(rank + 1, 3))
+            assert counts == [m + 1 for m in range(size)] and got.shape == (size * size, 3)
+        try:
+            comm.all_gather_rows(torch.ones(rank + 2, 3))
+            raise RuntimeError("kept counts did not guard a gather of other counts")
+        except AssertionError:
+            pass
+        comm.keep_counts = True
+        _, counts = comm.all_gather_rows(torch.ones(rank + 2, 3))
+        assert counts == [m + 2 for m in range(size)], counts
+    finally:
+        comm.keep_counts = False
 
 
 def save_rank(out_dir: str, rank: int, out: dict) -> None:
@@ -183,9 +206,11 @@ def rank_dp_attention_logits(
 ) -> None:
     """DP attention: DP groups of tp_size ranks, the MoE experts split over every rank
     of the world (ep_size = world_size). Rank r prefills its DP group's prompts
-    (`prompts[r // tp_size]`, the groups' token counts differing), then its group's
-    `agreed_prompts` (the same count in every group) under `rows_agreed` (graphs'
-    gather: no count exchange), and saves {"own" | "agreed": {"hidden", "logits"},
+    (`prompts[r // tp_size]`, the groups' token counts differing), the same again under
+    `counts_once` (an eager forward's: the counts exchanged by the first MoE layer
+    only), then its group's `agreed_prompts` (the same count in every group) under
+    `rows_agreed` (graphs' gather: no count exchange), and saves {"own" | "counted" |
+    "agreed": {"hidden", "logits", "exchanges": the row-count exchanges it made},
     "w13": the shape of the last layer's experts here} to rank{r}.pt."""
     parallel = join_ranks(rank, world_size, init_addr, tp_size, ep_size=world_size)
     assert parallel.tp_size == tp_size and parallel.moe_group[1], parallel
@@ -193,12 +218,30 @@ def rank_dp_attention_logits(
     model = load_model(model_dir, ctx)
     out: dict = {"w13": tuple(model.layers[-1].mlp.experts.w13.shape)}
     group = rank // tp_size
-    for name, by_group in (("own", prompts), ("agreed", agreed_prompts)):
-        rows = parallel.rows_agreed() if name == "agreed" else contextlib.nullcontext()
-        with rows:
+    scopes = {"own": contextlib.nullcontext, "counted": parallel.counts_once}
+    for name, by_group in (("own", prompts), ("counted", prompts), ("agreed", agreed_prompts)):
+        with scopes.get(name, parallel.rows_agreed)(), _count_exchanges() as exchanges:
             hidden = model(prefill_batch(model, by_group[group], ctx))  # [T, hidden]
-        out[name] = dict(hidden=hidden, logits=model.compute_logits(hidden))
+        out[name] = dict(hidden=hidden, logits=model.compute_logits(hidden), exchanges=exchanges[0])
     save_rank(out_dir, rank, out)
+
+
+@contextlib.contextmanager
+def _count_exchanges():
+    """[the row-count all-gathers made inside] (the int64 ones: rows are floats)."""
+    from gyrfalcon.forward import distributed
+
+    made, gather = [0], distributed._all_gather_single
+
+    def counting(out: torch.Tensor, x: torch.Tensor, **kw) -> None:
+        made[0] += out.dtype == torch.int64
+        gather(out, x, **kw)
+
+    distributed._all_gather_single = counting
+    try:
+        yield made
+    finally:
+        distributed._all_gather_single = gather
 
 
 def rank_outlives_its_peer(rank: int, world_size: int, init_addr: str, out_dir: str) -> None:

@@ -92,6 +92,7 @@ class ThreadGroupMember:
     def __init__(self, group: ThreadGroup, rank: int):
         self.group, self.rank = group, rank
         self.equal_rows = False  # NOTE: the parts carry their counts either way
+        self.keep_counts = False
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         def add(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -46,8 +46,20 @@ class GroupCommunicator:
         self, group: dist.ProcessGroup, size: int, one_shot: OneShotAllReduce | None = None
     ):
         self.group, self.size, self.one_shot = group, size, one_shot
+        self.rank = dist.get_rank(group)
         # every rank brings the same number of rows (`ParallelContext.rows_agreed`)
         self.equal_rows = False
+        # one eager forward's row counts, asked once (`ParallelContext.counts_once`)
+        self._keep, self._kept_counts = False, None
+
+    @property
+    def keep_counts(self) -> bool:
+        return self._keep
+
+    @keep_counts.setter
+    def keep_counts(self, on: bool) -> None:
+        """Either way the counts kept so far go: they were another forward's."""
+        self._keep, self._kept_counts = on, None
 
     def _one_shot_for(self, x: torch.Tensor) -> OneShotAllReduce | None:
         """The one-shot sum where it takes x, else None (NCCL)."""
@@ -94,7 +106,8 @@ class GroupCommunicator:
         rank, in rank order: [size R, ...], [n_r]): the counts are gathered first (a host
         sync), then the padded rows in one all-gather. With `equal_rows` the counts are
         known (this rank's on every rank): one all-gather, host-free, CUDA graphs capture
-        it."""
+        it. With `keep_counts` the first call's counts serve every later call until it
+        is cleared: one sync a forward instead of one a MoE layer."""
         x = x.contiguous()
         if self.equal_rows:
             n = x.shape[0]
@@ -103,10 +116,15 @@ class GroupCommunicator:
             stacked = x.new_empty((self.size * n, *x.shape[1:]))
             _all_gather_single(stacked, x, group=self.group)
             return stacked, [n] * self.size
-        count = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
-        counts_t = count.new_empty(self.size)
-        _all_gather_single(counts_t, count, group=self.group)
-        counts = counts_t.tolist()
+        counts = self._kept_counts
+        if counts is None:
+            count = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
+            counts_t = count.new_empty(self.size)
+            _all_gather_single(counts_t, count, group=self.group)
+            counts = counts_t.tolist()
+            self._kept_counts = counts if self._keep else None
+        # NOTE: a kept count that no longer fits would gather wrong rows on every rank
+        assert counts[self.rank] == x.shape[0], (counts, self.rank, x.shape)
         rows = max(counts)
         padded = x
         if x.shape[0] < rows:

@@ -39,6 +39,9 @@ class Communicator(Protocol):
     # set while every rank brings the same number of rows (`ParallelContext.rows_agreed`):
     # all_gather_rows then exchanges no counts
     equal_rows: bool
+    # set for one eager forward (`ParallelContext.counts_once`): all_gather_rows may keep
+    # the counts it first exchanged for every later call until it is cleared
+    keep_counts: bool
 
     def all_gather_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """(x [n_r, ...] of every rank, padded with zero rows to the most rows R of any
@@ -279,6 +282,24 @@ class ParallelContext:
             yield
         finally:
             comm.equal_rows = before
+
+    @contextlib.contextmanager
+    def counts_once(self) -> Iterator[None]:
+        """Inside: one eager forward, whose MoE layers all gather the same rows from each
+        rank, so their row counts are exchanged once, by the first layer, instead of in
+        every layer: one host sync a forward, not one a layer (each one had the host wait
+        for the device before it could launch the next layer's kernels). A no-op where
+        the MoE group shares its tokens."""
+        group, local = self.moe_group
+        comm = group.comm if local and group.tp_size > 1 else None
+        if comm is None:
+            yield
+            return
+        comm.keep_counts = True
+        try:
+            yield
+        finally:
+            comm.keep_counts = False
 
     def experts(self, num_experts: int, intermediate_size: int) -> ExpertShard:
         """This rank's experts and slice of their intermediate dim (`shard_experts`)."""

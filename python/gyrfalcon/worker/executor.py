@@ -266,6 +266,7 @@ class ModelExecutor:
         else:
             batch = ForwardBatch.from_tensors(mode, bt, self.page_size, self.kv_cache, attn)
             batch.attn_meta = attn.build_metadata(batch)
-            hidden, aux = self._run_model(batch)  # [T, hidden], [T, 3 * hidden] or None
+            with self.ctx.parallel.counts_once():  # NOTE: one row-count exchange, not one a layer
+                hidden, aux = self._run_model(batch)  # [T, hidden], [T, 3 * hidden] or None
         logits = self.compute_logits(hidden if every_token else hidden[logit_tokens])
         return ForwardOutput(logits, None, hidden, aux, ran)

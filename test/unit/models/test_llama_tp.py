@@ -88,6 +88,7 @@ class FusingMember:
     def __init__(self, member):
         self.member, self.fused = member, 0
         self.equal_rows = False
+        self.keep_counts = False
 
     def all_reduce(self, x):
         return self.member.all_reduce(x)

@@ -15,6 +15,7 @@ from gloo_ranks import rank_dp_attention_logits, rank_tp_logits
 from parallel_util import load_model, prefill_batch, prefill_logits, spawn_ranks
 
 from gyrfalcon.layers.context import LayerContext
+from gyrfalcon.layers.moe import SparseMoeBlock
 
 DEADLINE_S = 120  # a whole spawned run: start-up, loads, collectives
 # NOTE: ids < 250 (the odd vocabulary); 62 | 63, 125 | 126, 188 | 189 are its tp 4
@@ -53,9 +54,10 @@ def tp_dirs(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory) -> str:
-    """Qwen3-MoE: 8 experts of 32, top-3, layer 0 dense, 4 query heads, 2 KV heads."""
+    """Qwen3-MoE: 8 experts of 32, top-3, layer 0 dense, then two MoE layers (an eager
+    forward's count exchanges are then told from one a layer), 4 query heads, 2 KV heads."""
     path = str(tmp_path_factory.mktemp("dp-qwen3-moe"))
-    make_tiny_hf_model(path, "qwen3-moe", mlp_only_layers=[0])
+    make_tiny_hf_model(path, "qwen3-moe", mlp_only_layers=[0], num_hidden_layers=3)
     return path
 
 
@@ -106,7 +108,13 @@ def check_dp_attention_equals_one_rank(ranks: list[dict], moe_dir: str, tp: int)
     for r, out in enumerate(ranks):
         assert out["w13"] == experts  # E / (tp x dp) experts whole on each rank
         group = r // tp
-        for name, prompts in (("own", own_prompts(dp)), ("agreed", agreed_prompts(dp))):
+        # NOTE: an eager forward exchanges row counts in each MoE layer, or in the
+        # first alone under counts_once (the worker's eager path); graphs' in none
+        moe_layers = sum(1 for m in model.modules() if isinstance(m, SparseMoeBlock))
+        assert moe_layers > 1
+        assert [out[n]["exchanges"] for n in ("own", "counted", "agreed")] == [moe_layers, 1, 0]
+        own = own_prompts(dp)
+        for name, prompts in (("own", own), ("counted", own), ("agreed", agreed_prompts(dp))):
             with torch.inference_mode():
                 hidden = model(prefill_batch(model, prompts[group], ctx))
                 logits = model.compute_logits(hidden)
