@@ -266,40 +266,36 @@ class ParallelContext:
             return self, False
         return self.expert, True
 
-    @contextlib.contextmanager
-    def rows_agreed(self) -> Iterator[None]:
+    def rows_agreed(self) -> contextlib.AbstractContextManager[None]:
         """Inside: every rank of the MoE group brings the same number of token rows (the
         DP ranks replay graphs padded to one agreed batch size), so the MoE layers'
         gather of every rank's tokens needs no host exchange of row counts, and CUDA
         graphs capture it. A no-op where the MoE group shares its tokens."""
-        group, local = self.moe_group
-        comm = group.comm if local and group.tp_size > 1 else None
-        if comm is None:
-            yield
-            return
-        before, comm.equal_rows = comm.equal_rows, True
-        try:
-            yield
-        finally:
-            comm.equal_rows = before
+        return self._rows_gather_set("equal_rows")
 
-    @contextlib.contextmanager
-    def counts_once(self) -> Iterator[None]:
+    def counts_once(self) -> contextlib.AbstractContextManager[None]:
         """Inside: one eager forward, whose MoE layers all gather the same rows from each
         rank, so their row counts are exchanged once, by the first layer, instead of in
         every layer: one host sync a forward, not one a layer (each one had the host wait
         for the device before it could launch the next layer's kernels). A no-op where
         the MoE group shares its tokens."""
+        return self._rows_gather_set("keep_counts")
+
+    @contextlib.contextmanager
+    def _rows_gather_set(self, flag: str) -> Iterator[None]:
+        """Inside: `flag` set on the communicator that gathers the MoE group's own
+        tokens (restored after); a no-op where the MoE group shares its tokens."""
         group, local = self.moe_group
         comm = group.comm if local and group.tp_size > 1 else None
         if comm is None:
             yield
             return
-        comm.keep_counts = True
+        before = getattr(comm, flag)
+        setattr(comm, flag, True)
         try:
             yield
         finally:
-            comm.keep_counts = False
+            setattr(comm, flag, before)
 
     def experts(self, num_experts: int, intermediate_size: int) -> ExpertShard:
         """This rank's experts and slice of their intermediate dim (`shard_experts`)."""

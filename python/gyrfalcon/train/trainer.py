@@ -258,7 +258,7 @@ def train_loop(
     warmup = args.warmup_steps or 1
     order = batches(train_feats, args.batch_size, args.seed)
     losses: list[torch.Tensor] = []
-    norms: list[torch.Tensor] = []  # the total gradient norm of each step, before clipping
+    norms: list[torch.Tensor] = []  # each step's total gradient norm since the last eval
     evals: list[dict[str, Any]] = []
     bar = tqdm(range(args.max_steps), desc="training", unit="step")
     kernels = KernelWindow("train_eagle3")  # NOTE: GYRFALCON_KERNEL_PROFILE=DIR:FIRST:COUNT
@@ -290,7 +290,8 @@ def train_loop(
             with average.applied() if average is not None else nullcontext():
                 acc = evaluate(drafter, target, held_feats, args, device)
             since = evals[-1]["step"] if evals else 0
-            grads = grad_norm_stats(torch.stack(norms[since:]).float().tolist(), args.max_grad_norm)
+            grads = grad_norm_stats(torch.stack(norms).float().tolist(), args.max_grad_norm)
+            norms.clear()
             evals.append(
                 {"step": done, "acceptance": acc.rates, "served_length": acc.served_length,
                  "grad_norm_median": grads.median, "clipped_share": grads.clipped_share}
