@@ -161,11 +161,13 @@ case "${1:-tests}" in
     kill -TERM $SERVER; wait $SERVER; echo "server exit $?" ;;
   sweep)
     start_server "sweep${TAG:-}"
+    # NOTE: a seed per concurrency: with one seed c64 and c256 sent c16's 500 prompts
+    # again, every one found in the prefix cache
     for C in 1 16 64 256; do
       N=$(( C == 1 ? 16 : 500 ))
       echo "concurrency $C"
       serve_bench "c$C${TAG:-}" --num-prompts $N --random-input-len 1024 --random-output-len 512 \
-        --ignore-eos --max-concurrency $C --seed 2
+        --ignore-eos --max-concurrency $C --seed $((2 + C))
     done
     kill -TERM $SERVER; wait $SERVER; echo "server exit $?" ;;
   ranks)  # several GPUs: the 8B shape on triton (no flashinfer build per rank) at tp 1 and
@@ -205,7 +207,10 @@ case "${1:-tests}" in
     # burst's on every rank), sent back as kprof.tgz; the server logs as moe_logs.tgz, the
     # benchmarks' JSONs as moe_serving.tgz.
     # MOE_REPEAT=N: N bursts of each concurrency (files _r2 .. _rN; one DP 4 server's c256
-    # read 10,664 and 12,001 tok/s in two single-burst runs)
+    # read 10,664 and 12,001 tok/s in two single-burst runs). Every burst has prompts of
+    # its own (a seed per concurrency and repeat): stop 48's c64 and c16 bursts were the
+    # c256 burst's first prompts, which TP 4 found in its prefix cache (c16 first tokens
+    # 47 ms; cold, 158-190 ms at stop 49), while DP 4 + EP 4 read 288 ms.
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     export MODEL=benchmarks/models/qwen3-30b-a3b
     IFS=';' read -ra RUNS <<< "${MOE_RUNS:-dp2ep2:--dp-size 2 --ep-size 2;tp2:--tp-size 2}"
@@ -220,7 +225,7 @@ case "${1:-tests}" in
         for I in $(seq "${MOE_REPEAT:-1}"); do
           serve_bench "${NAME}_c$C$([ "$I" = 1 ] || echo "_r$I")" --num-prompts "$C" \
             --random-input-len 1024 --random-output-len 512 --ignore-eos --max-concurrency "$C" \
-            --seed $((3 + I)) --warmup-requests "$([ -n "${KPROF:-}" ] && echo 0 || echo 1)"
+            --seed $((3 + I + 1000 * C)) --warmup-requests "$([ -n "${KPROF:-}" ] && echo 0 || echo 1)"
         done
       done
       PAGES=$(python3 -c "import json, urllib.request as u; i = json.load(u.urlopen('http://127.0.0.1:8100/server_info'))

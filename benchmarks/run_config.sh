@@ -93,13 +93,15 @@ echo "healthy after $((SECONDS - START)) s"
 EOS_FLAG=()
 [ "$IGNORE_EOS" = 1 ] && EOS_FLAG=(--ignore-eos)
 read -r -a EXTRA <<<"${BENCH_FLAGS:-}"
+# NOTE: each concurrency's prompts from a seed of its own: one seed for all made a
+# burst's first prompts the earlier bursts' ones, found in the prefix cache (stop 49)
 for C in $CONCURRENCIES; do
   PER=${PROMPTS_PER_CONCURRENCY:-4}
   N=${NUM_PROMPTS:-$((PER * C > 8 ? PER * C : 8))}
   JSON=$OUT/${NAME}_c${C}_${DEVICE_KIND}.json
   gyrfalcon bench serve --port "$PORT" --dataset random --num-prompts "$N" \
     --random-input-len "$INPUT_LEN" --random-output-len "$OUTPUT_LEN" --max-concurrency "$C" \
-    --seed 0 --disable-tqdm --device-kind "$DEVICE_KIND" --output-json "$JSON" \
+    --seed "$C" --disable-tqdm --device-kind "$DEVICE_KIND" --output-json "$JSON" \
     ${EOS_FLAG[@]+"${EOS_FLAG[@]}"} ${EXTRA[@]+"${EXTRA[@]}"}
   "$PYTHON" - "$JSON" "$NAME" "$MD" <<'PY'
 import json
@@ -123,14 +125,16 @@ def num(x, digits):
 
 header = (
     "| config | device kind | concurrency | prompts | in / out tokens | output tok/s "
-    "| median TTFT ms | median TPOT ms | spec accept length | failed | commit | JSON |\n"
-    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
+    "| median TTFT ms | median TPOT ms | spec accept length | failed | input tokens found cached "
+    "| commit | JSON |\n"
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
 )
 row = (
     f"| {name} | {report.get('device_kind')} | {a.get('max_concurrency')} "
     f"| {report.get('num_prompts')} | {a.get('random_input_len')} / {a.get('random_output_len')} "
     f"| {num(s['output_throughput'], 1)} | {num(s.get('median_ttft_ms'), 1)} "
     f"| {num(s.get('median_tpot_ms'), 2)} | {num(accept, 2)} | {s['failed']} "
+    f"| {num(s.get('total_cached_input_tokens'), 0)} "
     f"| {report.get('commit')} | {os.path.basename(path)} |\n"
 )
 new = not os.path.exists(md)

@@ -16,9 +16,11 @@ until curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; do
   sleep 1
 done
 
+# NOTE: a seed of each concurrency's own: with one seed the c16 burst's first 8 prompts
+# would be c1's, found in the prefix cache
 for C in 1 16; do
   N=$(( C == 1 ? 8 : 64 ))
   gyrfalcon bench serve --port "$PORT" --num-prompts "$N" --random-input-len 128 \
-    --random-output-len 64 --ignore-eos --max-concurrency "$C" --seed 0 --disable-tqdm --device-kind "$DEVICE_KIND" \
+    --random-output-len 64 --ignore-eos --max-concurrency "$C" --seed "$C" --disable-tqdm --device-kind "$DEVICE_KIND" \
     --output-json "$OUT/serving_cpu_smollm2_c${C}.json"
 done

@@ -1,6 +1,7 @@
 """benchmarks/run_config.sh end to end on the CPU: it serves a config (a tiny model,
 two DP groups), benchmarks it at each concurrency, writes the JSON and the markdown
-rows, checks that every KV page came back on every rank, and stops the server."""
+rows, checks that every KV page came back on every rank, and stops the server. Every
+concurrency's prompts are its own, so no burst finds an earlier one's in the cache."""
 
 import json
 import os
@@ -44,6 +45,8 @@ def test_run_config_benchmarks_a_config_and_finds_every_page_back(tmp_path):
         report = json.loads((out / f"tiny_dp2_c{c}_cpu-test.json").read_text())
         assert report["summary"]["completed"] == 4 and report["summary"]["failed"] == 0
         assert report["model"] == "tiny-x"  # CONFIG_ARGS reached the server
+        # each concurrency sends prompts of its own: none found computed by an earlier one
+        assert report["summary"]["total_cached_input_tokens"] == 0, report["per_request"]
     rows = (out / "run_config.md").read_text().splitlines()
     assert sum(row.startswith("| tiny_dp2 | cpu-test |") for row in rows) == 2
     server_log = (out / "tiny_dp2_cpu-test_server.log").read_text()

@@ -184,6 +184,8 @@ async def send_request(
             raise RuntimeError("stream ended without generated text")
         result.output_tokens = int(usage.get("completion_tokens") or text_chunks)
         result.prompt_tokens = int(usage.get("prompt_tokens") or prompt_len or 0)
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        result.cached_tokens = None if cached is None else int(cached)
         result.success = True
     except Exception as e:  # noqa: BLE001 -- a failed request is data, not a crash
         result.success = False

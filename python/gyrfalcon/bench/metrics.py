@@ -12,7 +12,7 @@ All times are recorded in seconds and reported in milliseconds. Definitions:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,7 @@ class RequestResult:
     e2el: float = 0.0  # seconds
     start_time: float = 0.0  # perf_counter at send
     finish_reason: str | None = None
+    cached_tokens: int | None = None  # prompt tokens the server found cached, if it says
 
     @property
     def tpot(self) -> float | None:
@@ -100,6 +101,9 @@ def summarize(
         "duration_s": duration,
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
+        # NOTE: prompts the server had computed before (an earlier run's, say) skip their
+        # prefill: a figure with many is not a cold one
+        "total_cached_input_tokens": _sum_reported(r.cached_tokens for r in ok),
         "request_throughput": _per_second(len(ok), duration),
         "input_throughput": _per_second(input_tokens, duration),
         "output_throughput": _per_second(output_tokens, duration),
@@ -111,6 +115,12 @@ def summarize(
         for q in percentiles:
             summary[f"p{percentile_label(q)}_{name}_ms"] = _ms(percentile(samples, q))
     return summary
+
+
+def _sum_reported(values: Iterable[int | None]) -> int | None:
+    """The sum of the values given, or None when none is (a server that does not say)."""
+    given = [v for v in values if v is not None]
+    return sum(given) if given else None
 
 
 def percentile_label(q: float) -> str:
@@ -129,6 +139,7 @@ def per_request_lists(results: Sequence[RequestResult]) -> dict[str, list[Any]]:
         "e2el_ms": [r.e2el * 1000.0 if r.success else None for r in results],
         "itl_ms": [[g * 1000.0 for g in r.itl] if r.success else None for r in results],
         "finish_reason": [r.finish_reason for r in results],
+        "cached_tokens": [r.cached_tokens if r.success else None for r in results],
     }
 
 
@@ -162,6 +173,7 @@ def format_table(
         row("Benchmark duration (s)", summary["duration_s"]),
         row("Total input tokens", summary["total_input_tokens"]),
         row("Total generated tokens", summary["total_output_tokens"]),
+        row("Input tokens found cached", summary["total_cached_input_tokens"]),
         row("Request throughput (req/s)", summary["request_throughput"]),
         row("Input token throughput (tok/s)", summary["input_throughput"]),
         row("Output token throughput (tok/s)", summary["output_throughput"]),

@@ -57,22 +57,30 @@ def load_tokenizer(args: argparse.Namespace, needed: bool) -> TokenizerLike | No
     return AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
 
 
-def build_workload(args: argparse.Namespace) -> list[SampleRequest]:
-    """The requests of the run, as chosen by the workload flags."""
+def build_workload(args: argparse.Namespace) -> tuple[list[SampleRequest], list[SampleRequest]]:
+    """The requests of the run, as chosen by the workload flags, and the warm-up's
+    (`--warmup-requests`). The warm-up's prompts are drawn beside the run's (random
+    prompts; a jsonl file's lines past the run's): a server that caches prefixes would
+    otherwise find a timed prompt already computed. A file with no lines to spare lends
+    the run's first prompts."""
+    num_warm = max(args.warmup_requests, 0)
     if args.dataset == "jsonl":
         if not args.dataset_path:
             raise ValueError("--dataset jsonl needs --dataset-path")
         tokenizer = load_tokenizer(args, needed=False)
-        return load_jsonl_requests(
-            args.dataset_path, args.jsonl_output_len, args.num_prompts, tokenizer
-        )
+        wanted = None if args.num_prompts is None else args.num_prompts + num_warm
+        got = load_jsonl_requests(args.dataset_path, args.jsonl_output_len, wanted, tokenizer)
+        num = len(got) if args.num_prompts is None else min(args.num_prompts, len(got))
+        spare = got[num:]
+        return got[:num], [(spare or got)[i % len(spare or got)] for i in range(num_warm)]
     fmt = args.random_prompt_format or ("text" if args.endpoint == "chat" else "ids")
     tokenizer = load_tokenizer(args, needed=fmt == "text")
     token_range = args.random_token_range
     if token_range is None and tokenizer is None:
         token_range = DEFAULTS.random_token_range
-    return sample_random_requests(
-        num_prompts=args.num_prompts or DEFAULTS.num_random_prompts,
+    num = args.num_prompts or DEFAULTS.num_random_prompts
+    got = sample_random_requests(
+        num_prompts=num + num_warm,
         input_len=args.random_input_len,
         output_len=args.random_output_len,
         range_ratio=args.random_range_ratio,
@@ -81,6 +89,7 @@ def build_workload(args: argparse.Namespace) -> list[SampleRequest]:
         tokenizer=tokenizer,
         as_text=fmt == "text",
     )
+    return got[:num], got[num:]
 
 
 async def run_requests(
@@ -129,8 +138,10 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-async def benchmark(args: argparse.Namespace, samples: list[SampleRequest]) -> int:
-    """Resolve the model, warm up, run the timed load and report it."""
+async def benchmark(
+    args: argparse.Namespace, samples: list[SampleRequest], warm_samples: list[SampleRequest]
+) -> int:
+    """Resolve the model, warm up with `warm_samples`, run the timed load and report it."""
     base_url = base_url_of(args)
     url = base_url + ENDPOINT_PATHS[args.endpoint]
     percentiles = [float(q) for q in args.percentiles.split(",") if q.strip()]
@@ -148,8 +159,11 @@ async def benchmark(args: argparse.Namespace, samples: list[SampleRequest]) -> i
             build_payload(args.endpoint, model, s, args.ignore_eos, args.extra_body)
             for s in samples
         ]
-        if args.warmup_requests > 0:
-            warm = [payloads[i % len(payloads)] for i in range(args.warmup_requests)]
+        if warm_samples:
+            warm = [
+                build_payload(args.endpoint, model, s, args.ignore_eos, args.extra_body)
+                for s in warm_samples
+            ]
             warm_results = await asyncio.gather(*(send_request(session, url, w) for w in warm))
             bad = [r.error for r in warm_results if not r.success]
             print(
@@ -209,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.endpoint == "chat" and args.random_prompt_format == "ids" and args.dataset == "random":
         parser.error("the chat endpoint needs text prompts: use --random-prompt-format text")
     try:
-        samples = build_workload(args)
+        samples, warm_samples = build_workload(args)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -217,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: the chat endpoint needs text prompts, not token ids", file=sys.stderr)
         return 2
     try:
-        return asyncio.run(benchmark(args, samples))
+        return asyncio.run(benchmark(args, samples, warm_samples))
     except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError) as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

@@ -29,6 +29,7 @@ class FakeServer(ThreadedApp):
     def __init__(self, send_usage: bool = True) -> None:
         self.send_usage = send_usage
         self.requests: list[dict[str, Any]] = []
+        self.seen: set[str] = set()  # prompts served before: reported cached, as a prefix cache
         super().__init__()
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -69,7 +70,11 @@ class FakeServer(ThreadedApp):
         await event({"choices": [choice("", "length")]})
         if self.send_usage:
             plen = len(prompt) if isinstance(prompt, list) else len(prompt.split())
-            await event({"choices": [], "usage": {"prompt_tokens": plen, "completion_tokens": n}})
+            cached = plen if json.dumps(prompt) in self.seen else 0
+            usage = {"prompt_tokens": plen, "completion_tokens": n}
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+            await event({"choices": [], "usage": usage})
+        self.seen.add(json.dumps(prompt))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -164,6 +169,23 @@ def test_end_to_end_completions_random_ids(server: FakeServer, tmp_path: Path) -
         assert e2el >= ttft + sum(itl) - 1e-6
     assert s["mean_tpot_ms"] >= 0.8 * GAP * 1000
     assert s["p99_itl_ms"] is not None and s["median_e2el_ms"] is not None
+    # the warm-up's prompt is none of the timed ones: a prefix cache finds none computed
+    warm, timed = server.requests[0]["prompt"], [b["prompt"] for b in server.requests[1:]]
+    assert warm not in timed
+    assert s["total_cached_input_tokens"] == 0 and per["cached_tokens"] == [0] * 4
+
+
+def test_a_run_repeating_prompts_says_how_many_were_cached(server: FakeServer, tmp_path) -> None:
+    """The same seed twice sends the same prompts: the second run's figures are not cold
+    ones, and its report says so (a burst of a smaller concurrency's prompts again)."""
+    args = ["--port", str(server.port), "--num-prompts", "3", "--random-input-len", "8",
+            "--random-output-len", "2", "--disable-tqdm", "--seed", "5"]  # fmt: skip
+    got = []
+    for run in ("first", "again"):
+        assert main([*args, "--output-json", str(tmp_path / f"{run}.json")]) == 0
+        got.append(json.loads((tmp_path / f"{run}.json").read_text()))
+    assert [r["summary"]["total_cached_input_tokens"] for r in got] == [0, 24]
+    assert got[1]["per_request"]["cached_tokens"] == [8, 8, 8]
 
 
 def test_end_to_end_chat_jsonl_without_usage_and_a_failure(tmp_path: Path) -> None:
@@ -215,6 +237,7 @@ def test_end_to_end_chat_jsonl_without_usage_and_a_failure(tmp_path: Path) -> No
     assert "HTTP 500" in per["error"][1] and "model exploded" in per["error"][1]
     assert per["output_tokens"] == [3, None, 2]  # counted from chunks: no usage sent
     assert s["total_input_tokens"] == 0  # unknown without usage or tokenizer
+    assert s["total_cached_input_tokens"] is None  # nor whether any was cached
     assert "p90_ttft_ms" in s and "p99_ttft_ms" in s
     assert per["ttft_ms"][0] >= 0.8 * FIRST_DELAY * 1000  # role chunk ignored
 
@@ -237,3 +260,17 @@ def test_argument_errors() -> None:
         main(["--request-rate", "0"])
     assert main(["--dataset", "jsonl"]) == 2  # no --dataset-path
     assert main(["--endpoint", "chat"]) == 2  # text prompts but no tokenizer
+
+
+@pytest.mark.parametrize("num_prompts, warm", [(2, "c d"), (None, "a b")])
+def test_a_jsonl_warm_up_takes_a_line_past_the_run_when_there_is_one(
+    server: FakeServer, tmp_path: Path, num_prompts, warm
+) -> None:
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["a b", "b c", "c d"]))
+    sized = [] if num_prompts is None else ["--num-prompts", str(num_prompts)]
+    args = ["--port", str(server.port), "--dataset", "jsonl", "--dataset-path", str(data),
+            "--jsonl-output-len", "2", "--disable-tqdm", *sized]  # fmt: skip
+    assert main(args) == 0
+    sent = [b["prompt"] for b in server.requests]
+    assert sent[0] == warm and sorted(sent[1:]) == ["a b", "b c", "c d"][: num_prompts or 3]
