@@ -96,16 +96,11 @@ if [ "${1:-}" = stage ]; then
   exit 0
 fi
 if [ ! -f /tmp/site/.installed ]; then
-  # NOTE: pack-wheels.sh predates this dependency: pip download prometheus-client
-  # --no-deps -d .whl (pure Python) adds it
-  compgen -G ".whl/prometheus_client-*.whl" >/dev/null \
-    || { echo ".whl lacks prometheus-client (see gpu_checks.sh)"; exit 1; }
-  # NOTE: and xgrammar (structured output; its apache-tvm-ffi comes with flashinfer's):
-  # pip download xgrammar jsonschema attrs referencing jsonschema-specifications rpds-py
-  # --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64
-  # --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl
-  compgen -G ".whl/xgrammar-*.whl" >/dev/null \
-    || { echo ".whl lacks xgrammar (see gpu_checks.sh)"; exit 1; }
+  # NOTE: benchmarks/pack_wheels.sh adds both to ../shared/gpu/pack-wheels.sh's set
+  for p in prometheus_client xgrammar; do
+    compgen -G ".whl/$p-*.whl" >/dev/null \
+      || { echo ".whl lacks $p: fill it with benchmarks/pack_wheels.sh"; exit 1; }
+  done
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
   touch /tmp/site/.installed
