@@ -71,8 +71,8 @@ def build_workload(args: argparse.Namespace) -> tuple[list[SampleRequest], list[
         wanted = None if args.num_prompts is None else args.num_prompts + num_warm
         got = load_jsonl_requests(args.dataset_path, args.jsonl_output_len, wanted, tokenizer)
         num = len(got) if args.num_prompts is None else min(args.num_prompts, len(got))
-        spare = got[num:]
-        return got[:num], [(spare or got)[i % len(spare or got)] for i in range(num_warm)]
+        lend = got[num:] or got
+        return got[:num], [lend[i % len(lend)] for i in range(num_warm)]
     fmt = args.random_prompt_format or ("text" if args.endpoint == "chat" else "ids")
     tokenizer = load_tokenizer(args, needed=fmt == "text")
     token_range = args.random_token_range
