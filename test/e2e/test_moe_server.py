@@ -52,8 +52,20 @@ FLAGS = {
     "moe_tp2": ["--tp-size", "2"],
     "tp2_ep2": ["--tp-size", "2", "--ep-size", "2"],
     "dp2_ep2": ["--dp-size", "2", "--ep-size", "2"],
-    # the DP groups agree on one padded graph size a step (StepPlan.graph_rows)
+    # the DP groups agree on one padded graph size a step (StepPlan.graph_rows), and
+    # on one padded token count for the piecewise graphs of the other steps
+    # (StepPlan.graph_tokens): no step runs eagerly with prompts of at most 37 tokens
     "dp2_ep2_graphs": ["--dp-size", "2", "--ep-size", "2", "--static-graph-replay"],
+    # pieces of at most 16 tokens: a step with more on either group runs eagerly on both
+    "dp2_ep2_graphs_16": [
+        "--dp-size",
+        "2",
+        "--ep-size",
+        "2",
+        "--static-graph-replay",
+        "--piecewise-cuda-graph-max-tokens",
+        "16",
+    ],  # fmt: skip
 }
 
 
@@ -71,6 +83,16 @@ def test_two_ranks_answer_like_one(moe, one_rank, tmp_path, flags):
         assert "2 worker rank(s)" in log
     if "--static-graph-replay" in flags:  # decode steps replayed, on both ranks
         assert all(graph_forwards(log, rank) > 0 for rank in (0, 1)), log[-3000:]
+    if "--dp-size" in flags and "--static-graph-replay" in flags:
+        # the prompts' steps (5, 12 and 37 tokens: each group's pads to its own size):
+        # every group runs them as piecewise graphs of one size the plan agreed on (own
+        # sizes would not gather: equal rows), or all eagerly where a group's step holds
+        # more than 16 tokens
+        kinds = [step_kinds(log, rank) for rank in (0, 1)]
+        if "16" in flags:
+            assert sum(k.get("eager", 0) for k in kinds) >= 1, kinds  # the 37 tokens'
+        else:
+            assert all(k.get("piecewise", 0) >= 1 and "eager" not in k for k in kinds), kinds
 
 
 def eagle3_flags(moe, tmp_path, layout=("--dp-size", "2", "--ep-size", "2")) -> list[str]:

@@ -128,7 +128,8 @@ MOE_FLAGS = {
 def test_gpu_ranks_serve_a_moe_model_like_one_under_graphs(tiny_moe, tmp_path, flags):
     """The fused MoE kernel in CUDA graphs, float32: DP attention with the experts
     over every GPU (the groups replay graphs of one agreed size, idle groups' dummy
-    rows included) and MoE-TP answer like one GPU; decode steps replayed graphs."""
+    rows included; the prompts' steps piecewise graphs of one agreed token count,
+    none eager) and MoE-TP answer like one GPU; decode steps replayed graphs."""
     one, _ = serve_batch(tiny_moe, tmp_path, "one", "--attention-backend", "triton")
     got, info = serve_batch(tiny_moe, tmp_path, "ranks", "--attention-backend", "triton", *flags)
     for (tokens, lps), (want_tokens, want_lps) in zip(got, one):
@@ -137,6 +138,10 @@ def test_gpu_ranks_serve_a_moe_model_like_one_under_graphs(tiny_moe, tmp_path, f
     assert info["integrity_ok"] and info["num_free_pages"] == info["num_total_pages"], info
     log = (tmp_path / "ranks.log").read_text()
     assert all(graph_forwards(log, rank) > 0 for rank in range(RANKS)), log[-3000:]
+    kinds = [step_kinds(log, rank) for rank in range(RANKS)]
+    if "--dp-size" in flags:
+        assert not any("eager" in k for k in kinds), kinds
+    assert sum(k.get("piecewise", 0) + k.get("whole", 0) for k in kinds) > 0, kinds
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ imports the other, so they live here, beside the messages they describe.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gyrfalcon.ipc.messages import SamplingParams, ScheduledRow
@@ -17,6 +18,28 @@ PLACEHOLDER = -1
 # The reserved KV page: never handed to a request; padded and dummy rows read and
 # write only this page, so a padded batch needs no KV capacity beyond it.
 DUMMY_PAGE = 0
+
+
+def piecewise_sizes(max_tokens: int) -> list[int]:
+    """The token counts piecewise graphs are captured at (worker/piecewise_graph.py),
+    ascending: 16, 32, 64, then steps of half the previous power of two (96, 128, 192,
+    256, 384, 512, ...; at most 1.5x padding above 64 tokens), up to max_tokens
+    (included); [] when max_tokens < 1. The scheduler pads DP ranks' agreed token
+    counts to them (`StepPlan.graph_tokens`)."""
+    if max_tokens < 1:
+        return []
+    sizes, size = [], 16
+    while size < max_tokens:
+        sizes.append(size)
+        half = 1 << (size.bit_length() - 2)  # NOTE: half the power of two <= size
+        size = size * 2 if size < 64 else size + half
+    return sorted(set(sizes) | {max_tokens})
+
+
+def step_tokens(rows: Sequence[ScheduledRow]) -> int:
+    """The tokens a rank's batch runs through the target: each row's input ids and its
+    draft slots (an IDLE batch: 0; its dummy row is the worker's)."""
+    return sum(len(row.input_ids) + row.num_draft for row in rows)
 
 
 def pages_needed(pages_held: int, end: int, page_size: int) -> int:

@@ -225,6 +225,10 @@ class StepPlan(msgspec.Struct, tag=True):
     # k + 1 for VERIFY: an IDLE rank's dummy row has as many)
     graph_rows: int = 0
     graph_width: int = 1
+    # where graph_rows is 0, the token count every rank's forward runs padded to as
+    # piecewise graphs (`plan.agreed_tokens`: the most tokens of any rank's batch, an
+    # IDLE rank's dummy row 1, padded to a captured size); 0: every rank eager
+    graph_tokens: int = 0
 
 
 class Shutdown(msgspec.Struct, tag=True):

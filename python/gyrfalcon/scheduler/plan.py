@@ -9,7 +9,9 @@ appear here: the worker makes them.
 
 from __future__ import annotations
 
-from gyrfalcon.ipc.contract import is_steady_verify_row
+from collections.abc import Sequence
+
+from gyrfalcon.ipc.contract import is_steady_verify_row, step_tokens
 from gyrfalcon.ipc.messages import ForwardMode, NewRequest, RankBatch, ScheduledRow
 from gyrfalcon.scheduler.policy import Decision
 from gyrfalcon.scheduler.step_log import is_decode_row
@@ -49,9 +51,10 @@ def agreed_graph(batches: list[RankBatch], num_draft: int = 0) -> tuple[int, int
     (an IDLE rank runs one dummy row) when every other batch is a plain DECODE (1 token
     a row), or when every other batch is a uniform VERIFY: each row one input token and
     all `num_draft` drafts (num_draft + 1 tokens a row, the VERIFY graphs' width).
-    Else (0, 1): one rank's prefill, mixed or ragged verify step runs eagerly, and so
-    must every rank, since an eager rank gathers row counts on the host where a
-    replaying one would not."""
+    Else (0, 1): one rank's prefill, mixed or ragged verify step runs outside these
+    graphs, and so must every rank (as piecewise graphs at `agreed_tokens`, or
+    eagerly), since an eager rank gathers row counts on the host where a replaying
+    one would not."""
     widths: set[int] = set()
     for b in batches:
         if b.forward_mode == ForwardMode.DECODE:
@@ -64,3 +67,13 @@ def agreed_graph(batches: list[RankBatch], num_draft: int = 0) -> tuple[int, int
     if len(widths) > 1 or 0 in widths:
         return 0, 1
     return max(max(len(b.rows) for b in batches), 1), widths.pop() if widths else 1
+
+
+def agreed_tokens(batches: list[RankBatch], sizes: Sequence[int]) -> int:
+    """The token count every DP rank runs a step without an agreed graph at, as
+    piecewise graphs (`StepPlan.graph_tokens`): the smallest of `sizes` (the counts
+    the workers captured, ascending; `piecewise_sizes`) holding the most tokens of any
+    rank's batch (`step_tokens`; an IDLE rank's dummy row has one). 0 when the most
+    exceed every size, or without sizes: every rank then runs eagerly."""
+    most = max(step_tokens(b.rows) or 1 for b in batches)
+    return next((size for size in sizes if size >= most), 0)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 
 from gyrfalcon.config.server_args import ServerArgs
-from gyrfalcon.ipc.contract import pages_needed
+from gyrfalcon.ipc.contract import pages_needed, piecewise_sizes
 from gyrfalcon.ipc.messages import (
     GenerateRequest,
     RequestOutput,
@@ -29,7 +29,7 @@ from gyrfalcon.ipc.messages import (
 )
 from gyrfalcon.scheduler.outputs import delta_output, final_output, interleave
 from gyrfalcon.scheduler.page_allocator import PageAllocator
-from gyrfalcon.scheduler.plan import agreed_graph, rank_batch
+from gyrfalcon.scheduler.plan import agreed_graph, agreed_tokens, rank_batch
 from gyrfalcon.scheduler.policy import Limits, ReserveRatio, Scheduled, schedule
 from gyrfalcon.scheduler.prefix_cache import PrefixCache
 from gyrfalcon.scheduler.ranks import RankState, pick_rank
@@ -55,6 +55,9 @@ class SchedulerConfig:
     max_queue_len: int = 0  # waiting requests beyond which arrivals are refused (0: none)
     prefix_caching: bool = False  # KV pages shared by content (prefix_cache.py)
     separate_prefill: bool = False  # prefill rows never beside decode rows (policy.Limits)
+    # the token counts the workers capture piecewise graphs at (DP ranks that agree on
+    # graphs pad steps without one to them: `plan.agreed_tokens`); () where none
+    piecewise_sizes: tuple[int, ...] = ()
 
     @classmethod
     def from_args(
@@ -88,6 +91,9 @@ class SchedulerConfig:
             max_queue_len=args.max_queue_len or 0,
             prefix_caching=not args.disable_prefix_caching,
             separate_prefill=args.separate_prefill_steps,
+            piecewise_sizes=tuple(piecewise_sizes(args.piecewise_cuda_graph_max_tokens))
+            if args.graph_mode() is not None
+            else (),
         )
 
 
@@ -212,7 +218,9 @@ class Scheduler:
                 s.req.num_pending_drafts += s.num_draft
         if len(batches) == 1:  # NOTE: only DP ranks read the agreed graph
             return StepPlan(step_id, batches)
-        return StepPlan(step_id, batches, *agreed_graph(batches, self.cfg.num_draft_tokens))
+        rows, width = agreed_graph(batches, self.cfg.num_draft_tokens)
+        tokens = 0 if rows else agreed_tokens(batches, self.cfg.piecewise_sizes)
+        return StepPlan(step_id, batches, rows, width, tokens)
 
     def pump(
         self, submit: Callable[[StepPlan], None], receive: Callable[[], StepResult]

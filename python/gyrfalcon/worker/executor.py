@@ -21,6 +21,7 @@ from gyrfalcon.forward.batch import ForwardBatch
 from gyrfalcon.forward.kv_cache import KVCache
 from gyrfalcon.forward.metadata import BatchTensors
 from gyrfalcon.forward.parallel import SINGLE_RANK, ParallelContext
+from gyrfalcon.ipc.contract import piecewise_sizes
 from gyrfalcon.ipc.messages import ForwardMode
 from gyrfalcon.kernels.dispatch import KernelPolicy
 from gyrfalcon.layers.attention.base import AttentionBackend
@@ -29,7 +30,7 @@ from gyrfalcon.layers.context import LayerContext
 from gyrfalcon.layers.moe import SparseMoeBlock
 from gyrfalcon.models.registry import build_model
 from gyrfalcon.worker.cuda_graph import GraphRunner, GraphSpec
-from gyrfalcon.worker.piecewise_graph import PiecewiseGraphs, piecewise_sizes
+from gyrfalcon.worker.piecewise_graph import PiecewiseGraphs
 from gyrfalcon.worker.sampler import argmax_rows
 from gyrfalcon.worker.warmup import warm_up_roles
 
@@ -174,18 +175,21 @@ class ModelExecutor:
     def _setup_piecewise(self, mode: str, max_pages: int) -> None:
         """Piecewise graphs for the eager path (worker/piecewise_graph.py), up to
         --piecewise-cuda-graph-max-tokens tokens, whole ones over up to --max-num-seqs
-        rows where the backend serves them; none where the ranks bring their own tokens
-        to the MoE layers (DP attention: their gathers exchange row counts)."""
+        rows where the backend serves them. Where the ranks bring their own tokens to
+        the MoE layers (DP attention), every rank captures the same sizes in the same
+        order, gathering equal rows, and runs them only at the plan's agreed size
+        (`StepPlan.graph_tokens`)."""
         self.piecewise = None
         sizes = piecewise_sizes(self.args.piecewise_cuda_graph_max_tokens)
-        if not sizes or self.ctx.parallel.moe_group[1]:
+        if not sizes:
             return
         assert self.kv_cache is not None
         self.piecewise = PiecewiseGraphs(
             self._model_outputs, self.backends.extend, self.kv_cache, self.dtype,
             self.page_size, self.device, mode, sizes, self.args.max_num_seqs, max_pages,
         )  # fmt: skip
-        self.piecewise.capture()
+        with self.ctx.parallel.rows_agreed():  # NOTE: a no-op where the tokens are shared
+            self.piecewise.capture()
 
     def warm_up_kernels(self, max_rows: int) -> None:
         """The eager path's kernel variants the warm-up steps do not meet, for batches of
@@ -240,12 +244,15 @@ class ModelExecutor:
         logit_tokens: torch.Tensor,
         every_token: bool,
         graph_rows: int | None = None,
+        graph_tokens: int = 0,
     ) -> ForwardOutput:
         """Run the batch: through a captured graph when one serves its mode and size and
         every token wants logits (`every_token`: logit_tokens is all T tokens in order,
-        e.g. a DECODE or a VERIFY step), else eagerly. logit_tokens: [n] int64, the
-        tokens (indices into the batch's T) whose logits are returned. graph_rows: where
-        ranks agree on graphs (`StepPlan.graph_rows`): 0 runs eagerly, n > 0 the graph
+        e.g. a DECODE or a VERIFY step), else as piecewise graphs when they serve T
+        tokens, else eagerly. logit_tokens: [n] int64, the tokens (indices into the
+        batch's T) whose logits are returned. graph_rows: where ranks agree on graphs
+        (`StepPlan.graph_rows`): 0 runs the piecewise graphs at graph_tokens
+        (`StepPlan.graph_tokens`: T padded to it) or, at 0, eagerly; n > 0 the graph
         padded for n rows, which must then serve the batch (every rank decides alike)."""
         assert self.kv_cache is not None, "init_kv_cache() first"
         graphs, rows = self.graphs, graph_rows or 0
@@ -258,11 +265,19 @@ class ModelExecutor:
             f"the ranks agreed on a graph for {rows} rows that this rank's {mode.name} "
             "batch cannot replay"
         )
-        attn, ran = self.backend_for(mode), "eager"
-        if graph_rows != 0 and self.piecewise is not None and self.piecewise.can_run(bt):
-            hidden, *rest = self.piecewise.run(mode, bt, attn)
+        attn, ran, pw = self.backend_for(mode), "eager", self.piecewise
+        # NOTE: ranks that agree on graphs run the pieces only at the size they agreed
+        # on (its collectives' shapes), every other rank at its own
+        size = graph_tokens if graph_rows == 0 else None
+        if pw is not None and (size or (graph_rows is None and pw.can_run(bt))):
+            assert size is None or 0 < bt.input_ids.shape[0] <= size, (
+                f"the ranks agreed on {size} tokens, this rank's {mode.name} batch has "
+                f"{bt.input_ids.shape[0]}"
+            )
+            with self.ctx.parallel.rows_agreed():  # NOTE: static passes gather eagerly
+                hidden, *rest = pw.run(mode, bt, attn, size)
             aux = rest[0] if rest else None
-            ran = "whole" if self.piecewise.last_whole else "piecewise"
+            ran = "whole" if pw.last_whole else "piecewise"
         else:
             batch = ForwardBatch.from_tensors(mode, bt, self.page_size, self.kv_cache, attn)
             batch.attn_meta = attn.build_metadata(batch)

@@ -62,20 +62,6 @@ logger = logging.getLogger(__name__)
 Forward = Callable[[ForwardBatch], tuple[torch.Tensor, ...]]
 
 
-def piecewise_sizes(max_tokens: int) -> list[int]:
-    """Padded token counts to capture, ascending: 16, 32, 64, then steps of half the
-    previous power of two (96, 128, 192, 256, 384, 512, ...; at most 1.5x padding
-    above 64 tokens), up to max_tokens (included); [] when max_tokens < 1."""
-    if max_tokens < 1:
-        return []
-    sizes, size = [], 16
-    while size < max_tokens:
-        sizes.append(size)
-        half = 1 << (size.bit_length() - 2)  # NOTE: half the power of two <= size
-        size = size * 2 if size < 64 else size + half
-    return sorted(set(sizes) | {max_tokens})
-
-
 class _Split(AttentionBackend):
     """The attention of a piecewise pass: stage q (k, v), then hand over to the runner
     (`PiecewiseGraphs._boundary`), return the output buffer's rows."""
@@ -322,12 +308,19 @@ class PiecewiseGraphs:
         torch.cuda.synchronize(self.device)
 
     def run(
-        self, mode: ForwardMode, bt: BatchTensors, backend: AttentionBackend
+        self,
+        mode: ForwardMode,
+        bt: BatchTensors,
+        backend: AttentionBackend,
+        size: int | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """The forward of bt (`can_run`) attending with `backend` -> each output's rows of
         bt's tokens (views of static buffers: valid until the next run): one whole graph
-        where it fits (module docstring), else the pieces."""
-        size = padded_batch_size(bt.input_ids.shape[0], self.sizes, "token count")
+        where it fits (module docstring), else the pieces; padded to `size` (a captured
+        one: what the DP ranks agreed on), else to the smallest that holds bt."""
+        if size is None:
+            size = padded_batch_size(bt.input_ids.shape[0], self.sizes, "token count")
+        assert size in self.sizes and bt.input_ids.shape[0] <= size, (size, self.sizes)
         n = self._fill(bt, size)
         real = ForwardBatch.from_tensors(mode, bt, self.page_size, self.kv_cache, backend)
         self.num_runs += 1

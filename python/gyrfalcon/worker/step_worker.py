@@ -35,7 +35,12 @@ from gyrfalcon.forward.metadata import (
     shift_rows,
 )
 from gyrfalcon.forward.parallel import SINGLE_RANK, ParallelContext
-from gyrfalcon.ipc.contract import DUMMY_PAGE, is_steady_verify_row, verifies_drafts
+from gyrfalcon.ipc.contract import (
+    DUMMY_PAGE,
+    is_steady_verify_row,
+    step_tokens,
+    verifies_drafts,
+)
 from gyrfalcon.ipc.messages import (
     ForwardMode,
     RankBatch,
@@ -113,6 +118,7 @@ class StepWorker:
         # (`graph_width`); None: this rank decides
         self.graph_rows: int | None = 0 if args.dp_ranks_agree() else None
         self.graph_width = 1
+        self.graph_tokens = 0  # where graph_rows is 0, the plan's `graph_tokens`
         self.num_plans = 0  # plans run (warm-up excluded)
         self.stats = StepStats(self.device)  # per kind of step (warm-up excluded)
         self.compiles = CompileWatch()  # Triton kernels first built after the warm-up
@@ -167,12 +173,14 @@ class StepWorker:
         self.num_plans += 1
         if self.graph_rows is not None:
             self.graph_rows, self.graph_width = plan.graph_rows, plan.graph_width
+            self.graph_tokens = plan.graph_tokens
         began = self.stats.begin()
         try:
             self.submit_batch(plan.step_id, plan.batches[self.dp_rank])
         finally:
             if self.graph_rows is not None:
-                self.graph_rows = 0  # NOTE: batches outside a plan (warm-up) run eagerly
+                # NOTE: batches outside a plan (warm-up) run eagerly
+                self.graph_rows, self.graph_tokens = 0, 0
         step = self.pending[-1]
         step.span = self.stats.end(step.kind, len(step.results), began)
 
@@ -240,15 +248,16 @@ class StepWorker:
 
     def _run_dummy_row(self) -> None:
         """An IDLE rank's step: one padded row (token 0 at positions 0 .. t - 1 on the
-        dummy page) through the executor's normal path, graphs included; output
-        discarded. t is the plan's `graph_width`: a DECODE row, or a VERIFY row of k + 1
-        tokens when the other ranks verify in the agreed graph."""
+        dummy page) through the executor's normal path, graphs included (piecewise ones
+        at the plan's `graph_tokens`); output discarded. t is the plan's `graph_width`:
+        a DECODE row, or a VERIFY row of k + 1 tokens when the other ranks verify in the
+        agreed graph."""
         t = self.graph_width
         mode = ForwardMode.DECODE if t == 1 else ForwardMode.VERIFY
         ps = self.args.page_size
         dummy = RowInput(0, [0] * t, [DUMMY_PAGE] * -(-t // ps))
         bt = build_batch_tensors([dummy], ps, self.device, extra=[list(range(t))])
-        self.executor.forward(mode, bt, bt.extra[0], True, self.graph_rows)
+        self.executor.forward(mode, bt, bt.extra[0], True, self.graph_rows, self.graph_tokens)
 
     def _launch(self, step_id: int, rb: RankBatch) -> PendingStep:
         rows = rb.rows
@@ -259,7 +268,7 @@ class StepWorker:
         if self._fuses(rows, reqs):
             return self._launch_fused(step, rows, reqs)
         step.sample_rows = [i for i, row in enumerate(rows) if row.sample]
-        num_tokens = sum(len(row.input_ids) + row.num_draft for row in rows)
+        num_tokens = step_tokens(rows)  # NOTE: as the plan counts them (`agreed_tokens`)
         layout = StepLayout(num_tokens, len(step.sample_rows) * width, width)
         inputs: list[RowInput] = []
         for row, req in zip(rows, reqs):
@@ -300,7 +309,9 @@ class StepWorker:
         if layout.dr_pos:
             bt.input_ids[dr_pos_t] = self.requests.draft_tokens.view(-1)[dr_src_t]
         every_token = len(layout.logit_tokens) == num_tokens
-        out = self.executor.forward(rb.forward_mode, bt, logit_t, every_token, self.graph_rows)
+        out = self.executor.forward(
+            rb.forward_mode, bt, logit_t, every_token, self.graph_rows, self.graph_tokens
+        )
         step.kind = out.ran
         if out.hidden is not None:
             fill_prompt_logprobs(

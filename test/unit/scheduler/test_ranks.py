@@ -3,7 +3,7 @@ an IDLE batch; each rank's results are applied on their own, in any interleaving
 
 import pytest
 
-from gyrfalcon.ipc.contract import PLACEHOLDER, RankLayout
+from gyrfalcon.ipc.contract import PLACEHOLDER, RankLayout, piecewise_sizes
 from gyrfalcon.ipc.messages import (
     ForwardMode,
     GenerateRequest,
@@ -15,7 +15,7 @@ from gyrfalcon.ipc.messages import (
     StepResult,
 )
 from gyrfalcon.scheduler.outputs import interleave
-from gyrfalcon.scheduler.plan import agreed_graph
+from gyrfalcon.scheduler.plan import agreed_graph, agreed_tokens
 from gyrfalcon.scheduler.scheduler import Scheduler, SchedulerConfig
 
 EOS = 99
@@ -34,11 +34,13 @@ class RankSim:
         self.results: list[StepResult] = []
         self.modes: list[ForwardMode] = []
         self.graph_rows: list[int] = []
+        self.graph_tokens: list[int] = []
 
     def submit(self, plan):
         rb = plan.batches[self.dp_rank]
         self.modes.append(rb.forward_mode)
         self.graph_rows.append(plan.graph_rows)
+        self.graph_tokens.append(plan.graph_tokens)
         for rid in rb.finished_rids:
             del self.seqs[rid]
         for new in rb.new_requests:
@@ -59,9 +61,12 @@ class RankSim:
         self.results.append(StepResult(plan.step_id, rows, self.dp_rank))
 
 
-def run(requests, dp_size, inflight, order):
-    """order(ranks) -> the rank whose oldest result is delivered next."""
-    cfg = SchedulerConfig(64, 4, 64, 8, 32, 8, (EOS,), True, inflight, 1.0, dp_size)
+def run(requests, dp_size, inflight, order, piecewise=()):
+    """order(ranks) -> the rank whose oldest result is delivered next; piecewise: the
+    token counts of the workers' piecewise graphs."""
+    cfg = SchedulerConfig(
+        64, 4, 64, 8, 32, 8, (EOS,), True, inflight, 1.0, dp_size, piecewise_sizes=piecewise
+    )
     s = Scheduler(cfg)
     for rid, prompt, sp in requests:
         s.add_request(GenerateRequest(rid, prompt, sp))
@@ -237,6 +242,42 @@ def test_the_scheduler_sends_the_agreed_size_with_every_plan():
     # a and c decode on rank 0 while rank 1 idles: both replay the 2-row graph
     assert (ForwardMode.DECODE, ForwardMode.IDLE, 2) in steps
     assert all(rows == 0 for m0, m1, rows in steps if ForwardMode.MIXED in (m0, m1))
+
+
+@pytest.mark.parametrize(
+    "batches, want",
+    [
+        # the most tokens of any rank, padded to a captured count
+        ([_batch(ForwardMode.PREFILL, 1, inputs=20), _batch(D, 3)], 32),
+        ([_batch(ForwardMode.PREFILL, 1, inputs=16), _batch(IDLE, 0)], 16),
+        ([_batch(ForwardMode.MIXED, 2, inputs=40), _batch(ForwardMode.PREFILL, 1, inputs=3)], 96),
+        # a ragged verify step: each row's inputs and its draft slots
+        ([_batch(V, 3, 2, inputs=1), _batch(V, 2, 3, inputs=10)], 32),
+        ([_batch(IDLE, 0), _batch(IDLE, 0)], 16),  # the dummy rows' one token
+        ([_batch(ForwardMode.PREFILL, 1, inputs=513), _batch(D, 3)], 0),  # above 512: eager
+    ],
+)
+def test_dp_ranks_without_one_graph_agree_on_a_padded_token_count(batches, want):
+    """Where no agreed graph serves a step, every rank runs its forward as piecewise
+    graphs padded to one captured token count that holds every rank's batch (their
+    MoE gathers then need no count exchange), or, above the largest, eagerly."""
+    assert agreed_tokens(batches, piecewise_sizes(512)) == want
+    assert agreed_tokens(batches, []) == 0  # no piecewise graphs: eager
+
+
+def test_plans_carry_the_agreed_token_count_where_no_graph_is_agreed():
+    """The requests' prompts (3, 2 and 11 tokens, in chunks of up to 8 a rank) arrive
+    together: the plans of their steps carry the count the most tokens of a rank pad
+    to (16 of 4, 16), those of graphs of agreed rows none, and with pieces of at most
+    4 tokens they carry 0 (every rank eager)."""
+    _, (sim0, sim1) = run(REQUESTS, 2, 1, first, piecewise=(4, 16))
+    assert sim1.graph_tokens == sim0.graph_tokens  # one plan for both
+    steps = list(zip(sim0.modes, sim1.modes, sim0.graph_rows, sim0.graph_tokens))
+    assert steps[0] == (ForwardMode.PREFILL, ForwardMode.PREFILL, 0, 16)
+    for m0, m1, rows, tokens in steps:
+        assert (tokens == 0) == (rows > 0), (m0, m1, rows, tokens)
+    _, (sim0, _) = run(REQUESTS, 2, 1, first, piecewise=(4,))
+    assert sim0.graph_tokens[0] == 0 and sim0.graph_rows[0] == 0
 
 
 @pytest.mark.parametrize("inflight", [1, 2])

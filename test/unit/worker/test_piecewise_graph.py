@@ -9,7 +9,7 @@ import torch
 from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.engine import LocalEngine
-from gyrfalcon.ipc.contract import DUMMY_PAGE
+from gyrfalcon.ipc.contract import DUMMY_PAGE, piecewise_sizes
 from gyrfalcon.ipc.messages import (
     ForwardMode,
     NewRequest,
@@ -20,7 +20,6 @@ from gyrfalcon.ipc.messages import (
 )
 from gyrfalcon.worker.bootstrap import build_worker
 from gyrfalcon.worker.cuda_graph import padded_batch_size
-from gyrfalcon.worker.piecewise_graph import piecewise_sizes
 
 PS = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
