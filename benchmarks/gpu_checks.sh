@@ -307,9 +307,12 @@ for (name, bs), tok in sorted(runs.items()):
 PY
     ;;
   multiturn)  # prefix caching: benchmarks/bench_multiturn.py (shared 1024-token system
-    # prompt, 4 turns, 64 conversations at once) on the 8B shape, with the cache and without.
-    # MT_RUNS as MOE_RUNS ("name:flags;name:flags"; "name@.ab/<commit>:flags" serves an
-    # older tree from benchmarks/ab_trees.sh, carried), e.g. "dp2:--dp-size 2" alone
+    # prompt, 4 turns, 64 conversations at once) on the 8B shape ($MODEL: another), with
+    # the cache and without. MT_RUNS as MOE_RUNS ("name:flags;name:flags";
+    # "name@.ab/<commit>:flags" serves an older tree from benchmarks/ab_trees.sh,
+    # carried), e.g. "dp2:--dp-size 2" alone. Each server's step kinds and pages are
+    # printed; the logs come back as multiturn_logs.tgz.
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     IFS=';' read -ra RUNS <<< "${MT_RUNS:-cache:;nocache:--disable-prefix-caching}"
     for R in "${RUNS[@]}"; do
       parse_run "$R"
@@ -319,8 +322,13 @@ PY
       python3 benchmarks/bench_multiturn.py --port 8100 --device-kind "$KIND" --tag "$NAME" \
         --num-conversations ${MT_CONV:-64} --concurrency ${MT_CONC:-64} \
         --output-json "$OUT/multiturn_$NAME.json" 2>&1 | tail -25
+      python3 -c "import json, urllib.request as u; i = json.load(u.urlopen('http://127.0.0.1:8100/server_info'))
+print('pages after the runs:', i['num_free_pages'], 'of', i['num_total_pages'], 'free, integrity', i['integrity_ok'])"
       kill -TERM $SERVER; wait $SERVER; echo "server exit $?"
-    done ;;
+      grep -a "target forwards" "$OUT/server_multiturn_$NAME.log" | tail -8
+    done
+    tar czf "$OUT/multiturn_logs.tgz" -C "$OUT" $(cd "$OUT" && ls server_multiturn_*.log) \
+      && rm -f "$OUT"/server_multiturn_*.log ;;
   fi-cache)
     mkdir -p /tmp/fi-pack && cp -r "$FI_AOT"/. /tmp/fi-pack/ && rm -f /tmp/fi-pack/.restored
     for so in ~/.cache/flashinfer/*/*/cached_ops/*/*.so; do  # built on this machine
