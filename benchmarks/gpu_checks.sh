@@ -201,6 +201,9 @@ case "${1:-tests}" in
     # (profiling.KernelWindow; no warm-up request, so that the windows' plans are the
     # burst's on every rank), sent back as kprof.tgz; the server logs as moe_logs.tgz, the
     # benchmarks' JSONs as moe_serving.tgz.
+    # MOE_IN / MOE_OUT: other prompt and answer lengths (1024 / 512); MOE_RATE: requests a
+    # second (Poisson arrivals, bench serve's --request-rate; all at once without), e.g.
+    # MOE_IN=128 MOE_OUT=256 MOE_RATE=16 MOE_CONC=64 for small prompts arriving one by one.
     # MOE_REPEAT=N: N bursts of each concurrency (files _r2 .. _rN; one DP 4 server's c256
     # read 10,664 and 12,001 tok/s in two single-burst runs). Every burst has prompts of
     # its own (a seed per concurrency and repeat): stop 48's c64 and c16 bursts were the
@@ -219,8 +222,8 @@ case "${1:-tests}" in
       for C in ${MOE_CONC:-16 64 256}; do
         for I in $(seq "${MOE_REPEAT:-1}"); do
           serve_bench "${NAME}_c$C$([ "$I" = 1 ] || echo "_r$I")" --num-prompts "$C" \
-            --random-input-len 1024 --random-output-len 512 --ignore-eos --max-concurrency "$C" \
-            --seed $((3 + I + 1000 * C)) --warmup-requests "$([ -n "${KPROF:-}" ] && echo 0 || echo 1)"
+            --random-input-len "${MOE_IN:-1024}" --random-output-len "${MOE_OUT:-512}" --ignore-eos \
+            --max-concurrency "$C" ${MOE_RATE:+--request-rate "$MOE_RATE"} --seed $((3 + I + 1000 * C)) --warmup-requests "$([ -n "${KPROF:-}" ] && echo 0 || echo 1)"
         done
       done
       PAGES=$(python3 -c "import json, urllib.request as u; i = json.load(u.urlopen('http://127.0.0.1:8100/server_info'))
