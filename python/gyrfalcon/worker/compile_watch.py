@@ -17,8 +17,6 @@ from collections import Counter
 
 logger = logging.getLogger(__name__)
 
-KEY_CHARS = 600  # of a specialization's cache key, logged
-
 
 def kernel_name(spec: str) -> str:
     """The kernel's name in Triton's description of a specialization
@@ -59,9 +57,10 @@ class CompileWatch:
         name = kernel_name(repr)
         self.counts[name] += 1
         self.seconds += took
-        spec = str(key)[:KEY_CHARS]
-        msg = "Triton built %s while serving (%.0f ms): warm-up missed it; specialization %s"
-        logger.warning(msg, name, took * 1e3, spec)
+        # NOTE: whole: the constexprs come last (a cut key hid NUM_SPLITS, stop 50), and
+        # the description names the arguments the key's entries belong to, in order
+        msg = "Triton built %s while serving (%.0f ms): warm-up missed it; specialization %s of %s"
+        logger.warning(msg, name, took * 1e3, key, repr)
 
     def summary(self) -> str:
         if not self.counts:

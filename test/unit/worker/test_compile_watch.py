@@ -11,9 +11,13 @@ from gyrfalcon.worker.compile_watch import CompileWatch, kernel_name
 SPEC = "decode_attn_kernel[num_warps=4, num_ctas=1, num_stages=2](q: *bf16, n: i32)"
 
 
+# a key as long as a real kernel's (~1,000 characters: 55 arguments), constexprs last
+KEY = str([("*bf16", "D")] * 45 + [("i32", "")] * 8 + [("constexpr", 8), ("constexpr", 16)])
+
+
 def _hook_kwargs(spec: str) -> dict:
     # the keywords Triton passes its JIT hooks (triton.knobs.JITHook)
-    return dict(key="[('*bf16', 'D'), ('i32', '')]", repr=spec, fn=None, compile={}, is_manual_warmup=False,
+    return dict(key=KEY, repr=spec, fn=None, compile={}, is_manual_warmup=False,
                 already_compiled=False)  # fmt: skip
 
 
@@ -36,7 +40,8 @@ def test_summary_names_each_kernel_built(caplog, monkeypatch):
     assert text.startswith("3 Triton kernels built while serving")
     assert "decode_attn_kernel x2" in text and "argmax_kernel x1" in text
     logged = [r.getMessage() for r in caplog.records if "warm-up missed it" in r.getMessage()]
-    assert len(logged) == 3 and "('*bf16', 'D')" in logged[0]  # the specialization shows
+    # the whole specialization shows, constexprs included, and the arguments' names
+    assert len(logged) == 3 and KEY in logged[0] and "(q: *bf16, n: i32)" in logged[0]
 
 
 def test_install_sets_tritons_hooks_once():
