@@ -117,6 +117,8 @@ export GYRFALCON_SMOLLM2_GGUF=${GYRFALCON_SMOLLM2_GGUF:-/tmp/SmolLM2-135M-Instru
 export GYRFALCON_CACHE=/tmp/gyr-cache
 # NOTE: the device's copy may carry a stale .git; results name the commit given here
 export GYRFALCON_COMMIT=${GYRFALCON_COMMIT:-unknown}
+# NOTE: NVLink multicast off in every mode (the device notes ask it of several GPUs)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 start_server() {  # dummy $MODEL (the 8B) with a synthetic tokenizer; records the start-up time
   local model=${MODEL:-benchmarks/models/llama-3.1-8b} name
   name=$(basename "$model")
@@ -132,6 +134,10 @@ start_server() {  # dummy $MODEL (the 8B) with a synthetic tokenizer; records th
   done
   echo "{\"bench\": \"startup\", \"device_kind\": \"$KIND\", \"model\": \"$name dummy\", \"commit\": \"${GYRFALCON_COMMIT:-unknown}\", \"seconds_to_healthy\": $(python3 -c "print(round($(date +%s.%N) - $t0, 1))")}" > "$OUT/startup_$1.json"
   cat "$OUT/startup_$1.json"; grep -a "captured" "$OUT/server_$1.log"
+}
+pages_after() {  # the running server's page accounting, one line
+  python3 -c "import json, urllib.request as u; i = json.load(u.urlopen('http://127.0.0.1:8100/server_info'))
+print('pages after the runs:', i['num_free_pages'], 'of', i['num_total_pages'], 'free, integrity', i['integrity_ok'])"
 }
 parse_run() {  # "name[@tree]:flags" (MOE_RUNS, MT_RUNS) -> N (name), T (tree, . for this one), FLAGS
   N=${1%%:*} T=. FLAGS=${1#*:}
@@ -170,7 +176,6 @@ case "${1:-tests}" in
     # concurrency 1); then dp 2 against one GPU on the random 1024 / 512 set at
     # concurrency 256 (NUM_DP prompts, default 512); RANKS_TP=0 or RANKS_DP=0 skips either
     # part
-    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     TP_RUNS=() DP_RUNS=()  # NOTE: arrays: each "name:flags" is one word
     # NOTE: tp2nccl: every all-reduce through NCCL (--disable-custom-all-reduce)
     [ "${RANKS_TP:-1}" = 1 ] && TP_RUNS=("tp1:--tp-size 1" "tp2:--tp-size 2"
@@ -209,7 +214,6 @@ case "${1:-tests}" in
     # its own (a seed per concurrency and repeat): stop 48's c64 and c16 bursts were the
     # c256 burst's first prompts, which TP 4 found in its prefix cache (c16 first tokens
     # 47 ms; cold, 158-190 ms at stop 49), while DP 4 + EP 4 read 288 ms.
-    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     export MODEL=benchmarks/models/qwen3-30b-a3b
     IFS=';' read -ra RUNS <<< "${MOE_RUNS:-dp2ep2:--dp-size 2 --ep-size 2;tp2:--tp-size 2}"
     for R in "${RUNS[@]}"; do
@@ -223,11 +227,11 @@ case "${1:-tests}" in
         for I in $(seq "${MOE_REPEAT:-1}"); do
           serve_bench "${NAME}_c$C$([ "$I" = 1 ] || echo "_r$I")" --num-prompts "$C" \
             --random-input-len "${MOE_IN:-1024}" --random-output-len "${MOE_OUT:-512}" --ignore-eos \
-            --max-concurrency "$C" ${MOE_RATE:+--request-rate "$MOE_RATE"} --seed $((3 + I + 1000 * C)) --warmup-requests "$([ -n "${KPROF:-}" ] && echo 0 || echo 1)"
+            --max-concurrency "$C" ${MOE_RATE:+--request-rate "$MOE_RATE"} \
+            --seed $((3 + I + 1000 * C)) --warmup-requests "$([ -n "${KPROF:-}" ] && echo 0 || echo 1)"
         done
       done
-      PAGES=$(python3 -c "import json, urllib.request as u; i = json.load(u.urlopen('http://127.0.0.1:8100/server_info'))
-print('pages after the runs:', i['num_free_pages'], 'of', i['num_total_pages'], 'free, integrity', i['integrity_ok'])")
+      PAGES=$(pages_after)
       kill -TERM $SERVER; wait $SERVER; echo "server exit $?"
       # NOTE: also in the log (appended once the server is gone): four servers' output
       # outgrew the call's returned tail, and two servers' accounting with it (stop 48)
@@ -249,7 +253,6 @@ print('pages after the runs:', i['num_free_pages'], 'of', i['num_total_pages'], 
     # (gyrfalcon.bench.rank_steps). Sent back as rank_spec.tgz. The 4-GPU runs (issue of
     # the wide machines): RANK_CONFIGS="attn_dp4_moe_ep4 attn_tp4_moe_tp4" RS_CONC="16 64 256"
     # RS_PER_C=1 RS_OUT=512; their GPU tests: GYRFALCON_GPU_RANKS=4 PYTEST_K=ranks ... tests
-    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     export GYRFALCON_STEP_TIMES=1 DEVICE_KIND=$KIND CONFIG_ARGS="--attention-backend triton"
     RS=$OUT/rank_spec; mkdir -p "$RS"
     for C in ${RANK_CONFIGS:-attn_dp2_moe_ep2 attn_tp2_moe_tp2}; do
@@ -315,7 +318,6 @@ PY
     # "name@.ab/<commit>:flags" serves an older tree from benchmarks/ab_trees.sh,
     # carried), e.g. "dp2:--dp-size 2" alone. Each server's step kinds and pages are
     # printed; the logs come back as multiturn_logs.tgz.
-    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     IFS=';' read -ra RUNS <<< "${MT_RUNS:-cache:;nocache:--disable-prefix-caching}"
     for R in "${RUNS[@]}"; do
       parse_run "$R"
@@ -325,8 +327,7 @@ PY
       python3 benchmarks/bench_multiturn.py --port 8100 --device-kind "$KIND" --tag "$NAME" \
         --num-conversations ${MT_CONV:-64} --concurrency ${MT_CONC:-64} \
         --output-json "$OUT/multiturn_$NAME.json" 2>&1 | tail -25
-      python3 -c "import json, urllib.request as u; i = json.load(u.urlopen('http://127.0.0.1:8100/server_info'))
-print('pages after the runs:', i['num_free_pages'], 'of', i['num_total_pages'], 'free, integrity', i['integrity_ok'])"
+      pages_after
       kill -TERM $SERVER; wait $SERVER; echo "server exit $?"
       grep -a "target forwards" "$OUT/server_multiturn_$NAME.log" | tail -8
     done

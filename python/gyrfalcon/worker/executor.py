@@ -270,10 +270,6 @@ class ModelExecutor:
         # on (its collectives' shapes), every other rank at its own
         size = graph_tokens if graph_rows == 0 else None
         if pw is not None and (size or (graph_rows is None and pw.can_run(bt))):
-            assert size is None or 0 < bt.input_ids.shape[0] <= size, (
-                f"the ranks agreed on {size} tokens, this rank's {mode.name} batch has "
-                f"{bt.input_ids.shape[0]}"
-            )
             with self.ctx.parallel.rows_agreed():  # NOTE: static passes gather eagerly
                 hidden, *rest = pw.run(mode, bt, attn, size)
             aux = rest[0] if rest else None

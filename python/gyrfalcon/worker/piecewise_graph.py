@@ -318,9 +318,13 @@ class PiecewiseGraphs:
         bt's tokens (views of static buffers: valid until the next run): one whole graph
         where it fits (module docstring), else the pieces; padded to `size` (a captured
         one: what the DP ranks agreed on), else to the smallest that holds bt."""
+        t = bt.input_ids.shape[0]
         if size is None:
-            size = padded_batch_size(bt.input_ids.shape[0], self.sizes, "token count")
-        assert size in self.sizes and bt.input_ids.shape[0] <= size, (size, self.sizes)
+            size = padded_batch_size(t, self.sizes, "token count")
+        assert size in self.sizes and 0 < t <= size, (
+            f"a {mode.name} batch of {t} tokens padded to {size}: not a captured size "
+            f"holding it ({self.sizes}; DP ranks: the plan's `graph_tokens`)"
+        )
         n = self._fill(bt, size)
         real = ForwardBatch.from_tensors(mode, bt, self.page_size, self.kv_cache, backend)
         self.num_runs += 1
