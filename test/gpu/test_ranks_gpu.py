@@ -1,9 +1,9 @@
 """Several GPU ranks over NCCL: a tiny float32 Llama served with tensor parallelism and
 with data-parallel groups, CUDA graphs on, answers greedy batches exactly like one GPU,
 logprobs included; a bf16 tp server on the default backends serves a batch with nothing
-leaked; a tiny MoE likewise over DP attention + EP and MoE-TP; EAGLE3 over each of those
-splits answers like plain decoding on one GPU, its verify steps replayed as graphs on
-every rank; a rank killed mid-load takes the server down within 30 s, nothing left.
+leaked; a tiny MoE likewise over DP attention + EP and MoE-TP, and its eager DP steps
+build no Triton kernel while serving; EAGLE3 over each of those splits answers like
+plain decoding on one GPU, its verify steps replayed as graphs on every rank; a rank killed mid-load takes the server down within 30 s, nothing left.
 
 The rank count is GYRFALCON_GPU_RANKS (default 2; 4 or 8 on the wider machines): the
 tiny models get max(4, ranks) attention heads so that tp splits them."""
@@ -194,6 +194,36 @@ def moe_pair(tiny_moe, tmp_path_factory):
 
     model, tok = tiny_moe
     return model, make_drafter_for(model, str(tmp_path_factory.mktemp("moe-draft"))), tok
+
+
+@pytest.mark.parametrize("spec", [False, True], ids=["plain", "eagle3"])
+def test_dp_ep_eager_steps_build_no_triton_kernel_while_serving(moe_pair, tmp_path, spec):
+    """DP + EP on triton, pieces of at most 16 tokens and prompt chunks of 24: while one
+    group chunks a 100-token prompt, every step is eager on every group, so the others
+    decode ~10 rows eagerly (RoPE inside the decode kernel; with EAGLE3 they verify),
+    a split count the warm-up's own eager steps (two rows) do not use. No rank builds
+    a Triton kernel after its warm-up: each such build stalled a served step ~1 s
+    (stop 50, four H200s)."""
+    import re
+
+    long, short = list(range(3, 103)), [5, 9, 17]
+    prompts = [long] + [short] * (10 * RANKS - 1)
+    flags = [
+        *(eagle3(moe_pair[1]) if spec else ["--attention-backend", "triton"]),
+        "--dp-size", N, "--ep-size", N,
+        "--piecewise-cuda-graph-max-tokens", "16", "--chunked-prefill-size", "24",
+    ]  # fmt: skip
+    got = serve_all(moe_pair, tmp_path, "eager", prompts, False, *flags)
+    info = got.info
+    assert info["usage"]["completion_tokens"] == 24 * len(prompts), info
+    assert info["integrity_ok"] and info["num_free_pages"] == info["num_total_pages"], info
+    assert (info["usage"].get("spec_verify_steps", 0) > 0) == spec, info
+    kinds = [step_kinds(got.log, rank) for rank in range(RANKS)]
+    assert all(k.get("eager", 0) > 0 for k in kinds), kinds
+    for rank in range(RANKS):
+        line = re.search(rf"rank {rank}: \d+ steps, .*", got.log)
+        built = line and line[0].rsplit("; ", 1)[-1]
+        assert built == "no Triton kernel built while serving", (rank, got.log[-3000:])
 
 
 @pytest.mark.parametrize(

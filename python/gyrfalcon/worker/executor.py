@@ -193,10 +193,15 @@ class ModelExecutor:
 
     def warm_up_kernels(self, max_rows: int) -> None:
         """The eager path's kernel variants the warm-up steps do not meet, for batches of
-        up to max_rows rows (`AttentionBackend.warm_up_kernels`), and the fused MoE
+        up to max_rows rows (`AttentionBackend.warm_up_kernels`; under DP attention the
+        warm-up's own steps are eager, two rows each), and the fused MoE
         kernels' for any step's token count (`SparseMoeBlock.warm_up_kernels`)."""
         assert self.kv_cache is not None, "init_kv_cache() first"
-        warm_up_roles(self.backends, self.graphs, ForwardMode.DECODE, self.kv_cache, self.dtype,
+        # NOTE: where the DP ranks agree on graphs, another group's prompt step over the
+        # piecewise sizes runs a DECODE batch of any row count eagerly (RoPE inside the
+        # decode kernel, a build per split count): every row count is eager then
+        graphs = None if self.args.dp_ranks_agree() else self.graphs
+        warm_up_roles(self.backends, graphs, ForwardMode.DECODE, self.kv_cache, self.dtype,
                       max_rows, self.page_size)  # fmt: skip
         # NOTE: one MoE layer builds the kernels of all (they share shapes); an eager step
         # under DP attention gathers every group's tokens
