@@ -21,6 +21,7 @@ from server_util import (
     start_server,
     step_kinds,
     stop_server,
+    wait_drained,
 )
 
 RANKS = int(os.environ.get("GYRFALCON_GPU_RANKS", "2"))
@@ -198,32 +199,48 @@ def moe_pair(tiny_moe, tmp_path_factory):
 
 @pytest.mark.parametrize("spec", [False, True], ids=["plain", "eagle3"])
 def test_dp_ep_eager_steps_build_no_triton_kernel_while_serving(moe_pair, tmp_path, spec):
-    """DP + EP on triton, pieces of at most 16 tokens and prompt chunks of 24: while one
-    group chunks a 100-token prompt, every step is eager on every group, so the others
-    decode ~10 rows eagerly (RoPE inside the decode kernel; with EAGLE3 they verify),
-    a split count the warm-up's own eager steps (two rows) do not use. No rank builds
-    a Triton kernel after its warm-up: each such build stalled a served step ~1 s
-    (stop 50, four H200s)."""
+    """DP + EP on triton, pieces of at most 16 tokens, prompt chunks of 24: 10 short
+    prompts a group decode (or verify) when a 100-token prompt arrives, and while one
+    group chunks it every step is eager on every group, so the others run ~10 decoding
+    rows eagerly: int32 tables, RoPE inside the decode kernel, a split count the
+    warm-up's eager steps (two rows) do not use. No rank builds a Triton kernel after
+    its warm-up: each such build stalls a served step ~1 s (stop 50, four H200s)."""
     import re
 
-    long, short = list(range(3, 103)), [5, 9, 17]
-    prompts = [long] + [short] * (10 * RANKS - 1)
+    import httpx
+
+    model, tok = moe_pair[0], moe_pair[-1]
     flags = [
         *(eagle3(moe_pair[1]) if spec else ["--attention-backend", "triton"]),
         "--dp-size", N, "--ep-size", N,
         "--piecewise-cuda-graph-max-tokens", "16", "--chunked-prefill-size", "24",
     ]  # fmt: skip
-    got = serve_all(moe_pair, tmp_path, "eager", prompts, False, *flags)
-    info = got.info
-    assert info["usage"]["completion_tokens"] == 24 * len(prompts), info
+    srv = start_server(model, str(tmp_path / "eager.log"), "--served-model-name", "m",
+                       *cuda_flags(tok), *flags)  # fmt: skip
+    try:
+        url, greedy = f"{srv.base_url}/v1/completions", {"temperature": 0, "ignore_eos": True}
+        shorts = {"model": "m", "prompt": [[5, 9, 17]] * (10 * RANKS), "max_tokens": 200,
+                  "stream": True, **greedy}  # fmt: skip
+        with httpx.Client(timeout=300) as client, client.stream("POST", url, json=shorts) as r:
+            chunks = (line for line in r.iter_lines() if line.startswith("data: "))
+            next(chunks)  # NOTE: the short prompts are in and decoding
+            long = {"model": "m", "prompt": [list(range(3, 103))], "max_tokens": 8, **greedy}
+            answer = client.post(url, json=long)
+            rest = list(chunks)
+        assert answer.status_code == 200 and rest[-1] == "data: [DONE]", answer.text
+        assert answer.json()["usage"]["completion_tokens"] == 8
+        info = wait_drained(srv)
+    finally:
+        assert stop_server(srv) == 0, srv.log()[-3000:]
     assert info["integrity_ok"] and info["num_free_pages"] == info["num_total_pages"], info
-    assert (info["usage"].get("spec_verify_steps", 0) > 0) == spec, info
-    kinds = [step_kinds(got.log, rank) for rank in range(RANKS)]
+    log = srv.log()
+    kinds = [step_kinds(log, rank) for rank in range(RANKS)]
     assert all(k.get("eager", 0) > 0 for k in kinds), kinds
+    assert all(k.get("fused" if spec else "graph", 0) > 0 for k in kinds), kinds
     for rank in range(RANKS):
-        line = re.search(rf"rank {rank}: \d+ steps, .*", got.log)
+        line = re.search(rf"rank {rank}: \d+ steps, .*", log)
         built = line and line[0].rsplit("; ", 1)[-1]
-        assert built == "no Triton kernel built while serving", (rank, got.log[-3000:])
+        assert built == "no Triton kernel built while serving", (rank, log[-3000:])
 
 
 @pytest.mark.parametrize(
