@@ -3,7 +3,8 @@
 One PUSH socket carries `GenerateRequest | AbortRequest | StatsRequest` to the
 scheduler; one PULL socket brings back `EngineReady | BatchOutput | StatsReply
 | EngineError`. A background reader task routes each `RequestOutput` to the
-queue of its request id, so many HTTP requests share the two sockets.
+queue of its request id, so many HTTP requests share the two sockets. A request's
+consumer takes whatever has queued for it as one output (`merge_outputs`).
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -33,6 +35,20 @@ from gyrfalcon.ipc.sockets import AsyncChannel, IpcPaths
 logger = logging.getLogger(__name__)
 
 FINISH_ERROR = "error"  # the finish_reason of a request the engine failed
+
+
+def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one: the tokens and their logprobs in
+    order, the prompt logprobs (sent once) from whichever has them, and everything
+    that describes the request so far (finish, counts, error) from the later one."""
+    assert first.rid == then.rid and first.finish_reason is None, (first.rid, then.rid)
+    logprobs = None
+    if first.logprobs is not None or then.logprobs is not None:
+        logprobs = (first.logprobs or []) + (then.logprobs or [])
+    prompt = first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs
+    return msgspec.structs.replace(
+        then, token_ids=first.token_ids + then.token_ids, logprobs=logprobs, prompt_logprobs=prompt
+    )
 
 
 class EngineDeadError(RuntimeError):
@@ -83,9 +99,15 @@ class EngineClient:
         return len(self._queues)
 
     async def generate(
-        self, rid: str, prompt_ids: list[int], sampling: SamplingParams
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        observe: Callable[[RequestOutput], None] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Submit one request and yield its outputs until one has a finish_reason.
+        """Submit one request and yield its outputs until one has a finish_reason; the
+        outputs queued while the consumer was busy come as one (`merge_outputs`), each
+        of them first handed to `observe` (the request's metrics) as it came.
 
         If the consumer stops early (the generator is closed or cancelled), the
         request is aborted in the scheduler. Raises EngineDeadError when the
@@ -102,6 +124,16 @@ class EngineClient:
             await self._send(GenerateRequest(rid=rid, prompt_ids=prompt_ids, sampling=sampling))
             while True:
                 out = await queue.get()
+                if observe is not None:
+                    observe(out)
+                # NOTE: a consumer behind the engine takes what is queued as one output:
+                # under load the per-output work (detokenizing, one SSE chunk, the
+                # client's parse) is paid per batch of tokens, not per token
+                while out.finish_reason is None and not queue.empty():
+                    more = queue.get_nowait()
+                    if observe is not None:
+                        observe(more)
+                    out = merge_outputs(out, more)
                 if out.finish_reason is not None:
                     finished = True
                 yield out

@@ -353,12 +353,11 @@ async def _run_child(
         logger.info("request %s: %d prompt tokens, %s", child.rid, len(child.prompt_ids),
                     child.sampling)  # fmt: skip
     try:
-        outputs = ctx.engine.generate(child.rid, child.prompt_ids, child.sampling)
+        observe = timer.output if timer is not None else None
+        outputs = ctx.engine.generate(child.rid, child.prompt_ids, child.sampling, observe)
         async with aclosing(outputs):
             async for out in outputs:
                 delta = decoder.feed(out)
-                if timer is not None:
-                    timer.output(out)
                 queue.put_nowait(delta)
                 if delta.finished:
                     reason = delta.finish_reason or "stop"

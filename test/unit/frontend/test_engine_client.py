@@ -151,3 +151,52 @@ def test_engine_error_fails_in_flight_requests_and_marks_dead():
                 await engine.stats(timeout=STATS_TIMEOUT_S)
 
     run(body)
+
+
+def test_merge_outputs_joins_tokens_and_keeps_the_later_state():
+    from gyrfalcon.frontend.engine_client import merge_outputs
+    from gyrfalcon.ipc.messages import PositionLogprobs, RequestOutput
+
+    def lp(t: int) -> PositionLogprobs:
+        return PositionLogprobs(t, -0.5, [])
+
+    a = RequestOutput("r", [5, 6], [lp(5), lp(6)], [None, lp(1)], num_prompt_tokens=2,
+                      num_output_tokens=2, num_verify_steps=1, num_accepted=1)  # fmt: skip
+    b = RequestOutput("r", [7], [lp(7)], None, "length", 2, 3, num_verify_steps=2, num_accepted=1)
+    m = merge_outputs(a, b)
+    assert m.token_ids == [5, 6, 7] and [p.token_id for p in m.logprobs] == [5, 6, 7]
+    assert m.prompt_logprobs == [None, lp(1)] and m.finish_reason == "length"
+    assert (m.num_output_tokens, m.num_verify_steps, m.num_accepted) == (3, 2, 1)
+    assert a.token_ids == [5, 6] and b.token_ids == [7]  # the inputs are left as they were
+    plain = merge_outputs(RequestOutput("r", [1]), RequestOutput("r", [2], finish_reason="stop"))
+    assert plain.logprobs is None and plain.token_ids == [1, 2]
+
+
+def test_a_consumer_behind_the_engine_gets_the_queued_outputs_as_one():
+    """A consumer that reads late takes every output queued for it as one (fewer SSE
+    chunks under load), with the same tokens, logprobs and prompt logprobs in order
+    and the finish only on the last; `observe` (the metrics) still sees each output
+    as the engine sent it."""
+    tokens = list(range(10, 50))
+    sp = SamplingParams(max_tokens=100, logprobs=1, prompt_logprobs=0)
+
+    async def body():
+        async with connected(lambda r: Script(tokens, chunk=1)) as (sched, engine):
+            await asyncio.wait_for(engine.ready.wait(), STATS_TIMEOUT_S)
+            outs, seen = [], []
+            async with aclosing(engine.generate("a", [1, 2, 3], sp, seen.append)) as gen:
+                async for o in gen:
+                    if not outs:
+                        await asyncio.sleep(0.3)  # NOTE: the rest queue meanwhile
+                    outs.append(o)
+            got = [t for o in outs for t in o.token_ids]
+            assert got == tokens + [EOS_ID] and len(outs) < len(got)
+            assert [p.token_id for o in outs for p in o.logprobs] == got
+            assert [o.prompt_logprobs is not None for o in outs] == [True] + [False] * (
+                len(outs) - 1
+            )
+            assert [o.finish_reason for o in outs] == [None] * (len(outs) - 1) + ["stop"]
+            assert outs[-1].num_output_tokens == len(got)
+            assert [o.token_ids for o in seen] == [[t] for t in got]
+
+    run(body)
