@@ -160,27 +160,34 @@ case "${1:-tests}" in
   startup)  # start-up to healthy only
     start_server "startup${TAG:-}"; grep -a "warm-up" "$OUT/server_startup${TAG:-}.log"
     kill -TERM $SERVER; wait $SERVER; echo "server exit $?" ;;
-  sweep)
-    start_server "sweep${TAG:-}"
+  sweep)  # SWEEP_CONC: the concurrencies (default 1 16 64 256); TREE=.ab/<commit> serves
+    # an older tree (benchmarks/ab_trees.sh, carried)
+    PYTHONPATH=${TREE:-.}/python:/tmp/site start_server "sweep${TAG:-}"
     # NOTE: a seed per concurrency: with one seed c64 and c256 sent c16's 500 prompts
     # again, every one found in the prefix cache
-    for C in 1 16 64 256; do
+    for C in ${SWEEP_CONC:-1 16 64 256}; do
       N=$(( C == 1 ? 16 : 500 ))
       echo "concurrency $C"
       serve_bench "c$C${TAG:-}" --num-prompts $N --random-input-len 1024 --random-output-len 512 \
         --ignore-eos --max-concurrency $C --seed $((2 + C))
     done
-    kill -TERM $SERVER; wait $SERVER; echo "server exit $?" ;;
+    kill -TERM $SERVER; wait $SERVER; echo "server exit $?"
+    grep -a "rank 0:" "$OUT/server_sweep${TAG:-}.log" | cut -c1-400 ;;
   ranks)  # several GPUs: the 8B shape on triton (no flashinfer build per rank) at tp 1 and
     # 2 (one-shot all-reduce, then NCCL only), batch-1 decode (1024 in / 256 out,
     # concurrency 1); then dp 2 against one GPU on the random 1024 / 512 set at
     # concurrency 256 (NUM_DP prompts, default 512); RANKS_TP=0 or RANKS_DP=0 skips either
-    # part
-    TP_RUNS=() DP_RUNS=()  # NOTE: arrays: each "name:flags" is one word
+    # part; DP_SIZES picks the dp runs (default "1 2"); DP_HALF=1 adds one GPU serving
+    # NUM_DP / 2 prompts at concurrency 128, one DP 2 rank's share alone: with the weights
+    # on every rank, the most a dp 2 server can do is two of those at once
+    TP_RUNS=() DP_RUNS=()  # NOTE: arrays: each "name:flags[:prompts:concurrency]" is one word
     # NOTE: tp2nccl: every all-reduce through NCCL (--disable-custom-all-reduce)
     [ "${RANKS_TP:-1}" = 1 ] && TP_RUNS=("tp1:--tp-size 1" "tp2:--tp-size 2"
       "tp2nccl:--tp-size 2 --disable-custom-all-reduce")
-    [ "${RANKS_DP:-1}" = 1 ] && DP_RUNS=("dp1:--dp-size 1" "dp2:--dp-size 2")
+    if [ "${RANKS_DP:-1}" = 1 ]; then
+      for D in ${DP_SIZES:-1 2}; do DP_RUNS+=("dp$D:--dp-size $D:${NUM_DP:-512}:256"); done
+      [ "${DP_HALF:-0}" = 1 ] && DP_RUNS+=("dp1half:--dp-size 1:$(( ${NUM_DP:-512} / 2 )):128")
+    fi
     for R in "${TP_RUNS[@]}"; do
       # NOTE: KPROF=FIRST:COUNT: every rank's kernels over those plans (profiling.KernelWindow)
       [ -n "${KPROF:-}" ] && export GYRFALCON_KERNEL_PROFILE="$OUT/kprof/${R%%:*}:$KPROF"
@@ -191,10 +198,12 @@ case "${1:-tests}" in
     done
     [ -d "$OUT/kprof" ] && tar czf "$OUT/kprof.tgz" -C "$OUT" kprof && rm -rf "$OUT/kprof"
     for R in "${DP_RUNS[@]}"; do
-      SERVER_FLAGS="--attention-backend triton ${R#*:}" start_server "${R%%:*}"
-      serve_bench "c256_${R%%:*}" --num-prompts ${NUM_DP:-512} --random-input-len 1024 \
-        --random-output-len 512 --ignore-eos --max-concurrency 256 --seed 2
+      IFS=: read -r NAME FLAGS NUM CONC <<< "$R"
+      SERVER_FLAGS="--attention-backend triton $FLAGS" start_server "$NAME"
+      serve_bench "c${CONC}_$NAME" --num-prompts "$NUM" --random-input-len 1024 \
+        --random-output-len 512 --ignore-eos --max-concurrency "$CONC" --seed 2
       kill -TERM $SERVER; wait $SERVER; echo "server exit $?"
+      grep -a "target forwards" "$OUT/server_$NAME.log" | tail -2
     done ;;
   moe)  # the Qwen3-30B-A3B shape (dummy) as DP attention + EP and as MoE-TP: MOE_RUNS
     # ("name:flags;name:flags", default DP 2 + EP 2 and TP 2; "name@.ab/<commit>:flags"
