@@ -37,17 +37,20 @@ logger = logging.getLogger(__name__)
 FINISH_ERROR = "error"  # the finish_reason of a request the engine failed
 
 
-def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
-    """Two consecutive outputs of one request as one: the tokens and their logprobs in
+def merge_outputs(*outputs: RequestOutput) -> RequestOutput:
+    """Consecutive outputs of one request as one: the tokens and their logprobs in
     order, the prompt logprobs (sent once) from whichever has them, and everything
-    that describes the request so far (finish, counts, error) from the later one."""
-    assert first.rid == then.rid and first.finish_reason is None, (first.rid, then.rid)
+    that describes the request so far (finish, counts, error) from the last."""
+    last = outputs[-1]
+    assert all(o.rid == last.rid for o in outputs), [o.rid for o in outputs]
+    assert all(o.finish_reason is None for o in outputs[:-1]), "an output after a finish"
     logprobs = None
-    if first.logprobs is not None or then.logprobs is not None:
-        logprobs = (first.logprobs or []) + (then.logprobs or [])
-    prompt = first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs
+    if any(o.logprobs is not None for o in outputs):
+        logprobs = [p for o in outputs for p in o.logprobs or ()]
+    prompt = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
+    tokens = [t for o in outputs for t in o.token_ids]
     return msgspec.structs.replace(
-        then, token_ids=first.token_ids + then.token_ids, logprobs=logprobs, prompt_logprobs=prompt
+        last, token_ids=tokens, logprobs=logprobs, prompt_logprobs=prompt
     )
 
 
@@ -123,17 +126,16 @@ class EngineClient:
         try:
             await self._send(GenerateRequest(rid=rid, prompt_ids=prompt_ids, sampling=sampling))
             while True:
-                out = await queue.get()
-                if observe is not None:
-                    observe(out)
                 # NOTE: a consumer behind the engine takes what is queued as one output:
                 # under load the per-output work (detokenizing, one SSE chunk, the
                 # client's parse) is paid per batch of tokens, not per token
-                while out.finish_reason is None and not queue.empty():
-                    more = queue.get_nowait()
-                    if observe is not None:
-                        observe(more)
-                    out = merge_outputs(out, more)
+                parts = [await queue.get()]
+                while parts[-1].finish_reason is None and not queue.empty():
+                    parts.append(queue.get_nowait())
+                if observe is not None:
+                    for part in parts:
+                        observe(part)
+                out = parts[0] if len(parts) == 1 else merge_outputs(*parts)
                 if out.finish_reason is not None:
                     finished = True
                 yield out
