@@ -172,7 +172,7 @@ case "${1:-tests}" in
         --ignore-eos --max-concurrency $C --seed $((2 + C))
     done
     kill -TERM $SERVER; wait $SERVER; echo "server exit $?"
-    grep -a "rank 0:" "$OUT/server_sweep${TAG:-}.log" | cut -c1-400 ;;
+    grep -a "target forwards" "$OUT/server_sweep${TAG:-}.log" | cut -c1-400 ;;
   ranks)  # several GPUs: the 8B shape on triton (no flashinfer build per rank) at tp 1 and
     # 2 (one-shot all-reduce, then NCCL only), batch-1 decode (1024 in / 256 out,
     # concurrency 1); then dp 2 against one GPU on the random 1024 / 512 set at
