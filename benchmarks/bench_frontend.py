@@ -49,6 +49,7 @@ from gyrfalcon.bench import report_json
 from gyrfalcon.bench.client import ENDPOINT_PATHS, build_payload, send_request
 from gyrfalcon.bench.datasets import SampleRequest
 from gyrfalcon.bench.metrics import RequestResult, summarize
+from gyrfalcon.bench.proc_cpu import cpu_seconds
 from gyrfalcon.bench.provenance import git_commit
 from gyrfalcon.bench.server_proc import running_server
 from gyrfalcon.ipc import messages as m
@@ -109,13 +110,6 @@ def chunk_stats(results: Sequence[RequestResult]) -> tuple[float | None, float |
     if not chunks:
         return None, None
     return chunks / len(ok), sum(r.output_tokens for r in ok) / chunks
-
-
-def cpu_seconds(stat: str, ticks_per_s: float) -> float:
-    """User + system CPU time in /proc/<pid>/stat's text (fields 14 and 15; the command
-    name, field 2, may hold spaces: fields are counted after its closing parenthesis)."""
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / ticks_per_s
 
 
 def tree_label(pythonpath: Path | None) -> str:

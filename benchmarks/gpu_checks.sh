@@ -69,6 +69,7 @@
 #   structured: structured output's decode cost (SmolLM2 staged, batch 64) and its GPU tests;
 #   PYTEST_K selects tests (pytest -k), e.g. "not flashinfer_matches_torch_ref" skips the
 #   slowest (~4 min) when flashinfer is unchanged.
+#   CPU_SAMPLE=1: each served run also names the server's busy threads (serve_bench).
 #   SERVER_FLAGS adds server flags (e.g. "--kv-cache-dtype fp8_e4m3"); TAG suffixes the
 #   sglang/sweep output names (e.g. TAG=_fp8kv).
 set -uo pipefail
@@ -144,10 +145,14 @@ parse_run() {  # "name[@tree]:flags" (MOE_RUNS, MT_RUNS) -> N (name), T (tree, .
   [ "$N" = "${N#*@}" ] || T=${N#*@}
   N=${N%%@*}
 }
-serve_bench() {  # name, then bench_serving flags
-  local name=$1; shift
-  python3 -m gyrfalcon.cli bench serve --port 8100 --disable-tqdm --device-kind "$KIND" \
-    --output-json "$OUT/serving_$name.json" "$@" 2>&1 | grep -aE "Successful|Failed|throughput|Median TTFT|Median TPOT"
+serve_bench() {  # name, then bench_serving flags; CPU_SAMPLE=1: every server thread's CPU
+  # over the run (gyrfalcon.bench.proc_cpu, $OUT/cpu_<name>.json): which one the GPU waits on
+  local name=$1 wrap=(); shift
+  [ "${CPU_SAMPLE:-0}" = 1 ] && wrap=(python3 -m gyrfalcon.bench.proc_cpu --root "$SERVER" \
+    --output-json "$OUT/cpu_$name.json" --)
+  "${wrap[@]}" python3 -m gyrfalcon.cli bench serve --port 8100 --disable-tqdm --device-kind "$KIND" \
+    --output-json "$OUT/serving_$name.json" "$@" 2>&1 \
+    | grep -aE "Successful|Failed|throughput|Median TTFT|Median TPOT|threads of| / "
 }
 case "${1:-tests}" in
   sglang)

@@ -58,14 +58,6 @@ def test_chunk_stats_count_chunks_with_text(bf: ModuleType) -> None:
     assert bf.chunk_stats([failed]) == (None, None)
 
 
-def test_cpu_seconds_read_fields_after_the_command_name(bf: ModuleType) -> None:
-    stat = "42 (a (b) c) S 1 42 42 0 -1 4194560 10 0 0 0 250 50 0 0 20 0 1 0 100"
-    assert bf.cpu_seconds(stat, 100) == pytest.approx(3.0)
-    mine = bf.cpu_seconds(Path("/proc/self/stat").read_text(), os.sysconf("SC_CLK_TCK"))
-    times = os.times()
-    assert abs(mine - (times.user + times.system)) < 0.05
-
-
 def test_tree_label(bf: ModuleType) -> None:
     assert bf.tree_label(Path(".ab/df9dcb0/python")) == "df9dcb0"
     assert bf.tree_label(None) == git_commit()
