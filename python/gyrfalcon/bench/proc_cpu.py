@@ -148,24 +148,31 @@ def main(argv: list[str] | None = None) -> int:
     if not cmd:
         p.error("no command given (put it after --)")
     hz = os.sysconf("SC_CLK_TCK")
-    pids = descendants(ns.root, process_parents())
-    samples = [(time.monotonic(), sample(pids, hz))]
     proc = subprocess.Popen(cmd)
+
+    def snap() -> tuple[float, dict[Key, tuple[str, str, float]]]:
+        parents = process_parents()  # NOTE: the command's own threads too (the client)
+        return time.monotonic(), sample(
+            descendants(ns.root, parents) + descendants(proc.pid, parents), hz
+        )
+
+    samples = [snap()]
     while proc.poll() is None:
         try:
             proc.wait(ns.interval)
         except subprocess.TimeoutExpired:
             pass
-        pids = descendants(ns.root, process_parents())
-        samples.append((time.monotonic(), sample(pids, hz)))
+        samples.append(snap())
     loads = thread_loads(samples)[: ns.top]
     window = samples[-1][0] - samples[0][0]
-    print(f"threads of pid {ns.root} over {window:.1f} s (share of one core: mean / max):")
+    print(f"threads of pid {ns.root} and of the command (pid {proc.pid}) over {window:.1f} s")
+    print("  (share of one core: mean / max, and the share of intervals at >= 90%):")
     for x in loads:
-        print(f"  {x.process:>15} / {x.thread:<15} {x.mean:6.2f} / {x.max:4.2f} busy {x.busy:.2f}")
+        who = "command" if x.pid == proc.pid else x.process
+        print(f"  {who:>15} / {x.thread:<15} {x.mean:6.2f} / {x.max:4.2f} busy {x.busy:.2f}")
     if ns.output_json:
-        doc = {"root": ns.root, "window_s": round(window, 2), "interval_s": ns.interval}
-        doc["threads"] = [asdict(x) for x in loads]
+        doc = {"root": ns.root, "command_pid": proc.pid, "window_s": round(window, 2)}
+        doc |= {"interval_s": ns.interval, "threads": [asdict(x) for x in loads]}
         ns.output_json.write_text(json.dumps(doc, indent=1) + "\n")
     return proc.returncode
 

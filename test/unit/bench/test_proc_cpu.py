@@ -49,9 +49,9 @@ def test_thread_loads_share_of_a_core_per_interval() -> None:
     assert pc.thread_loads(samples[:1]) == []
 
 
-def test_a_busy_child_is_named_busy_over_the_command(tmp_path: Path) -> None:
-    spin = "import time\nt = time.time()\nwhile time.time() - t < 30: pass\n"
-    child = subprocess.Popen([sys.executable, "-c", spin])
+def test_a_busy_server_child_and_the_command_itself_are_sampled(tmp_path: Path) -> None:
+    spin = "import time\nt = time.time()\nwhile time.time() - t < {}: pass\n"
+    child = subprocess.Popen([sys.executable, "-c", spin.format(30)])
     try:
         out = tmp_path / "cpu.json"
         rc = pc.main(
@@ -65,7 +65,7 @@ def test_a_busy_child_is_named_busy_over_the_command(tmp_path: Path) -> None:
                 "--",
                 sys.executable,
                 "-c",
-                "import time; time.sleep(1.5)",
+                spin.format(1.5),
             ]
         )
     finally:
@@ -74,5 +74,6 @@ def test_a_busy_child_is_named_busy_over_the_command(tmp_path: Path) -> None:
     assert rc == 0
     doc = json.loads(out.read_text())
     assert doc["window_s"] >= 1.4
-    top = doc["threads"][0]
-    assert top["pid"] == child.pid and top["mean"] > 0.5 and top["max"] > 0.8
+    busy = {x["pid"]: x for x in doc["threads"] if x["mean"] > 0.3}
+    assert set(busy) == {child.pid, doc["command_pid"]}, doc
+    assert busy[child.pid]["max"] > 0.6
