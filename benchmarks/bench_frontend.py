@@ -223,6 +223,7 @@ def run_frontend(child: Child) -> None:
     from transformers import AutoTokenizer
 
     from gyrfalcon.frontend.engine_client import EngineClient
+    import gyrfalcon.frontend.server as server_mod
     from gyrfalcon.frontend.server import create_app, make_uvicorn_server
 
     # NOTE: found, not imported: the package is a plugin of `llm`, which may be absent
@@ -249,7 +250,9 @@ def run_frontend(child: Child) -> None:
             watch.cancel()
             engine.close()
 
-    asyncio.run(serve())
+    # NOTE: the server's own loop (uvloop where installed); an older tree without
+    # run_event_loop ran asyncio's
+    getattr(server_mod, "run_event_loop", asyncio.run)(serve())
 
 
 # ---------------------------------------------------------------- the benchmark

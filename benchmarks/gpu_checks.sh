@@ -98,7 +98,7 @@ if [ "${1:-}" = stage ]; then
 fi
 if [ ! -f /tmp/site/.installed ]; then
   # NOTE: benchmarks/pack_wheels.sh adds both to ../shared/gpu/pack-wheels.sh's set
-  for p in prometheus_client xgrammar; do
+  for p in prometheus_client xgrammar uvloop httptools; do
     compgen -G ".whl/$p-*.whl" >/dev/null \
       || { echo ".whl lacks $p: fill it with benchmarks/pack_wheels.sh"; exit 1; }
   done
@@ -152,7 +152,7 @@ serve_bench() {  # name, then bench_serving flags; CPU_SAMPLE=1: every server th
     --output-json "$OUT/cpu_$name.json" --)
   "${wrap[@]}" python3 -m gyrfalcon.cli bench serve --port 8100 --disable-tqdm --device-kind "$KIND" \
     --output-json "$OUT/serving_$name.json" "$@" 2>&1 \
-    | grep -aE "Successful|Failed|throughput|Median TTFT|Median TPOT|threads of| / "
+    | grep -aE "Successful|Failed|throughput|Median TTFT|Median TPOT|threads of|share of one| / "
 }
 case "${1:-tests}" in
   sglang)

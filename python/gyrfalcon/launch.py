@@ -99,7 +99,14 @@ def serve(args: ServerArgs) -> int:
     signal.signal(signal.SIGTERM, _sigterm_while_starting)  # no child to stop yet
     from transformers import AutoTokenizer
 
-    from gyrfalcon.frontend.server import create_app, drain_on_shutdown, make_uvicorn_server
+    from gyrfalcon.frontend.server import (
+        HTTP_IMPL,
+        create_app,
+        drain_on_shutdown,
+        event_loop_name,
+        make_uvicorn_server,
+        run_event_loop,
+    )
     from gyrfalcon.loader.resolve import default_model_name, resolve_model
     from gyrfalcon.scheduler.process import run_scheduler
     from gyrfalcon.worker.process import run_worker
@@ -157,6 +164,7 @@ def serve(args: ServerArgs) -> int:
     state: dict = {"code": 0, "error": ""}
 
     async def main() -> None:
+        logger.info("HTTP through %s on %s's event loop", HTTP_IMPL, event_loop_name())
         await engine.start()
         watchdog = drain = None
         try:
@@ -176,7 +184,7 @@ def serve(args: ServerArgs) -> int:
     signal.signal(signal.SIGTERM, lambda *_: _on_sigterm(server))
     start_children(procs)
     try:
-        asyncio.run(main())
+        run_event_loop(main())
     except KeyboardInterrupt:
         pass
     finally:

@@ -93,3 +93,11 @@ def test_disconnect_non_streaming_aborts(server, client, model_name):
         time.sleep(0.2)
         info = server.info()
     assert info["num_running"] == 0, "abandoned request kept running"
+
+
+def test_the_server_streams_on_uvloop_and_httptools(server):
+    """Both are dependencies: a server that fell back to asyncio's loop or the pure-Python
+    h11 spends ~12% more of its one frontend core a streamed token (benchmarks/NOTES.md)."""
+    info = server.info()
+    assert (info["event_loop"], info["http"]) == ("uvloop", "httptools"), info
+    assert "HTTP through httptools on uvloop's event loop" in server.log()

@@ -7,8 +7,9 @@ client (starts it before serving, closes it after) and the tokenizer.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +52,35 @@ STATS_TIMEOUT_S = 5.0  # /server_info waits this long for the scheduler's StatsR
 # Status of a response to a client that already left (nginx's convention).
 CLIENT_CLOSED_REQUEST = 499
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# NOTE: the C implementations where installed (both are dependencies on Linux): every
+# streamed token passes the event loop and the HTTP writer, and on one core the frontend
+# is what a fast engine waits on (benchmarks/NOTES.md, stop 52)
+HTTP_IMPL = "httptools" if importlib.util.find_spec("httptools") else "h11"
+
+
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop where it is installed, else None (asyncio's own)."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
+    """Run the frontend's `main` to its end on `event_loop_factory`'s loop (as
+    `asyncio.run` does: Ctrl-C cancels `main`)."""
+    factory = event_loop_factory()
+    if factory is None or not hasattr(asyncio, "Runner"):  # NOTE: Runner is 3.11+
+        asyncio.run(main)
+        return
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(main)
+
+
+def event_loop_name() -> str:
+    """The running loop's implementation: "uvloop" or "asyncio"."""
+    return type(asyncio.get_running_loop()).__module__.split(".")[0]
 
 
 def json_response(
@@ -242,8 +272,9 @@ def create_app(
             )
         info = msgspec.structs.asdict(reply)
         info.update(
-            model=model_name, max_model_len=ctx.max_model_len, num_in_flight=engine.num_in_flight
-        )
+            model=model_name, max_model_len=ctx.max_model_len, num_in_flight=engine.num_in_flight,
+            event_loop=event_loop_name(), http=HTTP_IMPL,
+        )  # fmt: skip
         return json_response(info)
 
     return app
@@ -266,7 +297,7 @@ def make_uvicorn_server(
     grace = None if shutdown_timeout is None else shutdown_timeout + SHUTDOWN_GRACE_S
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level.lower(), access_log=False,
-        timeout_graceful_shutdown=grace, timeout_keep_alive=KEEP_ALIVE_S,
+        timeout_graceful_shutdown=grace, timeout_keep_alive=KEEP_ALIVE_S, http=HTTP_IMPL,
     )  # fmt: skip
     return uvicorn.Server(config)
 
