@@ -222,8 +222,8 @@ def run_frontend(child: Child) -> None:
     # NOTE: imported here, in the frontend's process only (transformers is slow to import)
     from transformers import AutoTokenizer
 
-    from gyrfalcon.frontend.engine_client import EngineClient
     import gyrfalcon.frontend.server as server_mod
+    from gyrfalcon.frontend.engine_client import EngineClient
     from gyrfalcon.frontend.server import create_app, make_uvicorn_server
 
     # NOTE: found, not imported: the package is a plugin of `llm`, which may be absent
