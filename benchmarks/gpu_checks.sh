@@ -184,7 +184,8 @@ case "${1:-tests}" in
     # concurrency 256 (NUM_DP prompts, default 512); RANKS_TP=0 or RANKS_DP=0 skips either
     # part; DP_SIZES picks the dp runs (default "1 2"); DP_HALF=1 adds one GPU serving
     # NUM_DP / 2 prompts at concurrency 128, one DP 2 rank's share alone: with the weights
-    # on every rank, the most a dp 2 server can do is two of those at once
+    # on every rank, the most a dp 2 server can do is two of those at once; TREE=.ab/<commit>
+    # serves the dp runs from an older tree, TAG suffixes their files
     TP_RUNS=() DP_RUNS=()  # NOTE: arrays: each "name:flags[:prompts:concurrency]" is one word
     # NOTE: tp2nccl: every all-reduce through NCCL (--disable-custom-all-reduce)
     [ "${RANKS_TP:-1}" = 1 ] && TP_RUNS=("tp1:--tp-size 1" "tp2:--tp-size 2"
@@ -204,11 +205,12 @@ case "${1:-tests}" in
     [ -d "$OUT/kprof" ] && tar czf "$OUT/kprof.tgz" -C "$OUT" kprof && rm -rf "$OUT/kprof"
     for R in "${DP_RUNS[@]}"; do
       IFS=: read -r NAME FLAGS NUM CONC <<< "$R"
-      SERVER_FLAGS="--attention-backend triton $FLAGS" start_server "$NAME"
-      serve_bench "c${CONC}_$NAME" --num-prompts "$NUM" --random-input-len 1024 \
+      PYTHONPATH=${TREE:-.}/python:/tmp/site SERVER_FLAGS="--attention-backend triton $FLAGS" \
+        start_server "$NAME${TAG:-}"
+      serve_bench "c${CONC}_$NAME${TAG:-}" --num-prompts "$NUM" --random-input-len 1024 \
         --random-output-len 512 --ignore-eos --max-concurrency "$CONC" --seed 2
       kill -TERM $SERVER; wait $SERVER; echo "server exit $?"
-      grep -a "target forwards" "$OUT/server_$NAME.log" | tail -2
+      grep -a "target forwards" "$OUT/server_$NAME${TAG:-}.log" | tail -2
     done ;;
   moe)  # the Qwen3-30B-A3B shape (dummy) as DP attention + EP and as MoE-TP: MOE_RUNS
     # ("name:flags;name:flags", default DP 2 + EP 2 and TP 2; "name@.ab/<commit>:flags"
