@@ -2,8 +2,9 @@
 while a command (a benchmark client) runs, each thread's share of one core over that
 window, its mean and its busiest interval.
 
-A server whose GPU waits on the host is bound by one thread at ~100% of a core (the
-frontend's event loop, the scheduler's loop or a worker's launch thread); this names it.
+A server whose GPU waits on the host is bound either by one thread at ~100% of a core
+(the frontend's event loop, the scheduler's loop or a worker's launch thread) or by a
+chain of them, each busy part of the time while it waits on the others; this tells which.
 
     python -m gyrfalcon.bench.proc_cpu --root SERVER_PID --output-json cpu.json -- \\
         python -m gyrfalcon.cli bench serve ...

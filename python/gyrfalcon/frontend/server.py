@@ -53,8 +53,8 @@ STATS_TIMEOUT_S = 5.0  # /server_info waits this long for the scheduler's StatsR
 CLIENT_CLOSED_REQUEST = 499
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # NOTE: the C implementations where installed (both are dependencies on Linux): every
-# streamed token passes the event loop and the HTTP writer, and on one core the frontend
-# is what a fast engine waits on (benchmarks/NOTES.md, stop 52)
+# streamed token passes the event loop and the HTTP writer on one core, which a DP
+# server's token rate nearly fills (benchmarks/NOTES.md, stop 52)
 HTTP_IMPL = "httptools" if importlib.util.find_spec("httptools") else "h11"
 
 
