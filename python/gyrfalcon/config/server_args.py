@@ -34,6 +34,14 @@ class ServerArgs:
     )
     host: str = field(default="127.0.0.1", metadata={"help": "HTTP bind address"})
     port: int = field(default=8000, metadata={"help": "HTTP port"})
+    api_server_count: int = field(
+        default=1,
+        metadata={
+            "help": "HTTP frontend processes serving --port together (SO_REUSEPORT), each "
+            "detokenizing and streaming its own requests on its own core; one scheduler "
+            "serves them all (vLLM's flag name)"
+        },
+    )
     served_model_name: str | None = field(
         default=None, metadata={"help": "model name reported by /v1/models (default: derived)"}
     )
@@ -321,6 +329,8 @@ class ServerArgs:
     def __post_init__(self) -> None:
         # NOTE: at parse time, before a model loads: a misspelt node fails at once
         check_nodes(self.nnodes, self.node_rank, self.tp_size * self.dp_size, self.dist_init_addr)
+        if self.api_server_count < 1:
+            raise ValueError(f"--api-server-count must be >= 1, got {self.api_server_count}")
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise ValueError("--request-timeout must be > 0")
         if self.shutdown_timeout < 0:

@@ -5,6 +5,10 @@ scheduler; one PULL socket brings back `EngineReady | BatchOutput | StatsReply
 | EngineError`. A background reader task routes each `RequestOutput` to the
 queue of its request id, so many HTTP requests share the two sockets. A request's
 consumer takes whatever has queued for it as one output (`merge_outputs`).
+
+With several API servers (--api-server-count) each has its own client and PULL
+socket (`api_server` indexes `IpcPaths.scheduler_to_frontends`); they share the
+scheduler's PULL.
 """
 
 from __future__ import annotations
@@ -67,8 +71,13 @@ class EngineClient:
         dead: the fatal error text once the engine is dead, else None.
     """
 
-    def __init__(self, paths: IpcPaths) -> None:
+    def __init__(self, paths: IpcPaths, api_server: int = 0) -> None:
         self.paths = paths
+        self.api_server = api_server
+        # NOTE: with several API servers each prefixes its request ids with its index,
+        # so two of them never send the scheduler one id ("<digits>:" is prefix-free)
+        several = len(paths.scheduler_to_frontends) > 1
+        self._rid_prefix = f"{api_server}:" if several else ""
         self.ready = asyncio.Event()
         self.info: EngineReady | None = None
         self.dead: str | None = None
@@ -90,7 +99,7 @@ class EngineClient:
         self._pull = AsyncChannel(
             self._ctx,
             zmq.PULL,
-            self.paths.scheduler_to_frontend,
+            self.paths.scheduler_to_frontends[self.api_server],
             bind=False,
             decode_type=SchedulerToFrontend,
         )
@@ -114,17 +123,19 @@ class EngineClient:
 
         If the consumer stops early (the generator is closed or cancelled), the
         request is aborted in the scheduler. Raises EngineDeadError when the
-        engine is dead, ValueError when `rid` is already in flight.
+        engine is dead, ValueError when `rid` is already in flight. The outputs carry
+        `rid` as the scheduler knows it (with this API server's prefix, if any).
         """
         if self.dead is not None:
             raise EngineDeadError(self.dead)
+        rid = self._rid_prefix + rid
         if rid in self._queues:
             raise ValueError(f"request id {rid!r} is already in flight")
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[rid] = queue
         finished = False
         try:
-            await self._send(GenerateRequest(rid=rid, prompt_ids=prompt_ids, sampling=sampling))
+            await self._send(GenerateRequest(rid, prompt_ids, sampling, self.api_server))
             while True:
                 # NOTE: a consumer behind the engine takes what is queued as one output:
                 # under load the per-output work (detokenizing, one SSE chunk, the
@@ -151,7 +162,7 @@ class EngineClient:
     async def abort(self, rid: str) -> None:
         """Ask the scheduler to drop `rid`; its consumer gets a final "abort" output."""
         if self.dead is None:
-            await self._send(AbortRequest(rid=rid))
+            await self._send(AbortRequest(rid=self._rid_prefix + rid))
 
     async def stats(self, timeout: float) -> StatsReply:
         """Round-trip a `StatsRequest`; raises TimeoutError, or EngineDeadError."""
@@ -161,7 +172,7 @@ class EngineClient:
         fut: asyncio.Future[StatsReply] = asyncio.get_running_loop().create_future()
         self._stats_waiters[nonce] = fut
         try:
-            await self._send(StatsRequest(nonce=nonce))
+            await self._send(StatsRequest(nonce=nonce, api_server=self.api_server))
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError as exc:  # a distinct class before Python 3.11
             raise TimeoutError(f"no StatsReply within {timeout} s") from exc

@@ -3,6 +3,8 @@
 Edges:
   frontend  -> scheduler : GenerateRequest | AbortRequest | StatsRequest
   scheduler -> frontend  : EngineReady | BatchOutput | StatsReply | EngineError
+                           (one edge per API server: a request's outputs and a stats
+                           reply go to the API server that sent it, the rest to all)
   scheduler -> worker    : StepPlan | Shutdown
   worker    -> scheduler : WorkerReady | StepResult | WorkerError
 """
@@ -79,6 +81,7 @@ class GenerateRequest(msgspec.Struct, tag=True):
     rid: str
     prompt_ids: list[int]
     sampling: SamplingParams
+    api_server: int = 0  # the sender (--api-server-count): it gets the request's outputs
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -87,6 +90,7 @@ class AbortRequest(msgspec.Struct, tag=True):
 
 class StatsRequest(msgspec.Struct, tag=True):
     nonce: int
+    api_server: int = 0  # the sender, which gets the StatsReply
 
 
 class EngineReady(msgspec.Struct, tag=True):

@@ -65,24 +65,35 @@ class WorkerEndpoints:
 
 @dataclass(frozen=True)
 class IpcPaths:
-    """The endpoints of one deployment as the scheduler and the frontend bind them: the
-    frontend's pair, one scheduler -> worker PUSH/PULL pair per worker rank (so every
-    rank gets every plan), and one worker -> scheduler PULL that all ranks connect to
-    (readiness, results, errors). With several nodes the ranks off the head and the
-    shared PULL are TCP endpoints (`NodePorts`); the rest stay ipc://."""
+    """The endpoints of one deployment as the scheduler and the frontend bind them: one
+    frontend -> scheduler PULL that every API server connects to, one scheduler ->
+    frontend PUSH/PULL pair per API server (--api-server-count), one scheduler -> worker
+    PUSH/PULL pair per worker rank (so every rank gets every plan), and one worker ->
+    scheduler PULL that all ranks connect to (readiness, results, errors). With several
+    nodes the ranks off the head and the shared PULL are TCP endpoints (`NodePorts`);
+    the rest stay ipc://."""
 
     frontend_to_scheduler: str
-    scheduler_to_frontend: str
+    scheduler_to_frontends: tuple[str, ...]  # indexed by API server
     scheduler_to_workers: tuple[str, ...]  # indexed by worker rank
     worker_to_scheduler: str
 
+    @property
+    def scheduler_to_frontend(self) -> str:
+        """API server 0's (the launcher's own) endpoint."""
+        return self.scheduler_to_frontends[0]
+
     @classmethod
     def create(
-        cls, num_workers: int = 1, nodes: NodePorts | None = None, head_ranks: int = 0
+        cls,
+        num_workers: int = 1,
+        nodes: NodePorts | None = None,
+        head_ranks: int = 0,
+        num_frontends: int = 1,
     ) -> tuple[IpcPaths, str]:
         """Make a private 0700 directory and endpoint names inside it; with `nodes`,
         ranks from `head_ranks` on (those of the other nodes) get TCP endpoints."""
-        assert num_workers >= 1, num_workers
+        assert num_workers >= 1 and num_frontends >= 1, (num_workers, num_frontends)
         assert nodes is None or nodes.world_size == num_workers, (nodes, num_workers)
         root = tempfile.mkdtemp(prefix="gyrfalcon-")
         os.chmod(root, 0o700)
@@ -98,7 +109,9 @@ class IpcPaths:
         to_workers = tuple(to_worker(rank) for rank in range(num_workers))
         # NOTE: one PULL binds one endpoint: TCP for every rank as soon as one is remote
         from_workers = ep("w2s") if nodes is None else nodes.bind(WORKERS_TO_SCHEDULER_OFFSET)
-        return cls(ep("f2s"), ep("s2f"), to_workers, from_workers), root
+        # NOTE: API server 0 keeps the name it had before there were several
+        to_frontends = tuple(ep("s2f" if i == 0 else f"s2f{i}") for i in range(num_frontends))
+        return cls(ep("f2s"), to_frontends, to_workers, from_workers), root
 
     def worker_endpoints(self, rank: int) -> WorkerEndpoints:
         """What rank, on the head, connects to: a TCP endpoint bound on every
@@ -140,7 +153,8 @@ class Channel:
 
 class Fanout:
     """One blocking PUSH socket per endpoint; `send` encodes a message once and
-    sends it on every socket, in endpoint order (the scheduler -> every worker)."""
+    sends it on every socket, in endpoint order (the scheduler -> every worker, or
+    every API server); `send_to` sends on one."""
 
     def __init__(self, ctx: zmq.Context, endpoints: Sequence[str]):
         self.socks = []
@@ -155,6 +169,9 @@ class Fanout:
         data = self._enc.encode(msg)
         for sock in self.socks:
             sock.send(data, copy=False)
+
+    def send_to(self, index: int, msg: Any) -> None:
+        self.socks[index].send(self._enc.encode(msg), copy=False)
 
     def send_nowait(self, msg: Any) -> None:
         """Send where a peer takes it at once; skip sockets that would block (a rank

@@ -4,6 +4,10 @@ Written for N worker ranks (`RankLayout`): every plan goes to every rank (one
 PUSH socket each, encoded once), every rank's `WorkerReady` is collected before
 the engine reports ready (the smallest KV pool and context win), and each DP
 group's results come from its first TP rank over one shared PULL socket.
+
+And for M API servers (--api-server-count): one PUSH socket each; a request's
+outputs and a stats reply go to the API server that sent it (`OutputRouter`),
+readiness and a fatal error to all.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import ctypes
 import logging
 import sys
 
+import msgspec
 import zmq
 
 from gyrfalcon.config.model_config import ModelConfig
@@ -34,6 +39,7 @@ from gyrfalcon.ipc.messages import (
 )
 from gyrfalcon.ipc.sockets import Channel, Fanout, IpcPaths
 from gyrfalcon.profiling import process_profile
+from gyrfalcon.scheduler.routing import OutputRouter
 from gyrfalcon.scheduler.scheduler import Scheduler, SchedulerConfig
 from gyrfalcon.scheduler.step_log import ThroughputLog
 from gyrfalcon.utils import ChildStop, set_torch_threads, setup_child
@@ -68,7 +74,8 @@ class SchedulerLoop:
         self.from_frontend = Channel(
             ctx, zmq.PULL, paths.frontend_to_scheduler, True, FrontendToScheduler
         )
-        self.to_frontend = Channel(ctx, zmq.PUSH, paths.scheduler_to_frontend, True)
+        self.to_frontends = Fanout(ctx, paths.scheduler_to_frontends)
+        self.router = OutputRouter(len(paths.scheduler_to_frontends))
         self.to_workers = Fanout(ctx, paths.scheduler_to_workers)
         self.from_workers = Channel(
             ctx, zmq.PULL, paths.worker_to_scheduler, True, WorkerToScheduler
@@ -109,9 +116,11 @@ class SchedulerLoop:
             a, num_pages, context, eos, dp_size=self.layout.dp_size, float_rows=floats
         )
         self.sched = Scheduler(cfg)
-        self.to_frontend.send(
-            EngineReady(context, num_pages, a.page_size, a.num_draft_tokens, cfg.prefix_caching)
-        )
+        ready = EngineReady(context, num_pages, a.page_size, a.num_draft_tokens, cfg.prefix_caching)
+        # NOTE: API server 0 last: a send blocks until its API server has connected, so
+        # once the launcher's own server reports ready every other one has its message
+        for i in reversed(range(self.router.num_servers)):
+            self.to_frontends.send_to(i, ready)
         logger.info(
             "engine ready: %d worker rank(s), %d KV pages of %d tokens per DP rank, context %d",
             self.layout.world_size,
@@ -123,11 +132,22 @@ class SchedulerLoop:
     def _handle(self, msg: object) -> None:
         assert self.sched is not None
         if isinstance(msg, GenerateRequest):
+            self.router.add(msg.rid, msg.api_server)
             self.sched.add_request(msg)
         elif isinstance(msg, AbortRequest):
             self.sched.abort(msg.rid)
         elif isinstance(msg, StatsRequest):
-            self.to_frontend.send(self.sched.stats(msg.nonce))
+            reply = self.sched.stats(msg.nonce)
+            leak = self.router.check(self.sched.live_rids())
+            if leak is not None and reply.integrity_ok:
+                reply = msgspec.structs.replace(reply, integrity_ok=False, integrity_error=leak)
+            self.to_frontends.send_to(msg.api_server, reply)
+
+    def _send_outputs(self, outputs: list[RequestOutput]) -> None:
+        """One BatchOutput to each API server with outputs of its requests."""
+        for i, mine in enumerate(self.router.split(outputs)):
+            if mine:
+                self.to_frontends.send_to(i, BatchOutput(mine))
 
     def step(self) -> None:
         sched = self.sched
@@ -139,7 +159,7 @@ class SchedulerLoop:
             msg = self.from_frontend.recv(0)
         outputs: list[RequestOutput] = sched.pump(self.to_workers.send, self._recv_result)
         if outputs:
-            self.to_frontend.send(BatchOutput(outputs))
+            self._send_outputs(outputs)
         line = self.throughput_log.line(
             sched.counters,
             len(sched.running),
@@ -162,8 +182,8 @@ class SchedulerLoop:
         except WorkerFailed as e:
             logger.error("%s", e)
             if self.sched is not None:
-                self.to_frontend.send(BatchOutput(self.sched.fail_all(str(e))))
-            self.to_frontend.send(EngineError(str(e)))
+                self._send_outputs(self.sched.fail_all(str(e)))
+            self.to_frontends.send(EngineError(str(e)))
             sys.exit(1)
         finally:
             # NOTE: a PUSH send blocks while no worker is connected (not started yet, or

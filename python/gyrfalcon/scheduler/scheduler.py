@@ -344,6 +344,12 @@ class Scheduler:
             if rs.cache is not None:
                 rs.cache.check_integrity()
 
+    def live_rids(self) -> set[str]:
+        """Requests that will still send an output: those held, and those whose final
+        output is not taken yet (finished, aborted or rejected since the last take)."""
+        ending = {out.rid for out in self._outputs if out.finish_reason is not None}
+        return self.requests.keys() | ending
+
     def stats(self, nonce: int) -> StatsReply:
         ok, err = True, None
         try:

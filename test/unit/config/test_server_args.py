@@ -187,3 +187,11 @@ def test_ranks_split_evenly_over_the_nodes():
 def test_serving_limits_are_checked_at_parse_time(kw, flag):
     with pytest.raises(ValueError, match=flag):
         ServerArgs(**kw)
+
+
+def test_api_server_count_defaults_to_one_and_must_be_positive():
+    assert ServerArgs().api_server_count == 1
+    assert parse("--api-server-count", "3").api_server_count == 3
+    for bad in ("0", "-2"):
+        with pytest.raises(ValueError, match="--api-server-count must be >= 1"):
+            parse("--api-server-count", bad)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import shutil
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
@@ -198,5 +199,34 @@ def test_a_consumer_behind_the_engine_gets_the_queued_outputs_as_one():
             assert [o.finish_reason for o in outs] == [None] * (len(outs) - 1) + ["stop"]
             assert outs[-1].num_output_tokens == len(got)
             assert [o.token_ids for o in seen] == [[t] for t in got]
+
+    run(body)
+
+
+def test_an_api_server_of_several_prefixes_its_rids_and_reads_its_own_socket():
+    """--api-server-count 2, API server 1: its requests reach the scheduler as `1:rid`
+    with its index, and the replies come on its own socket (the fake binds only it)."""
+
+    async def body():
+        paths, root = IpcPaths.create(num_frontends=2)
+        own = dataclasses.replace(paths, scheduler_to_frontends=paths.scheduler_to_frontends[1:])
+        sched = FakeScheduler(own, lambda r: Script(TOKENS, chunk=2))
+        await sched.start()
+        engine = EngineClient(paths, api_server=1)
+        await engine.start()
+        try:
+            await asyncio.wait_for(engine.ready.wait(), STATS_TIMEOUT_S)
+            outs = [o async for o in engine.generate("a", [1, 2], SamplingParams(max_tokens=50))]
+            assert [t for o in outs for t in o.token_ids] == TOKENS + [EOS_ID]
+            assert {o.rid for o in outs} == {"1:a"}
+            (req,) = sched.requests
+            assert (req.rid, req.api_server) == ("1:a", 1)
+            assert (await engine.stats(STATS_TIMEOUT_S)).integrity_ok
+            await engine.abort("b")
+            await wait_until(lambda: sched.aborted == ["1:b"])
+        finally:
+            engine.close()
+            sched.close()
+            shutil.rmtree(root, ignore_errors=True)
 
     run(body)
