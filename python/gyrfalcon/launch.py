@@ -14,6 +14,13 @@ TCP (ipc/sockets.NodePorts). The watchdog also stops the server when another nod
 fails or falls silent (node_link.NodeWatch), and the others are told when the head
 stops.
 
+Several API servers (--api-server-count N > 1): this process is API server 0 and
+spawns 1 .. N-1 (frontend/process.py), all on the same port (SO_REUSEPORT). They are
+children like the others: one that dies stops the server; a shutdown stops them
+first, together with this one's own drain (they finish their requests meanwhile), and
+the scheduler and the workers only after. Their request metrics meet in a private
+directory (prometheus-client's multiprocess mode, frontend/metrics.py).
+
 Threads: the frontend and the scheduler run torch on one thread; the worker on
 `--cpu-threads`. The children are spawned with OMP_WAIT_POLICY=PASSIVE and
 KMP_BLOCKTIME=0 (unless set by the user), so their idle OpenMP threads sleep
@@ -27,8 +34,11 @@ import ctypes
 import dataclasses
 import logging
 import multiprocessing as mp
+import os
 import shutil
 import signal
+import sys
+import tempfile
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
 
@@ -40,6 +50,7 @@ from gyrfalcon.ipc.contract import RankLayout
 from gyrfalcon.ipc.sockets import IpcPaths, NodePorts
 from gyrfalcon.node_link import NodeWatch
 from gyrfalcon.utils import (
+    CHILD_JOIN_TIMEOUT_S,
     configure_logging,
     dead_child,
     free_port,
@@ -54,21 +65,27 @@ if TYPE_CHECKING:
 logger = logging.getLogger("gyrfalcon")
 
 WATCHDOG_PERIOD_S = 0.5
+STOP_POLL_S = 0.05  # how often the launcher looks whether its server is stopping
+# NOTE: prometheus-client's name (frontend/metrics.py), not imported from there: that
+# would import prometheus-client before the variable is set
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 async def _watchdog(
     procs: list[BaseProcess],
+    api_servers: list[BaseProcess],
     nodes: NodeWatch | None,
-    server: object,
+    server: uvicorn.Server,
     engine: EngineClient,
     state: dict,
 ) -> None:
     """Stop the server when a child dies, or another node (`nodes`). It runs only while
     uvicorn serves; the children are stopped after it is cancelled, so an ordered stop
-    is not reported."""
+    is not reported; the API servers, stopped while it still runs, count only until
+    this server stops."""
     while True:
         await asyncio.sleep(WATCHDOG_PERIOD_S)
-        dead = dead_child(procs)
+        dead = dead_child(procs if server.should_exit else [*procs, *api_servers])
         msg = dead and f"{dead.name} exited unexpectedly (exit code {dead.exitcode})"
         msg = msg or (nodes.check() if nodes is not None else None)
         if msg is not None:
@@ -77,6 +94,30 @@ async def _watchdog(
             state["code"], state["error"] = 1, msg
             server.should_exit = True  # type: ignore[attr-defined]
             return
+
+
+async def _stop_api_servers_with(
+    server: uvicorn.Server, api_servers: list[BaseProcess], api_stopping: ctypes.c_bool
+) -> None:
+    """Once this server stops, ask the other API servers to stop too: they drain their
+    requests meanwhile."""
+    while not server.should_exit:
+        await asyncio.sleep(STOP_POLL_S)
+    api_stopping.value = True  # NOTE: before the SIGTERMs: they act on them only then
+    for p in api_servers:
+        if p.is_alive():
+            p.terminate()
+
+
+def _shared_metrics_dir(api_server_count: int) -> str | None:
+    """With several API servers, a private directory for their request metrics, named
+    in the environment before any of them imports prometheus-client; else None."""
+    if api_server_count == 1:
+        return None
+    assert "prometheus_client" not in sys.modules, "it reads the variable at import"
+    root = tempfile.mkdtemp(prefix="gyrfalcon-metrics-")
+    os.environ[MULTIPROC_DIR_ENV] = root
+    return root
 
 
 def _sigterm_while_starting(*_: object) -> None:
@@ -97,15 +138,26 @@ def serve(args: ServerArgs) -> int:
     """Run the server until it is stopped; returns the process exit code."""
     configure_logging(args.log_level)
     signal.signal(signal.SIGTERM, _sigterm_while_starting)  # no child to stop yet
+    metrics_dir = _shared_metrics_dir(args.api_server_count)
+    try:
+        return _serve(args)
+    finally:
+        if metrics_dir is not None:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _serve(args: ServerArgs) -> int:
     from transformers import AutoTokenizer
 
+    from gyrfalcon.frontend.process import api_server_name, build_app, run_api_server
     from gyrfalcon.frontend.server import (
         HTTP_IMPL,
-        create_app,
+        SHUTDOWN_GRACE_S,
         drain_on_shutdown,
         event_loop_name,
         make_uvicorn_server,
         run_event_loop,
+        shared_port_socket,
     )
     from gyrfalcon.loader.resolve import default_model_name, resolve_model
     from gyrfalcon.scheduler.process import run_scheduler
@@ -117,7 +169,8 @@ def serve(args: ServerArgs) -> int:
     # NOTE: the frontend does no tensor math worth threads. Set after a GGUF conversion
     # (which may use them) and after torch is imported (else the children inherit it).
     set_torch_threads(1)
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir)
+    tokenizer_dir = args.tokenizer or model_dir
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     name = args.served_model_name or default_model_name(args.model)
     logger.info(
         "serving %s (%s, %s attention) from %s on %s",
@@ -142,13 +195,10 @@ def serve(args: ServerArgs) -> int:
             args.nnodes, local.start, local.stop - 1, local.stop, layout.world_size - 1,
             ports.port, ports.port + 2 + layout.world_size,
         )  # fmt: skip
-    paths, ipc_root = IpcPaths.create(layout.world_size, ports, len(local))
+    num_api = args.api_server_count
+    paths, ipc_root = IpcPaths.create(layout.world_size, ports, len(local), num_api)
     engine = EngineClient(paths)
-    app = create_app(
-        engine, tokenizer, name, api_key=args.api_key, log_requests=args.log_requests,
-        max_body_bytes=args.max_request_body_bytes, request_timeout=args.request_timeout,
-        tool_call_parser=args.tool_call_parser,
-    )  # fmt: skip
+    app = build_app(args, engine, tokenizer, name)
     server = make_uvicorn_server(app, args.host, args.port, args.log_level, args.shutdown_timeout)
     ctx = mp.get_context("spawn")
     # NOTE: no lock: the children read it inside a signal handler.
@@ -161,34 +211,62 @@ def serve(args: ServerArgs) -> int:
         endpoints = paths.worker_endpoints(rank)
         worker_args = (args, endpoints, model_dir, model_cfg, rank, layout, stopping)
         procs.append(ctx.Process(target=run_worker, args=worker_args, name=f"worker{rank}"))
+    # NOTE: a flag of their own: they stop (and drain) while the engine still runs
+    api_stopping = ctx.RawValue(ctypes.c_bool, False)
+    api_servers: list[BaseProcess] = []
+    for i in range(1, num_api):
+        api_args = (args, paths, i, tokenizer_dir, name, api_stopping)
+        api_servers.append(
+            ctx.Process(target=run_api_server, args=api_args, name=api_server_name(i))
+        )
     state: dict = {"code": 0, "error": ""}
 
     async def main() -> None:
         logger.info("HTTP through %s on %s's event loop", HTTP_IMPL, event_loop_name())
         await engine.start()
-        watchdog = drain = None
+        tasks: list[asyncio.Task] = []
         try:
             if nodes is not None:
                 await nodes.start()
-            watchdog = asyncio.create_task(_watchdog(procs, nodes, server, engine, state))
-            drain = asyncio.create_task(drain_on_shutdown(server, engine, args.shutdown_timeout))
-            await server.serve()
+            sockets = None
+            if num_api > 1:
+                try:
+                    sockets = [shared_port_socket(args.host, args.port)]
+                except OSError as e:
+                    logger.error("cannot bind %s:%d: %s", args.host, args.port, e)
+                    state["code"], state["error"] = 1, str(e)
+                    return
+                logger.info("%d API servers on %s:%d (SO_REUSEPORT)", num_api, args.host, args.port)
+                tasks.append(
+                    asyncio.create_task(_stop_api_servers_with(server, api_servers, api_stopping))
+                )
+            tasks.append(
+                asyncio.create_task(_watchdog(procs, api_servers, nodes, server, engine, state))
+            )
+            tasks.append(
+                asyncio.create_task(drain_on_shutdown(server, engine, args.shutdown_timeout))
+            )
+            await server.serve(sockets=sockets)
         finally:
-            for task in (watchdog, drain):
-                if task is not None:
-                    task.cancel()
+            for task in tasks:
+                task.cancel()
             engine.close()
             if nodes is not None:  # NOTE: the other nodes stop their ranks meanwhile
                 await nodes.close(state["error"])
 
     signal.signal(signal.SIGTERM, lambda *_: _on_sigterm(server))
-    start_children(procs)
+    start_children([*procs, *api_servers])
     try:
         run_event_loop(main())
     except KeyboardInterrupt:
         pass
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # NOTE: the API servers first, given as long to drain as this one had: their
+        # requests in flight need the engine
+        api_stopping.value = True
+        drain_s = args.shutdown_timeout + SHUTDOWN_GRACE_S + CHILD_JOIN_TIMEOUT_S
+        stop_children(api_servers, drain_s)
         stopping.value = True  # NOTE: before the SIGTERMs: the children act on them only then
         stop_children(procs)
         shutil.rmtree(ipc_root, ignore_errors=True)

@@ -13,22 +13,30 @@ Two sources:
 
 Names follow vLLM's (`vllm:` -> `gyrfalcon:`), each labelled with `model_name`. Every
 app gets its own registry, so several apps in one process (tests) do not collide.
+
+With several API servers (--api-server-count > 1) the launcher sets
+PROMETHEUS_MULTIPROC_DIR before any of them imports prometheus-client: each process
+then writes its request metrics to files there, and a scrape of any API server sums
+every one's (prometheus-client's multiprocess mode), next to the engine's part.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from gyrfalcon.ipc.messages import RequestOutput, StatsReply
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus-client's multiprocess mode
 PREFIX = "gyrfalcon:"
 # seconds: from sub-millisecond decode gaps to minute-long requests
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
@@ -65,6 +73,13 @@ class ServingMetrics:
         self.ttft_of = self.ttft.labels(model_name)
         self.itl_of = self.itl.labels(model_name)
         self.generation_tokens_of = self.generation_tokens.labels(model_name)
+        self.exposed = self.registry
+        if MULTIPROC_DIR_ENV in os.environ:
+            # NOTE: the request metrics of every API server, this one's included, come
+            # from the files; the local registry would count this one's twice
+            self.exposed = CollectorRegistry()
+            MultiProcessCollector(self.exposed)
+            self.exposed.register(self.engine)
 
     def start(self) -> RequestTimer:
         """A timer for one request (one choice) arriving now."""
@@ -73,7 +88,7 @@ class ServingMetrics:
     def render(self, stats: StatsReply | None) -> bytes:
         """The exposition text, engine metrics from `stats` (None: left out)."""
         self.engine.latest = stats
-        return generate_latest(self.registry)
+        return generate_latest(self.exposed)
 
 
 class RequestTimer:

@@ -7,9 +7,11 @@ client (starts it before serving, closes it after) and the tokenizer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine
+import socket
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
@@ -273,7 +275,7 @@ def create_app(
         info = msgspec.structs.asdict(reply)
         info.update(
             model=model_name, max_model_len=ctx.max_model_len, num_in_flight=engine.num_in_flight,
-            event_loop=event_loop_name(), http=HTTP_IMPL,
+            event_loop=event_loop_name(), http=HTTP_IMPL, api_server=engine.api_server,
         )  # fmt: skip
         return json_response(info)
 
@@ -288,18 +290,52 @@ def create_app(
 KEEP_ALIVE_S = 30
 
 
+class ChildServer(uvicorn.Server):
+    """A uvicorn server that leaves the signals alone: in an API server process other
+    than the launcher's, the launcher orders the shutdown (utils.ChildStop)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
 def make_uvicorn_server(
-    app: FastAPI, host: str, port: int, log_level: str, shutdown_timeout: float | None = None
+    app: FastAPI,
+    host: str,
+    port: int,
+    log_level: str,
+    shutdown_timeout: float | None = None,
+    capture_signals: bool = True,
 ) -> uvicorn.Server:
     """A uvicorn server for `app`; the launcher awaits `server.serve()` in its loop.
     shutdown_timeout: see `drain_on_shutdown`; uvicorn itself cancels what is left
-    SHUTDOWN_GRACE_S later (None: it waits for every connection)."""
+    SHUTDOWN_GRACE_S later (None: it waits for every connection). Without
+    `capture_signals`, SIGINT and SIGTERM do not stop it (`ChildServer`)."""
     grace = None if shutdown_timeout is None else shutdown_timeout + SHUTDOWN_GRACE_S
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level.lower(), access_log=False,
         timeout_graceful_shutdown=grace, timeout_keep_alive=KEEP_ALIVE_S, http=HTTP_IMPL,
     )  # fmt: skip
-    return uvicorn.Server(config)
+    return uvicorn.Server(config) if capture_signals else ChildServer(config)
+
+
+def shared_port_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port) with SO_REUSEPORT, for `server.serve(sockets=
+    [sock])`: every API server binds its own and the kernel spreads new connections
+    over those that listen (uvicorn listens once it starts).
+
+    NOTE: SO_REUSEPORT lets another process of this user bind the port too; a port
+    that a socket without it holds still fails here with "address in use"."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 async def drain_on_shutdown(

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gyrfalcon.frontend import serving_common
-from gyrfalcon.frontend.metrics import ServingMetrics
+from gyrfalcon.frontend.metrics import MULTIPROC_DIR_ENV, ServingMetrics
 from gyrfalcon.ipc.messages import RequestOutput, StatsReply
 
 from .frontend_fakes import MODEL_NAME, REPLY, USER, live_server, post, replying, run
@@ -105,6 +105,32 @@ def test_engine_figures_from_the_schedulers_stats():
     quiet = StatsReply(nonce=1, num_total_pages=200, num_free_pages=200, num_running=0,
                        num_waiting=0, integrity_ok=True)  # fmt: skip
     assert "spec_decode_mean_acceptance_length" not in m.render(quiet).decode()
+
+
+def test_multiprocess_mode_sums_every_api_servers_requests(tmp_path, monkeypatch):
+    """PROMETHEUS_MULTIPROC_DIR set (--api-server-count > 1): any API server's scrape
+    counts the requests of all, its own once, beside its engine figures."""
+    from prometheus_client import values
+
+    monkeypatch.setenv(MULTIPROC_DIR_ENV, str(tmp_path))
+    servers = []
+    for pid, tokens in ((101, [5, 6]), (102, [7])):  # NOTE: two processes' value files
+        monkeypatch.setattr(values, "ValueClass", values.MultiProcessValue(lambda p=pid: p))
+        m = ServingMetrics(MODEL_NAME)
+        timer = m.start()
+        timer.output(RequestOutput("r", tokens, num_prompt_tokens=4, finish_reason="stop"))
+        timer.finish("stop")
+        servers.append(m)
+    assert {f.name for f in tmp_path.iterdir()} >= {"counter_101.db", "counter_102.db"}
+    stats = StatsReply(nonce=0, num_total_pages=10, num_free_pages=10, num_running=0,
+                       num_waiting=0, integrity_ok=True)  # fmt: skip
+    for m in servers:
+        text = m.render(stats).decode()
+        assert value(text, "gyrfalcon:request_success_total", finished_reason="stop") == 2
+        assert value(text, "gyrfalcon:generation_tokens_total") == 3
+        assert value(text, "gyrfalcon:prompt_tokens_total") == 8
+        assert value(text, "gyrfalcon:e2e_request_latency_seconds_count") == 2
+        assert value(text, "gyrfalcon:num_requests_running") == 0
 
 
 @pytest.mark.parametrize("on", [False, True])

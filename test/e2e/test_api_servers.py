@@ -1,0 +1,119 @@
+"""--api-server-count 2: two HTTP frontends share the port and the one scheduler."""
+
+import asyncio
+import collections
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+
+import httpx
+from server_util import alive, children_of, start_server, stop_server, wait_drained
+
+# NOTE: a small KV pool, as the shared e2e server's
+FLAGS = ("--num-kv-pages", "512", "--page-size", "16", "--api-server-count", "2")
+SERVING_LINE = "API server 1: HTTP on"
+LOG_WAIT_S = 60
+NUM_STREAMS = 32
+MAX_TOKENS = 8
+
+
+def comm(pid: int) -> str:
+    with open(f"/proc/{pid}/comm") as f:
+        return f.read().strip()
+
+
+def wait_for_log(server, text: str) -> None:
+    """Until the server's log holds `text` (API server 1 logs it once it listens)."""
+    deadline = time.monotonic() + LOG_WAIT_S
+    while text not in server.log():
+        assert time.monotonic() < deadline, f"no {text!r} in the log:\n{server.log()[-3000:]}"
+        assert server.proc.poll() is None, server.log()[-3000:]
+        time.sleep(0.1)
+
+
+async def one_stream(url: str, i: int) -> tuple[int, int]:
+    """A streamed completion on a connection of its own: (text chunks, completion tokens)."""
+    body = {
+        "prompt": f"Count from {i}:", "max_tokens": MAX_TOKENS, "temperature": 0,
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    chunks, usage = 0, None
+    async with httpx.AsyncClient(timeout=300) as client:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: ") :])
+                chunks += len(event["choices"])
+                usage = event.get("usage") or usage
+    assert usage is not None
+    return chunks, usage["completion_tokens"]
+
+
+def requests_by_process(log: str) -> collections.Counter:
+    """Requests that ended, by the process that logged them (--log-requests)."""
+    ends = re.findall(rf"\[([\w-]+)\] INFO \S+: request \S+: length, {MAX_TOKENS} tokens", log)
+    return collections.Counter(ends)
+
+
+def success_count(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    found = re.search(r'^gyrfalcon:request_success_total\{[^}]*"length"[^}]*\} (\S+)$', text, re.M)
+    assert found, text
+    return float(found[1])
+
+
+def test_two_api_servers_serve_one_port_and_stop_together(smollm2_dir, tmp_path):
+    srv = start_server(smollm2_dir, str(tmp_path / "log"), *FLAGS, "--log-requests")
+    kids = children_of(srv.proc.pid)
+    try:
+        assert "gyr-api-server1" in {comm(k) for k in kids}
+        wait_for_log(srv, SERVING_LINE)
+
+        async def streams():
+            return await asyncio.gather(*(one_stream(srv.base_url, i) for i in range(NUM_STREAMS)))
+
+        results = asyncio.run(streams())
+        assert all(tokens == MAX_TOKENS for _, tokens in results), results
+        assert all(chunks >= 1 for chunks, _ in results), results
+        info = wait_drained(srv)
+        assert info["integrity_ok"], info  # NOTE: also the scheduler's routes per API server
+        assert info["num_free_pages"] == info["num_total_pages"], info
+        assert info["num_running"] == info["num_waiting"] == 0, info
+        served = requests_by_process(srv.log())
+        assert set(served) == {"main", "api-server1"} and sum(served.values()) == NUM_STREAMS
+        # NOTE: each scrape on a new connection, answered by either API server: the sum
+        seen = set()
+        for _ in range(8):
+            assert success_count(srv.base_url) == NUM_STREAMS
+            seen.add(httpx.get(f"{srv.base_url}/server_info", timeout=30).json()["api_server"])
+        assert seen <= {0, 1}
+    finally:
+        code = stop_server(srv)
+    assert code == 0, srv.log()[-3000:]
+    log = srv.log()
+    assert "API server 1 stopped" in log and "server stopped" in log
+    time.sleep(0.5)
+    assert not [k for k in kids if alive(k)], "child processes outlived the server"
+
+
+def test_a_killed_api_server_takes_the_server_down(smollm2_dir, tmp_path):
+    srv = start_server(smollm2_dir, str(tmp_path / "log"), *FLAGS)
+    kids = children_of(srv.proc.pid)
+    try:
+        (victim,) = [k for k in kids if comm(k) == "gyr-api-server1"]
+        os.kill(victim, signal.SIGKILL)
+        try:
+            code = srv.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            code = None
+    finally:
+        stop_server(srv)
+    assert code not in (None, 0), srv.log()[-3000:]
+    assert "api-server1 exited unexpectedly" in srv.log()
+    time.sleep(0.5)
+    assert not [k for k in kids if alive(k)], "child processes outlived the server"
