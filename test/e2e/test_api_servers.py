@@ -18,6 +18,9 @@ SERVING_LINE = "API server 1: HTTP on"
 LOG_WAIT_S = 60
 NUM_STREAMS = 32
 MAX_TOKENS = 8
+PIN_ATTEMPTS = 200  # new connections tried to reach a given API server
+DRAIN_TOKENS = 100  # a stream still running when the SIGTERM comes
+DRAIN_WAIT_S = 60
 
 
 def comm(pid: int) -> str:
@@ -67,6 +70,46 @@ def success_count(url: str) -> float:
     return float(found[1])
 
 
+async def pinned_client(url: str, api_server: int) -> httpx.AsyncClient:
+    """A client whose one keep-alive connection API server `api_server` took."""
+    for _ in range(PIN_ATTEMPTS):
+        client = httpx.AsyncClient(
+            base_url=url, timeout=300, limits=httpx.Limits(max_connections=1)
+        )
+        if (await client.get("/server_info")).json()["api_server"] == api_server:
+            return client
+        await client.aclose()
+    raise AssertionError(f"no connection reached API server {api_server}")
+
+
+async def stream_on(client: httpx.AsyncClient, max_tokens: int) -> list[str]:
+    body = {
+        "prompt": "Once", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        return [line async for line in r.aiter_lines() if line.startswith("data: ")]
+
+
+async def sigterm_while_both_stream(srv) -> list[list[str]]:
+    """A stream on each API server, SIGTERM to the launcher once both run: what each
+    stream got."""
+    pinned = [await pinned_client(srv.base_url, i) for i in (0, 1)]
+    streams = [asyncio.create_task(stream_on(c, DRAIN_TOKENS)) for c in pinned]
+    async with httpx.AsyncClient(base_url=srv.base_url, timeout=30) as probe:
+        deadline = time.monotonic() + LOG_WAIT_S
+        while (await probe.get("/server_info")).json()["num_running"] < 2:
+            assert time.monotonic() < deadline, "the two streams never ran together"
+            await asyncio.sleep(0.05)
+    srv.proc.send_signal(signal.SIGTERM)
+    try:
+        return await asyncio.gather(*streams)
+    finally:
+        for c in pinned:
+            await c.aclose()
+
+
 def test_two_api_servers_serve_one_port_and_stop_together(smollm2_dir, tmp_path):
     srv = start_server(smollm2_dir, str(tmp_path / "log"), *FLAGS, "--log-requests")
     kids = children_of(srv.proc.pid)
@@ -92,8 +135,14 @@ def test_two_api_servers_serve_one_port_and_stop_together(smollm2_dir, tmp_path)
             assert success_count(srv.base_url) == NUM_STREAMS
             seen.add(httpx.get(f"{srv.base_url}/server_info", timeout=30).json()["api_server"])
         assert seen <= {0, 1}
+        # NOTE: both API servers drain: each stream ends whole after the SIGTERM
+        for lines in asyncio.run(sigterm_while_both_stream(srv)):
+            assert lines[-1] == "data: [DONE]", lines[-3:]
+            usage = json.loads(lines[-2][len("data: ") :])["usage"]
+            assert usage["completion_tokens"] == DRAIN_TOKENS, lines[-3:]
+        code = srv.proc.wait(DRAIN_WAIT_S)
     finally:
-        code = stop_server(srv)
+        stop_server(srv)
     assert code == 0, srv.log()[-3000:]
     log = srv.log()
     assert "API server 1 stopped" in log and "server stopped" in log

@@ -76,7 +76,9 @@ class ServingMetrics:
         self.exposed = self.registry
         if MULTIPROC_DIR_ENV in os.environ:
             # NOTE: the request metrics of every API server, this one's included, come
-            # from the files; the local registry would count this one's twice
+            # from the files; the local registry would count this one's twice. A value
+            # kept in a file costs a streamed token ~1.8 us more (ITL and token count:
+            # 2.7 us against 0.9 us, timeit on the CPU CI host), ~3% of its ~60 us
             self.exposed = CollectorRegistry()
             MultiProcessCollector(self.exposed)
             self.exposed.register(self.engine)
