@@ -133,14 +133,15 @@ def dead_child(procs: Sequence[BaseProcess]) -> BaseProcess | None:
     return next((p for p in procs if not p.is_alive()), None)
 
 
-def stop_children(procs: Sequence[BaseProcess], timeout_s: float = CHILD_JOIN_TIMEOUT_S) -> None:
-    """SIGTERM the children that still run, give them `timeout_s` together (not each:
-    four GPU workers stuck in their teardown once took 20 s), SIGKILL the late ones.
-    Set the shared `stopping` flag first: the children act on a SIGTERM only then."""
+def stop_children(procs: Sequence[BaseProcess], timeout_s: float | None = None) -> None:
+    """SIGTERM the children that still run, give them `timeout_s` (None:
+    CHILD_JOIN_TIMEOUT_S) together (not each: four GPU workers stuck in their teardown
+    once took 20 s), SIGKILL the late ones. Set the shared `stopping` flag first: the
+    children act on a SIGTERM only then."""
     for p in procs:
         if p.is_alive():
             p.terminate()
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + (CHILD_JOIN_TIMEOUT_S if timeout_s is None else timeout_s)
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
     for p in procs:
