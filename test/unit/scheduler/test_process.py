@@ -3,6 +3,7 @@ rank gets every plan, the engine is ready once every rank is (smallest pool wins
 and each DP group's results come from its first TP rank only."""
 
 import ctypes
+import shutil
 import threading
 from types import SimpleNamespace
 
@@ -119,7 +120,7 @@ def test_each_api_server_gets_its_own_outputs_and_stats_and_every_one_the_ready(
     """Two API servers on one scheduler: outputs and a stats reply go to the sender
     only, EngineReady to both; the routes end with the requests (done or aborted)."""
     layout = RankLayout()
-    paths, _ = IpcPaths.create(1, num_frontends=2)
+    paths, root = IpcPaths.create(1, num_frontends=2)
     args = ServerArgs(
         model="m", device="cpu", page_size=4, max_num_batched_tokens=64,
         chunked_prefill_size=64, log_stats_interval=0, check_invariants=True,
@@ -180,6 +181,7 @@ def test_each_api_server_gets_its_own_outputs_and_stats_and_every_one_the_ready(
         rank.join(RECV_MS / 1000)
         for chan in [*to_sched, *from_sched]:
             chan.close()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def failing_rank(paths: IpcPaths, both: set[str]) -> None:
@@ -204,7 +206,7 @@ def failing_rank(paths: IpcPaths, both: set[str]) -> None:
 
 def test_a_fatal_error_reaches_every_api_server_with_its_requests_failed():
     layout = RankLayout()
-    paths, _ = IpcPaths.create(1, num_frontends=2)
+    paths, root = IpcPaths.create(1, num_frontends=2)
     args = ServerArgs(
         model="m", device="cpu", page_size=4, max_num_batched_tokens=64,
         chunked_prefill_size=64, log_stats_interval=0,
@@ -239,3 +241,4 @@ def test_a_fatal_error_reaches_every_api_server_with_its_requests_failed():
         rank.join(RECV_MS / 1000)
         for chan in [to_sched, *from_sched]:
             chan.close()
+        shutil.rmtree(root, ignore_errors=True)
