@@ -185,7 +185,8 @@ case "${1:-tests}" in
     # part; DP_SIZES picks the dp runs (default "1 2"); DP_HALF=1 adds one GPU serving
     # NUM_DP / 2 prompts at concurrency 128, one DP 2 rank's share alone: with the weights
     # on every rank, the most a dp 2 server can do is two of those at once; TREE=.ab/<commit>
-    # serves the dp runs from an older tree, TAG suffixes their files
+    # serves the dp runs from an older tree, TAG suffixes their files, DP_FLAGS adds flags to
+    # them (e.g. "--api-server-count 2")
     TP_RUNS=() DP_RUNS=()  # NOTE: arrays: each "name:flags[:prompts:concurrency]" is one word
     # NOTE: tp2nccl: every all-reduce through NCCL (--disable-custom-all-reduce)
     [ "${RANKS_TP:-1}" = 1 ] && TP_RUNS=("tp1:--tp-size 1" "tp2:--tp-size 2"
@@ -205,7 +206,7 @@ case "${1:-tests}" in
     [ -d "$OUT/kprof" ] && tar czf "$OUT/kprof.tgz" -C "$OUT" kprof && rm -rf "$OUT/kprof"
     for R in "${DP_RUNS[@]}"; do
       IFS=: read -r NAME FLAGS NUM CONC <<< "$R"
-      PYTHONPATH=${TREE:-.}/python:/tmp/site SERVER_FLAGS="--attention-backend triton $FLAGS" \
+      PYTHONPATH=${TREE:-.}/python:/tmp/site SERVER_FLAGS="--attention-backend triton $FLAGS ${DP_FLAGS:-}" \
         start_server "$NAME${TAG:-}"
       serve_bench "c${CONC}_$NAME${TAG:-}" --num-prompts "$NUM" --random-input-len 1024 \
         --random-output-len 512 --ignore-eos --max-concurrency "$CONC" --seed 2
