@@ -1,7 +1,8 @@
 """Several worker ranks on the CPU: SmolLM2 split over 3 tensor-parallel processes
 (gloo; 9 attention heads and 3 KV heads: tp 3 splits both, tp 2 does not divide
-them), and 2 data-parallel groups, answer greedy requests exactly like the one-rank
-server, with nothing leaked; a dead rank takes the server down."""
+them), and 2 data-parallel groups behind 2 API servers (the frontends DP servers are
+given at their token rates), answer greedy requests exactly like the one-rank server,
+with nothing leaked; a dead rank takes the server down."""
 
 import json
 import os
@@ -33,8 +34,9 @@ def tp_server(smollm2_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def dp_server(smollm2_dir, tmp_path_factory):
     yield from ranks_server(
-        smollm2_dir, tmp_path_factory, "dp-server", "--num-kv-pages", "128", "--dp-size", "2"
-    )
+        smollm2_dir, tmp_path_factory, "dp-server", "--num-kv-pages", "128", "--dp-size", "2",
+        "--api-server-count", "2",
+    )  # fmt: skip
 
 
 def complete(base_url, prompt, **kw):
@@ -81,8 +83,9 @@ def test_structured_output_over_tp_and_dp_ranks_answers_like_one_rank(server, tp
 
 
 def test_dp2_server_answers_like_one_rank(server, dp_server):
-    """Four requests at once spread over both DP groups (the scheduler balances them);
-    each answer equals the one-rank server's; both groups' pages all come back."""
+    """Four requests at once spread over both DP groups (the scheduler balances them)
+    and both API servers (a connection each); each answer equals the one-rank server's;
+    both groups' pages all come back, and every request's route to its API server."""
     from concurrent.futures import ThreadPoolExecutor
 
     prompts = PROMPTS + ["Say hello.", "Count to five."]
@@ -94,7 +97,7 @@ def test_dp2_server_answers_like_one_rank(server, dp_server):
     info = wait_drained(dp_server)
     assert info["integrity_ok"] and info["num_free_pages"] == info["num_total_pages"], info
     assert info["num_total_pages"] == 2 * (128 - 1)  # NOTE: each group's pool, its dummy page aside
-    assert "2 worker rank(s)" in dp_server.log()
+    assert "2 worker rank(s)" in dp_server.log() and "2 API servers on" in dp_server.log()
 
 
 def test_a_dead_rank_takes_the_tp_server_down(smollm2_dir, tmp_path):
