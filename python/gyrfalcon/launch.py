@@ -46,6 +46,13 @@ from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.nodes import parse_init_addr
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.frontend.engine_client import EngineClient
+from gyrfalcon.frontend.process import (
+    MULTIPROC_DIR_ENV,
+    STOP_POLL_S,
+    api_server_name,
+    build_app,
+    run_api_server,
+)
 from gyrfalcon.ipc.contract import RankLayout
 from gyrfalcon.ipc.sockets import IpcPaths, NodePorts
 from gyrfalcon.node_link import NodeWatch
@@ -65,10 +72,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("gyrfalcon")
 
 WATCHDOG_PERIOD_S = 0.5
-STOP_POLL_S = 0.05  # how often the launcher looks whether its server is stopping
-# NOTE: prometheus-client's name (frontend/metrics.py), not imported from there: that
-# would import prometheus-client before the variable is set
-MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 async def _watchdog(
@@ -149,7 +152,6 @@ def serve(args: ServerArgs) -> int:
 def _serve(args: ServerArgs) -> int:
     from transformers import AutoTokenizer
 
-    from gyrfalcon.frontend.process import api_server_name, build_app, run_api_server
     from gyrfalcon.frontend.server import (
         HTTP_IMPL,
         SHUTDOWN_GRACE_S,

@@ -32,11 +32,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from gyrfalcon.frontend.process import MULTIPROC_DIR_ENV
+
 if TYPE_CHECKING:
     from gyrfalcon.ipc.messages import RequestOutput, StatsReply
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus-client's multiprocess mode
 PREFIX = "gyrfalcon:"
 # seconds: from sub-millisecond decode gaps to minute-long requests
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,

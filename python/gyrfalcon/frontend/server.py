@@ -355,8 +355,3 @@ async def drain_on_shutdown(
         n = engine.num_in_flight
         logger.warning("%d requests still running after --shutdown-timeout: ending them", n)
         engine.mark_dead(f"the server is shutting down (--shutdown-timeout {timeout_s:g} s)")
-
-
-async def serve_http(app: FastAPI, host: str, port: int, log_level: str) -> None:
-    """Serve `app` until uvicorn is asked to exit (SIGINT/SIGTERM or `should_exit`)."""
-    await make_uvicorn_server(app, host, port, log_level).serve()
