@@ -47,7 +47,6 @@ from gyrfalcon.config.nodes import parse_init_addr
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.frontend.engine_client import EngineClient
 from gyrfalcon.frontend.process import (
-    MULTIPROC_DIR_ENV,
     STOP_POLL_S,
     api_server_name,
     build_app,
@@ -58,6 +57,7 @@ from gyrfalcon.ipc.sockets import IpcPaths, NodePorts
 from gyrfalcon.node_link import NodeWatch
 from gyrfalcon.utils import (
     CHILD_JOIN_TIMEOUT_S,
+    MULTIPROC_DIR_ENV,
     configure_logging,
     dead_child,
     free_port,

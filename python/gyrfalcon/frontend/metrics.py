@@ -32,7 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from gyrfalcon.frontend.process import MULTIPROC_DIR_ENV
+from gyrfalcon.utils import MULTIPROC_DIR_ENV
 
 if TYPE_CHECKING:
     from gyrfalcon.ipc.messages import RequestOutput, StatsReply

@@ -29,9 +29,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 STOP_POLL_S = 0.05  # how often an API server (and the launcher) looks for its stop
-# NOTE: prometheus-client's multiprocess directory variable, named here, where nothing
-# imports prometheus-client: the launcher sets it before any API server imports it
-MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 def build_app(
