@@ -50,6 +50,7 @@ from gyrfalcon.frontend.process import (
     STOP_POLL_S,
     api_server_name,
     build_app,
+    freeze_when_ready,
     run_api_server,
 )
 from gyrfalcon.ipc.contract import RankLayout
@@ -248,6 +249,7 @@ def _serve(args: ServerArgs) -> int:
             tasks.append(
                 asyncio.create_task(drain_on_shutdown(server, engine, args.shutdown_timeout))
             )
+            tasks.append(asyncio.create_task(freeze_when_ready(engine, 0)))
             await server.serve(sockets=sockets)
         finally:
             for task in tasks:

@@ -146,6 +146,9 @@ def test_two_api_servers_serve_one_port_and_stop_together(smollm2_dir, tmp_path)
     assert code == 0, srv.log()[-3000:]
     log = srv.log()
     assert "API server 1 stopped" in log and "server stopped" in log
+    # NOTE: every process froze its start-up heap once serving and counted its collections
+    for who in ("API server 0: gc: ", "API server 1: gc: ", "scheduler: gc: ", "; gc: "):
+        assert who in log, f"no line {who!r} in the log"
     time.sleep(0.5)
     assert not [k for k in kids if alive(k)], "child processes outlived the server"
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.frontend.engine_client import EngineClient
+from gyrfalcon.gc_heap import GcPauses, freeze_startup_heap
 from gyrfalcon.ipc.sockets import IpcPaths
 from gyrfalcon.utils import ChildStop, set_torch_threads, setup_child
 
@@ -42,6 +43,18 @@ def build_app(
         max_body_bytes=args.max_request_body_bytes, request_timeout=args.request_timeout,
         tool_call_parser=args.tool_call_parser,
     )  # fmt: skip
+
+
+async def freeze_when_ready(engine: EngineClient, index: int) -> None:
+    """A task of API server `index`: freeze its start-up heap once the engine is ready
+    (gc_heap.py), then count its collections until cancelled at shutdown and log them."""
+    await engine.ready.wait()
+    freeze_startup_heap()
+    pauses = GcPauses().install()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        logger.info("API server %d: %s", index, pauses.summary())
 
 
 def api_server_name(index: int) -> str:
@@ -82,6 +95,7 @@ async def _serve(
 
     await engine.start()
     watch = asyncio.create_task(_stop_when_asked(server, engine, stop))
+    freeze = asyncio.create_task(freeze_when_ready(engine, index))
     drain = None
     try:
         while not (engine.ready.is_set() or server.should_exit):
@@ -93,7 +107,7 @@ async def _serve(
         drain = asyncio.create_task(drain_on_shutdown(server, engine, args.shutdown_timeout))
         await server.serve(sockets=[sock])
     finally:
-        for task in (watch, drain):
+        for task in (watch, freeze, drain):
             if task is not None:
                 task.cancel()
         engine.close()

@@ -21,6 +21,7 @@ import zmq
 
 from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs
+from gyrfalcon.gc_heap import GcPauses, freeze_startup_heap
 from gyrfalcon.ipc.contract import RankLayout
 from gyrfalcon.ipc.messages import (
     AbortRequest,
@@ -172,8 +173,11 @@ class SchedulerLoop:
 
     def run(self) -> None:
         """Serve until the launcher stops us (or is gone); exits 1 if a worker fails."""
+        pauses = GcPauses()
         try:
             self.start()
+            freeze_startup_heap()
+            pauses.install()
             self.stop.serving()
             while not (self.stop.requested or self.stop.parent_gone()):
                 self.step()
@@ -189,6 +193,7 @@ class SchedulerLoop:
             # NOTE: a PUSH send blocks while no worker is connected (not started yet, or
             # dead): skip such a rank.
             self.to_workers.send_nowait(Shutdown())
+            logger.info("scheduler: %s", pauses.summary())
 
 
 def run_scheduler(

@@ -17,6 +17,7 @@ import zmq
 
 from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs
+from gyrfalcon.gc_heap import GcPauses, freeze_startup_heap
 from gyrfalcon.ipc.contract import RankLayout
 from gyrfalcon.ipc.messages import SchedulerToWorker, Shutdown, StepPlan, WorkerError, WorkerReady
 from gyrfalcon.ipc.sockets import Channel, WorkerEndpoints
@@ -87,13 +88,15 @@ def _serve(
     outbox.send(
         WorkerReady(rank, runner.executor.kv_cache.num_pages, context_len, runner.floats_rows)
     )
+    freeze_startup_heap()  # NOTE: the model, its graphs and caches stay for good
+    pauses = GcPauses().install()
     stop.serving()
     try:
         spec = "-" + args.speculative_algorithm.lower() if args.speculative_algorithm else ""
         with process_sections(f"worker{rank}{spec}", worker_sections, lambda: runner.num_plans):
             _run_plans(runner, inbox, outbox, stop, reports, KernelWindow(f"worker{rank}"))
     finally:  # NOTE: however it stops (Shutdown, the stop flag, its parent gone)
-        logger.info("rank %d: %s", rank, runner.summary())
+        logger.info("rank %d: %s; %s", rank, runner.summary(), pauses.summary())
 
 
 def _run_plans(
