@@ -14,8 +14,11 @@ at steady decode, N running requests, without a GPU:
   from a real scheduler; its host time is `submit` + `take` minus the model's forward
   (`ModelExecutor.forward`), which on the CPU runs the model itself.
 
-Figures are the best of `--repeats` runs of `--steps` steps (the CPU is shared); CPU
-figures stand in for the GPU host's, which runs the same Python (plus launches).
+Both halves run with the collector as the server's processes set it once serving
+(`gc_heap.freeze_startup_heap`: the heap frozen before the requests arrive), or with
+CPython's defaults (`--stock-gc`). Figures are the best of `--repeats` runs of
+`--steps` steps (the CPU is shared); CPU figures stand in for the GPU host's, which
+runs the same Python (plus launches).
 
     python benchmarks/bench_host_step.py --rows 64 256 --output-json host.json
 """
@@ -43,6 +46,7 @@ from gyrfalcon.bench import report_json
 from gyrfalcon.bench.provenance import git_commit
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.engine import LocalEngine
+from gyrfalcon.gc_heap import freeze_startup_heap
 from gyrfalcon.ipc.messages import (
     BatchOutput,
     GenerateRequest,
@@ -84,7 +88,9 @@ def _requests(n: int, prompt_len: int, max_tokens: int) -> list[GenerateRequest]
     return [GenerateRequest(str(i), [3 + i % 400] + [5] * (prompt_len - 1), sp) for i in range(n)]
 
 
-def scheduler_step_us(rows: int, dp: int, prompt_len: int, steps: int, repeats: int) -> float:
+def scheduler_step_us(
+    rows: int, dp: int, prompt_len: int, steps: int, repeats: int, freeze: bool = True
+) -> float:
     """The scheduler's CPU seconds per decode step (plan, its wire side, results)."""
     cfg = SchedulerConfig(
         num_pages=rows * (prompt_len + 4 * steps * repeats) // PAGE_SIZE + 64,
@@ -100,6 +106,8 @@ def scheduler_step_us(rows: int, dp: int, prompt_len: int, steps: int, repeats: 
         conservativeness=0.0,  # admit all at once (the reserve is not measured)
     )
     sched = Scheduler(cfg)
+    if freeze:
+        freeze_startup_heap()
     for req in _requests(rows, prompt_len, 1 << 20):
         sched.add_request(req)
     enc = msgspec.msgpack.Encoder()
@@ -144,7 +152,7 @@ def _tiny_model_dir(root: str) -> str:
 
 
 def worker_step_us(
-    rows: int, prompt_len: int, steps: int, repeats: int, model_dir: str
+    rows: int, prompt_len: int, steps: int, repeats: int, model_dir: str, freeze: bool = True
 ) -> dict[str, float]:
     """The worker's host seconds per decode step (submit + take - the model's forward),
     and the scheduler's beside it, in one process (LocalEngine)."""
@@ -161,6 +169,8 @@ def worker_step_us(
         schedule_conservativeness=0.0,
     )
     eng = LocalEngine(args, model_dir, check_invariants=False)
+    if freeze:
+        freeze_startup_heap()
     for req in _requests(rows, prompt_len, 1 << 20):
         eng.scheduler.add_request(req)
     for _ in range(4):
@@ -211,6 +221,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=100, help="decode steps per run")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-worker", action="store_true", help="the scheduler only")
+    p.add_argument("--stock-gc", action="store_true", help="CPython's collector settings")
     p.add_argument("--output-json")
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -219,11 +230,12 @@ def main() -> None:
         model_dir = _tiny_model_dir(tmp)
         for n in a.rows:
             run = {"rows": n, "dp_size": a.dp_size}
-            sched = scheduler_step_us(n, a.dp_size, a.prompt_len, a.steps, a.repeats)
+            freeze = not a.stock_gc
+            sched = scheduler_step_us(n, a.dp_size, a.prompt_len, a.steps, a.repeats, freeze)
             run["scheduler_us_per_step"] = round(sched * 1e6, 1)
             run["scheduler_us_per_row"] = round(sched * 1e6 / n, 2)
             if not a.no_worker:
-                w = worker_step_us(n, a.prompt_len, a.steps, a.repeats, model_dir)
+                w = worker_step_us(n, a.prompt_len, a.steps, a.repeats, model_dir, freeze)
                 run["worker_us_per_step"] = round(w["worker"] * 1e6, 1)
                 run["worker_us_per_row"] = round(w["worker"] * 1e6 / n, 2)
                 run["cpu_forward_us_per_step"] = round(w["forward"] * 1e6, 1)
@@ -239,6 +251,7 @@ def main() -> None:
         "prompt_len": a.prompt_len,
         "steps": a.steps,
         "repeats": a.repeats,
+        "gc": "stock" if a.stock_gc else "frozen start-up heap (gc_heap.py)",
         "runs": runs,
     }
     if a.output_json:
