@@ -132,10 +132,18 @@ def row_end(req: Request, n: int, num_draft: int, limits: Limits) -> int:
 
 
 def _take(
-    req: Request, n: int, alloc: PageAllocator, limits: Limits, num_draft: int = 0
+    req: Request,
+    n: int,
+    alloc: PageAllocator,
+    limits: Limits,
+    num_draft: int = 0,
+    end: int | None = None,
 ) -> Scheduled:
+    """Plan a row of req's next n tokens (and num_draft drafts) with pages up to its
+    `row_end` (`end`, where the caller has it)."""
     start = req.num_computed
-    end = row_end(req, n, num_draft, limits)
+    if end is None:
+        end = row_end(req, n, num_draft, limits)
     new_pages = alloc.alloc(pages_needed(len(req.pages), end, limits.page_size))
     req.pages.extend(new_pages)
     reset, req.needs_reset = req.needs_reset, False
@@ -219,7 +227,8 @@ def schedule(
                 continue  # its last token is in flight; the result finishes it
             room = req.room(limits.max_model_len) - req.num_pending_drafts
             d = draft_slots(limits.num_draft, room) if drafts_for(req, limits) else 0
-            while pages_needed(len(req.pages), row_end(req, 1, d, limits), ps) > alloc.num_free:
+            end = row_end(req, 1, d, limits)
+            while pages_needed(len(req.pages), end, ps) > alloc.num_free:
                 victims = [r for r in running if r.rid not in picked]
                 victim = max(victims, key=lambda r: r.arrival)
                 preempt(victim, alloc, running, waiting)
@@ -228,7 +237,7 @@ def schedule(
                     break
             if req.status is not Status.RUNNING:
                 continue
-            out.rows.append(_take(req, 1, alloc, limits, d))
+            out.rows.append(_take(req, 1, alloc, limits, d, end))
             picked.add(req.rid)
             budget -= 1 + d  # the forward computes the input and the d drafts
 
@@ -253,7 +262,9 @@ def schedule(
         prefill_budget -= n
 
     # 3) admit waiting requests FCFS while everything fits, output reserve included
-    reserve = sum(reserved_tokens(r, reserve_ratio) for r in running)
+    reserve = 0
+    if waiting and len(running) < limits.max_num_seqs:  # NOTE: a sum over the running set
+        reserve = sum(reserved_tokens(r, reserve_ratio) for r in running)
     while waiting and len(running) < limits.max_num_seqs and budget > 0 and prefill_budget > 0:
         req = waiting[0]
         if req.num_pending:

@@ -134,10 +134,12 @@ class PrefixCache:
             # with it. Walking again from the root finds what is still cached and caches
             # the request's own copies in place of the rest.
             req.cache_node, req.num_cache_pages = ROOT, 0
+        if req.num_computed // self.page_size <= req.num_cache_pages:
+            return  # NOTE: most steps of a decoding request (one page per P tokens)
         num_known = len(req.prompt_ids) + len(req.output_ids)
         upto = min(cacheable_pages(req.num_computed, num_known, self.page_size), len(req.pages))
         if upto <= req.num_cache_pages:
-            return  # NOTE: most steps of a decoding request (one page per P tokens)
+            return
         tokens = req.prompt_ids + req.output_ids
         for i in range(req.num_cache_pages, upto):
             key = page_key(req.cache_node, tokens, i, self.page_size)

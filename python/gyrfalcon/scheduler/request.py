@@ -97,8 +97,12 @@ class Request:
         n = len(self.prompt_ids)
         if end <= n:
             return self.prompt_ids[start:end]
-        known = self.prompt_ids + self.output_ids
-        return known[start:end] + [PLACEHOLDER] * (end - max(start, len(known)))
+        # NOTE: not prompt + outputs whole: a decode row's slice would copy its context
+        if start >= n:
+            ids = self.output_ids[start - n : end - n]
+        else:
+            ids = self.prompt_ids[start:] + self.output_ids[: end - n]
+        return ids + [PLACEHOLDER] * (end - max(start, n + len(self.output_ids)))
 
     @property
     def remaining(self) -> int:

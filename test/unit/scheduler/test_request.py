@@ -74,3 +74,14 @@ def test_tokens_slice_placeholders_stand_for_tokens_in_flight():
     req.num_pending = 1
     assert req.tokens_slice(3, 5) == [5, PLACEHOLDER]
     assert req.tokens_left(100) == 16 - 2 and req.tokens_left(6) == 1
+
+
+def test_tokens_slice_is_the_known_tokens_then_placeholders_for_every_slice():
+    # prompt [1, 2, 3], outputs [4, 5], two tokens in flight: every [start, end) a row may
+    # ask for (prompt chunks, a recompute across prompt and outputs, decodes)
+    req = request()
+    req.output_ids, req.num_pending = [4, 5], 2
+    tokens = req.prompt_ids + req.output_ids + [PLACEHOLDER] * 2
+    for start in range(len(tokens)):
+        for end in range(start + 1, len(tokens) + 1):
+            assert req.tokens_slice(start, end) == tokens[start:end], (start, end)
