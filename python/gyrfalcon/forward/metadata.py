@@ -104,8 +104,12 @@ def build_batch_tensors(
         )
         q_starts.append(len(ids))
         ids.extend(row.input_ids)
-        positions.extend(range(row.start, end))
-        slots.extend(slot_of(row.pages, p, page_size) for p in range(row.start, end))
+        if n == 1:  # NOTE: a decode row, the most of any step
+            positions.append(row.start)
+            slots.append(slot_of(row.pages, row.start, page_size))
+        else:
+            positions.extend(range(row.start, end))
+            slots.extend(slot_of(row.pages, p, page_size) for p in range(row.start, end))
         seq_lens.append(end)
         q_lens.append(n)
     max_pages = max((len(r.pages) for r in rows), default=1)
@@ -121,7 +125,8 @@ def build_batch_tensors(
         flat.extend([0] * (aligned_len(len(part)) - len(part)))
     for r in rows:  # the page table, padded with the dummy page
         flat.extend(r.pages)
-        flat.extend([dummy_page] * (max_pages - len(r.pages)))
+        if len(r.pages) < max_pages:
+            flat.extend([dummy_page] * (max_pages - len(r.pages)))
     packed = upload(flat, torch.int64, device)
     sizes = [aligned_len(len(part)) for part in parts]
     views = [x[: len(part)] for x, part in zip(packed[: sum(sizes)].split(sizes), parts)]
