@@ -154,8 +154,8 @@ def _tiny_model_dir(root: str) -> str:
 def worker_step_us(
     rows: int, prompt_len: int, steps: int, repeats: int, model_dir: str, freeze: bool = True
 ) -> dict[str, float]:
-    """The worker's host seconds per decode step (submit + take - the model's forward),
-    and the scheduler's beside it, in one process (LocalEngine)."""
+    """The worker's host seconds per decode step (submit + take - the model's forward)
+    and the forward's; the plans come from LocalEngine's scheduler."""
     args = ServerArgs(
         model=model_dir,
         load_format="dummy",
@@ -176,12 +176,10 @@ def worker_step_us(
     for _ in range(4):
         eng.step()
     assert len(eng.scheduler.running) == rows, f"{len(eng.scheduler.running)} running"
-    spent = {"forward": 0.0, "worker": 0.0, "scheduler_plan": 0.0, "scheduler_result": 0.0}
+    spent = {"forward": 0.0, "worker": 0.0}
     timed(eng.worker.executor, "forward", spent, "forward")
     timed(eng.worker, "submit", spent, "worker")
     timed(eng.worker, "take", spent, "worker")
-    timed(eng.scheduler, "build_plan", spent, "scheduler_plan")
-    timed(eng.scheduler, "process_result", spent, "scheduler_result")
 
     def run() -> dict[str, float]:
         for key in spent:
