@@ -59,6 +59,15 @@ def upload(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     return host_tensor(data, dtype, device).to(device, non_blocking=True)
 
 
+def upload_int64(data: array.array, device: torch.device) -> torch.Tensor:
+    """Copy an int64 array (type code "q") to `device` without blocking the host on
+    CUDA; on the CPU the tensor shares the array's memory."""
+    assert data.typecode == "q", f"an int64 array, not {data.typecode!r}"
+    if not data:  # NOTE: torch.frombuffer refuses an empty buffer
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    return upload_tensor(torch.frombuffer(data, dtype=torch.int64), device)
+
+
 def upload_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Copy CPU tensor t to `device` without blocking the host on CUDA."""
     return _pinned_for(t, device).to(device, non_blocking=True)

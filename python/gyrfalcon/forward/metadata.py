@@ -11,18 +11,26 @@ Pure index math, so it is unit-tested on its own:
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate, chain
+from typing import NamedTuple
 
 import torch
 
-from gyrfalcon.forward.host_copy import upload
+from gyrfalcon.forward.host_copy import upload_int64
 
 
-@dataclass(frozen=True)
-class RowInput:
+class RowInput(NamedTuple):
+    """One row of a step's batch. NOTE: a NamedTuple, not a frozen dataclass: the worker
+    builds one per row every step, and a tuple is built twice as fast."""
+
     start: int  # first position computed this step (= tokens already in KV)
     input_ids: list[int]
-    pages: list[int]  # the request's full page table after this step's allocation
+    # the request's full page table after this step's allocation (a list, or an int64
+    # array, which the step's upload copies whole: `WorkerRequest.pages`)
+    pages: Sequence[int]
 
 
 @dataclass
@@ -76,8 +84,36 @@ def leading_single_token_rows(q_lens: list[int]) -> int:
     return n
 
 
-def slot_of(pages: list[int], pos: int, page_size: int) -> int:
+def slot_of(pages: Sequence[int], pos: int, page_size: int) -> int:
     return pages[pos // page_size] * page_size + pos % page_size
+
+
+def row_slots(pages: Sequence[int], start: int, end: int, page_size: int) -> list[int]:
+    """The KV slots of positions [start, end) (`slot_of` at each), a page's run at a
+    time: the positions within one page have consecutive slots."""
+    slots: list[int] = []
+    pos = start
+    while pos < end:
+        page, offset = divmod(pos, page_size)
+        run = min(end - pos, page_size - offset)
+        first = pages[page] * page_size + offset
+        slots.extend(range(first, first + run))
+        pos += run
+    return slots
+
+
+def padded_page_table(pages: Sequence[Sequence[int]], width: int, dummy_page: int) -> array:
+    """The rows' page tables, each padded with the dummy page to `width` pages, as one
+    flat int64 array (row-major [rows, width])."""
+    table = array("q")
+    pad = array("q", [dummy_page])
+    for row in pages:
+        # NOTE: a memcpy where the row is an int64 array already (`WorkerRequest.pages`);
+        # array.extend converts a list an element at a time, slower than array() does
+        table.extend(row if isinstance(row, array) and row.typecode == "q" else array("q", row))
+        if len(row) < width:
+            table.extend(pad * (width - len(row)))
+    return table
 
 
 def build_batch_tensors(
@@ -89,45 +125,47 @@ def build_batch_tensors(
 ) -> BatchTensors:
     """The step's index tensors, in one host->device copy; `extra` int lists (e.g. the
     worker's per-row state slots) ride along in the same copy as `bt.extra`."""
-    ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    seq_lens: list[int] = []
-    q_lens: list[int] = []
-    q_starts: list[int] = []
-    for row in rows:
-        n = len(row.input_ids)
-        end = row.start + n
-        assert n >= 1, "a scheduled row computes at least one token"
-        assert len(row.pages) * page_size >= end, (
-            f"row needs {end} KV slots, has {len(row.pages)} pages of {page_size}"
+    starts = [row.start for row in rows]
+    q_lens = [len(row.input_ids) for row in rows]
+    seq_lens = [s + n for s, n in zip(starts, q_lens)]
+    num_pages = [len(row.pages) for row in rows]
+    assert min(q_lens, default=1) >= 1, "a scheduled row computes at least one token"
+    short = [i for i, (n, end) in enumerate(zip(num_pages, seq_lens)) if n * page_size < end]
+    assert not short, (
+        f"row needs {seq_lens[short[0]]} KV slots, has {num_pages[short[0]]} pages of {page_size}"
+    )
+    leading_single = leading_single_token_rows(q_lens)
+    if leading_single == len(rows):  # NOTE: a decode batch: one token a row, no token loop
+        ids = [row.input_ids[0] for row in rows]
+        positions = starts
+        slots = [slot_of(row.pages, s, page_size) for row, s in zip(rows, starts)]
+        q_starts = list(range(len(rows)))
+        last = q_starts
+    else:
+        ids = list(chain.from_iterable(row.input_ids for row in rows))
+        positions = list(chain.from_iterable(map(range, starts, seq_lens)))
+        slots = list(
+            chain.from_iterable(
+                row_slots(row.pages, s, end, page_size)
+                for row, s, end in zip(rows, starts, seq_lens)
+            )
         )
-        q_starts.append(len(ids))
-        ids.extend(row.input_ids)
-        if n == 1:  # NOTE: a decode row, the most of any step
-            positions.append(row.start)
-            slots.append(slot_of(row.pages, row.start, page_size))
-        else:
-            positions.extend(range(row.start, end))
-            slots.extend(slot_of(row.pages, p, page_size) for p in range(row.start, end))
-        seq_lens.append(end)
-        q_lens.append(n)
-    max_pages = max((len(r.pages) for r in rows), default=1)
+        q_starts = list(accumulate(q_lens[:-1], initial=0)) if rows else []
+        last = [s + n - 1 for s, n in zip(q_starts, q_lens)]
+    max_pages = max(num_pages, default=1)
 
-    last = [s + n - 1 for s, n in zip(q_starts, q_lens)]
     # NOTE: one host->device copy for the whole step; the fields are views of it, each
     # starting 16-byte aligned (`aligned_len`)
     extra = extra or []
     parts = [ids, positions, slots, seq_lens, q_lens, q_starts, last, *extra]
     flat: list[int] = []
     for part in parts:
-        flat.extend(part)
-        flat.extend([0] * (aligned_len(len(part)) - len(part)))
-    for r in rows:  # the page table, padded with the dummy page
-        flat.extend(r.pages)
-        if len(r.pages) < max_pages:
-            flat.extend([dummy_page] * (max_pages - len(r.pages)))
-    packed = upload(flat, torch.int64, device)
+        flat += part
+        if len(part) % ALIGN:
+            flat += [0] * (aligned_len(len(part)) - len(part))
+    packed_host = array("q", flat)
+    packed_host += padded_page_table([r.pages for r in rows], max_pages, dummy_page)
+    packed = upload_int64(packed_host, device)
     sizes = [aligned_len(len(part)) for part in parts]
     views = [x[: len(part)] for x, part in zip(packed[: sum(sizes)].split(sizes), parts)]
     t_ids, t_pos, t_slots, t_seq, t_q, t_starts, t_last, *t_extra = views
@@ -150,7 +188,7 @@ def build_batch_tensors(
         q_starts_cpu=q_starts,
         extra=t_extra,
         token_rows=packed[: 3 * width].view(3, width)[:, : len(ids)],
-        leading_single_rows=leading_single_token_rows(q_lens),
+        leading_single_rows=leading_single,
         row_lens=row_lens,
     )
     assert bt.input_ids.shape == bt.positions.shape == bt.out_cache_loc.shape

@@ -14,6 +14,7 @@ latest sampling row emitted, where its next row starts: a floating row
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,9 @@ MIN_SLOTS = 64  # last_tokens grows by doubling from this many slots
 class WorkerRequest:
     prompt_ids: list[int]
     sampling: RequestSamplingState
-    pages: list[int]
+    # NOTE: an int64 array, not a list: a step's upload copies it whole into the page
+    # table (`forward.metadata.padded_page_table`), without converting each page
+    pages: array
     slot: int  # row of RequestTable.last_tokens
 
     def token_at(self, pos: int) -> int:
@@ -85,7 +88,7 @@ class RequestTable:
         )
         if not self._free_slots:  # grow (stream-ordered, no sync)
             self._grow(max(MIN_SLOTS, 2 * self.last_tokens.shape[0]))
-        req = WorkerRequest(list(new.prompt_ids), state, [], self._free_slots.pop())
+        req = WorkerRequest(list(new.prompt_ids), state, array("q"), self._free_slots.pop())
         self._requests[new.rid] = req
         return req
 
@@ -117,8 +120,9 @@ class RequestTable:
         """The row's request with the row's page-table delta applied."""
         req = self._requests[row.rid]
         if row.reset:
-            req.pages = []
-        req.pages.extend(row.new_pages)
+            req.pages = array("q")
+        if row.new_pages:
+            req.pages.extend(row.new_pages)
         return req
 
     def record_last(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:

@@ -42,3 +42,13 @@ def test_upload_tensor_keeps_values_dtype_and_shape():
     t = torch.arange(12, dtype=torch.int64).view(3, 4) * 2**40
     got = upload_tensor(t, CPU)
     assert got.dtype == t.dtype and torch.equal(got, t)
+
+
+@pytest.mark.parametrize("data", [[3, -1, 2**40], [7], []])
+def test_upload_int64_equals_torch_tensor(data):
+    from array import array
+
+    from gyrfalcon.forward.host_copy import upload_int64
+
+    got = upload_int64(array("q", data), CPU)
+    assert got.dtype == torch.int64 and torch.equal(got, torch.tensor(data, dtype=torch.int64))

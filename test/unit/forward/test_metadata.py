@@ -1,3 +1,5 @@
+from array import array
+
 import pytest
 import torch
 
@@ -6,6 +8,9 @@ from gyrfalcon.forward.metadata import (
     advanced_rows,
     aligned_token_rows,
     build_batch_tensors,
+    leading_single_token_rows,
+    padded_page_table,
+    row_slots,
     slot_of,
 )
 
@@ -154,3 +159,68 @@ def test_a_floating_row_moves_to_its_device_start():
     assert bt.input_ids.tolist() == ref.input_ids.tolist()
     assert bt.seq_lens_cpu == [13, 2, 9]  # host values stay upper bounds
     assert bt.token_rows[1].tolist() == ref.positions.tolist()  # the view moved too
+
+
+@pytest.mark.parametrize(
+    "start,end", [(0, 1), (3, 4), (4, 5), (0, 12), (2, 11), (3, 9), (5, 5), (7, 8), (1, 4)]
+)
+def test_row_slots_walks_the_table_a_position_at_a_time(start, end):
+    """Runs within a page, across page boundaries, one token, none."""
+    pages = [7, 2, 9]
+    assert row_slots(pages, start, end, 4) == [slot_of(pages, p, 4) for p in range(start, end)]
+    assert row_slots(array("q", pages), start, end, 4) == row_slots(pages, start, end, 4)
+
+
+def test_padded_page_table_pads_lists_and_int64_arrays_alike():
+    rows = [[3, 1], array("q", [4, 8, 6]), [], array("q"), [2**40]]
+    want = [[3, 1, 9], [4, 8, 6], [9, 9, 9], [9, 9, 9], [2**40, 9, 9]]
+    table = padded_page_table(rows, 3, 9)
+    assert table.typecode == "q" and table.tolist() == [p for row in want for p in row]
+
+
+def _reference_tensors(rows: list[RowInput], ps: int, extra: list[list[int]]) -> dict:
+    """What build_batch_tensors uploads, computed a token at a time."""
+    ids, pos, slots, q_starts = [], [], [], []
+    for r in rows:
+        q_starts.append(len(ids))
+        ids += r.input_ids
+        pos += range(r.start, r.start + len(r.input_ids))
+        slots += [slot_of(r.pages, p, ps) for p in range(r.start, r.start + len(r.input_ids))]
+    width = max(len(r.pages) for r in rows)
+    return {
+        "input_ids": ids,
+        "positions": pos,
+        "out_cache_loc": slots,
+        "seq_lens": [r.start + len(r.input_ids) for r in rows],
+        "q_lens": [len(r.input_ids) for r in rows],
+        "q_starts": q_starts,
+        "last_token_idx": [s + len(r.input_ids) - 1 for s, r in zip(q_starts, rows)],
+        "page_table": [list(r.pages) + [0] * (width - len(r.pages)) for r in rows],
+        "extra": extra,
+    }
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("decode", [False, True])
+def test_build_batch_tensors_equals_a_token_at_a_time_build(seed, decode):
+    """Decode batches (one token a row: the fast path) and mixed ones (multi-token rows,
+    drafts' zeros, placeholders, rows across page boundaries), list or array pages."""
+    import random
+
+    rng, ps = random.Random(seed), 4
+    rows = []
+    for i in range(rng.randint(1, 9)):
+        n = 1 if decode or rng.random() < 0.5 else rng.randint(2, 11)
+        start = rng.randint(0, 20)
+        pages = rng.sample(range(1, 100), -(-(start + n) // ps) + rng.randint(0, 2))
+        ids = [rng.choice([-1, 0, rng.randint(1, 500)]) for _ in range(n)]
+        rows.append(RowInput(start, ids, array("q", pages) if i % 2 else pages))
+    extra = [[rng.randint(0, 9) for _ in range(rng.randint(0, 5))] for _ in range(3)]
+    bt = build_batch_tensors(rows, ps, torch.device("cpu"), extra=extra)
+    want = _reference_tensors(rows, ps, extra)
+    assert [t.tolist() for t in bt.extra] == want.pop("extra")
+    assert {k: getattr(bt, k).tolist() for k in want} == want
+    assert bt.seq_lens_cpu == want["seq_lens"] and bt.q_lens_cpu == want["q_lens"]
+    assert bt.q_starts_cpu == want["q_starts"]
+    assert bt.token_rows.tolist() == [want["input_ids"], want["positions"], want["out_cache_loc"]]
+    assert bt.leading_single_rows == leading_single_token_rows(want["q_lens"])
