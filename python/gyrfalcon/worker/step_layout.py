@@ -5,11 +5,26 @@ rows."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from gyrfalcon.forward.metadata import RowInput
 from gyrfalcon.ipc.contract import PLACEHOLDER
 from gyrfalcon.ipc.messages import ScheduledRow
 from gyrfalcon.worker.request_table import WorkerRequest
+
+
+def placeholder_indices(input_ids: list[int]) -> list[int]:
+    """The indices of a row's PLACEHOLDER inputs (tokens the scheduler has not seen yet;
+    a decode row's one input, in the steady state)."""
+    if PLACEHOLDER not in input_ids:  # NOTE: a C scan: prompt chunks hold none
+        return []
+    return [j for j, tok in enumerate(input_ids) if tok == PLACEHOLDER]
+
+
+def batch_input_ids(row: ScheduledRow) -> list[int]:
+    """The row's ids in the step's batch: its inputs, then a 0 for each draft it verifies
+    (filled on the device). NOTE: the row's own list where it has no drafts."""
+    return row.input_ids + [0] * row.num_draft if row.num_draft else row.input_ids
 
 
 def latest_start(row: ScheduledRow) -> int:
@@ -89,10 +104,9 @@ class StepLayout:
                 self.ph_pos.append(t0)
                 self.ph_slot.append(req.slot)
         else:
-            for j, tok in enumerate(row.input_ids):
-                if tok == PLACEHOLDER:
-                    self.ph_pos.append(t0 + j)
-                    self.ph_slot.append(req.slot)
+            for j in placeholder_indices(row.input_ids):
+                self.ph_pos.append(t0 + j)
+                self.ph_slot.append(req.slot)
         if d:
             self.dr_pos.extend(range(t0 + n, t0 + n + d))
             self.dr_src.extend(range(req.slot * k, req.slot * k + d))
@@ -109,6 +123,25 @@ class StepLayout:
         self._tokens += n + d
         self._rows += 1
         self._samples += row.sample
+
+    def add_plain(self, rows: list[ScheduledRow], reqs: list[WorkerRequest]) -> None:
+        """`add` for rows that verify no drafts and do not draft (nor float), at once:
+        their placeholder fills and their sampling rows' logit tokens (each its last
+        input), a list comprehension over the rows rather than a call per row."""
+        assert not any(row.num_draft or row.drafts_in_flight for row in rows), "plain rows"
+        # row i's tokens are [firsts[i], firsts[i + 1])
+        firsts = list(accumulate((len(row.input_ids) for row in rows), initial=self._tokens))
+        for t0, row, req in zip(firsts, rows, reqs):
+            for j in placeholder_indices(row.input_ids):
+                self.ph_pos.append(t0 + j)
+                self.ph_slot.append(req.slot)
+        last = [end - 1 for end, row in zip(firsts[1:], rows) if row.sample]
+        self.logit_starts.extend(range(len(self.logit_tokens), len(self.logit_tokens) + len(last)))
+        self.logit_tokens.extend(last)
+        self.sample_tokens.extend(last)
+        self._tokens = firsts[-1]
+        self._rows += len(rows)
+        self._samples += len(last)
 
     def _add_drafting(
         self,

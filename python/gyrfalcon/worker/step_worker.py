@@ -65,7 +65,7 @@ from gyrfalcon.worker.spec_verify import (
     padded_index,
     verify_sample,
 )
-from gyrfalcon.worker.step_layout import StepLayout, latest_start
+from gyrfalcon.worker.step_layout import StepLayout, batch_input_ids, latest_start
 from gyrfalcon.worker.step_stats import StepStats
 from gyrfalcon.worker.warmup import warmup_batches, warmup_chunk
 
@@ -270,12 +270,16 @@ class StepWorker:
         step.sample_rows = [i for i, row in enumerate(rows) if row.sample]
         num_tokens = step_tokens(rows)  # NOTE: as the plan counts them (`agreed_tokens`)
         layout = StepLayout(num_tokens, len(step.sample_rows) * width, width)
-        inputs: list[RowInput] = []
-        for row, req in zip(rows, reqs):
-            ids = list(row.input_ids) + [0] * row.num_draft
-            inputs.append(RowInput(latest_start(row), ids, req.pages))
-            drafting = self.drafter is not None and verifies_drafts(req.sampling.params)
-            layout.add(row, req, k, drafting, self.max_model_len, self.args.page_size)
+        inputs = [
+            RowInput(latest_start(row), batch_input_ids(row), req.pages)
+            for row, req in zip(rows, reqs)
+        ]
+        if self.drafter is None:  # NOTE: then no row verifies drafts (k = 0) nor floats
+            layout.add_plain(rows, reqs)
+        else:
+            for row, req in zip(rows, reqs):
+                drafting = verifies_drafts(req.sampling.params)
+                layout.add(row, req, k, drafting, self.max_model_len, self.args.page_size)
         step.width, step.logit_starts = width, layout.logit_starts
         sample_slots = [reqs[i].slot for i in step.sample_rows]
         num_drafts = [rows[i].num_draft for i in step.sample_rows]
