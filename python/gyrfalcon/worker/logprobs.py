@@ -177,10 +177,12 @@ def fill_prompt_logprobs(
     """The logprob of each prompt token given its prefix, into results[i].prompt_logprobs
     for the rows whose requests asked; hidden: the step's [T, H] (row i's tokens from
     q_starts[i]), their logits computed a slice at a time."""
-    for i, (row, req) in enumerate(zip(rows, reqs)):
+    # NOTE: a comprehension finds the few rows that asked (most steps: none)
+    asked = [i for i, req in enumerate(reqs) if req.sampling.params.prompt_logprobs is not None]
+    for i in asked:
+        row, req = rows[i], reqs[i]
         k = req.sampling.params.prompt_logprobs
-        if k is None:
-            continue
+        assert k is not None
         # positions p in [start, end) predict the prompt token at p + 1
         end = min(row.start + len(row.input_ids), len(req.prompt_ids) - 1)
         if end <= row.start:

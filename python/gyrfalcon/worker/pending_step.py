@@ -53,13 +53,12 @@ class PendingStep:
     def _record(self, out: SampleOutput, runs: list[list[int]], accept: list[int] | None) -> None:
         """Each sampling row's emitted run; logprobs from `out`'s rows (the sampling rows
         when accept is None, else the logit rows from `logit_starts`)."""
-        for j, i in enumerate(self.sample_rows):
-            emitted = runs[j]
-            self.states[j].output_ids.extend(emitted)
-            result = self.results[i]
+        results = [self.results[i] for i in self.sample_rows]
+        for j, (state, result, emitted) in enumerate(zip(self.states, results, runs)):
+            state.output_ids.extend(emitted)
             result.token_ids = emitted
             result.num_accepted = len(emitted) - 1
-            k = self.states[j].params.logprobs
+            k = state.params.logprobs
             if k is not None:
                 first = j if accept is None else self.logit_starts[j]
                 rows = range(first, first + len(emitted))

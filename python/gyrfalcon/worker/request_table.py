@@ -116,14 +116,15 @@ class RequestTable:
         if req is not None:
             self._free_slots.append(req.slot)
 
-    def apply(self, row: ScheduledRow) -> WorkerRequest:
-        """The row's request with the row's page-table delta applied."""
-        req = self._requests[row.rid]
-        if row.reset:
-            req.pages = array("q")
-        if row.new_pages:
-            req.pages.extend(row.new_pages)
-        return req
+    def apply(self, rows: list[ScheduledRow]) -> list[WorkerRequest]:
+        """The rows' requests, each with its row's page-table delta applied."""
+        reqs = [self._requests[row.rid] for row in rows]
+        for row, req in zip(rows, reqs):
+            if row.reset:
+                req.pages = array("q")
+            if row.new_pages:  # NOTE: most steps' rows (decodes within a page) bring none
+                req.pages.extend(row.new_pages)
+        return reqs
 
     def record_last(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Scatter the last token each sampling row emitted into its request's slot (on

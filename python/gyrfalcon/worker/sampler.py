@@ -120,20 +120,24 @@ def prepare(
     NOTE: a row with a grammar reads its `output_ids`: the steps before must be in.
     """
     device = torch.device(device)
-    greedy = [is_greedy(s.params) for s in states]
-    temps, top_k, top_p, min_p = [], [], [], []
-    for s, g in zip(states, greedy):
-        p = s.params
-        temps.append(1.0 if g else p.temperature)
-        top_k.append(p.top_k if 0 < p.top_k < vocab_size else vocab_size)
-        top_p.append(min(p.top_p, 1.0))
-        min_p.append(p.min_p)
-    sampled = [not g for g in greedy]
+    greedy = [s.greedy for s in states]
+    sampled_rows = [i for i, g in enumerate(greedy) if not g]
     floats: list[torch.Tensor | None] = [None] * 3
     ints: list[torch.Tensor | None] = [None] * 2
-    if any(sampled):
+    trunc: list[int] = []
+    do_top_k = do_top_p = do_min_p = False
+    if sampled_rows:  # NOTE: an all-greedy batch (the common one) builds none of these
+        params = [s.params for s in states]
+        temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        top_p = [min(p.top_p, 1.0) for p in params]
+        min_p = [p.min_p for p in params]
         floats = list(upload([temps, top_p, min_p], torch.float32, device).view(3, len(states)))
         ints = list(upload([top_k, [int(g) for g in greedy]], torch.int64, device).view(2, -1))
+        trunc = [i for i in sampled_rows if top_k[i] < vocab_size or top_p[i] < 1]
+        do_top_k = any(top_k[i] < vocab_size for i in sampled_rows)
+        do_top_p = any(top_p[i] < 1.0 for i in sampled_rows)
+        do_min_p = any(min_p[i] > 0.0 for i in sampled_rows)
 
     pen_rows = [i for i, s in enumerate(states) if s.has_penalty]
     penalties = None
@@ -151,15 +155,13 @@ def prepare(
             device=device,
         )
 
-    trunc = [
-        i for i in range(len(states)) if sampled[i] and (top_k[i] < vocab_size or top_p[i] < 1)
-    ]
-    if num_generated is None:
+    adjusting = [i for i, s in enumerate(states) if s.adjusts_logits]
+    if adjusting and num_generated is None:
         num_generated = [len(s.output_ids) for s in states]
     adj_rows, static, suppress, constrained = [], [], [], []
-    for i, s in enumerate(states):
-        if not s.adjusts_logits:
-            continue
+    for i in adjusting:
+        s = states[i]
+        assert num_generated is not None
         # NOTE: a grammar decides where its output ends: min_tokens cannot hold back the
         # stop tokens of a complete grammar, which allows nothing else
         held = s.stop_ids if num_generated[i] < s.params.min_tokens and s.grammar is None else []
@@ -183,6 +185,8 @@ def prepare(
         fill_masks(bitmask, entries)
         bitmask = HOST_MASKS.upload(bitmask, device)
     asked = [s.params.logprobs for s in states if s.params.logprobs is not None]
+    generators = [s.generator for s in states]
+    seeded_rows = [i for i in sampled_rows if generators[i] is not None]
     return SamplingBatch(
         temperatures=floats[0],
         greedy=None if ints[1] is None else ints[1].bool(),
@@ -195,15 +199,15 @@ def prepare(
             if adj_rows or constrained
             else None
         ),
-        generators=[s.generator for s in states],
-        seeded_rows=[i for i, s in enumerate(states) if sampled[i] and s.generator is not None],
+        generators=generators,
+        seeded_rows=seeded_rows,
         vocab_size=vocab_size,
-        all_greedy=all(greedy),
-        any_greedy=any(greedy),
-        any_unseeded=any(sampled[i] and s.generator is None for i, s in enumerate(states)),
-        do_top_k=any(sampled[i] and top_k[i] < vocab_size for i in range(len(states))),
-        do_top_p=any(sampled[i] and top_p[i] < 1.0 for i in range(len(states))),
-        do_min_p=any(sampled[i] and min_p[i] > 0.0 for i in range(len(states))),
+        all_greedy=not sampled_rows,
+        any_greedy=len(sampled_rows) < len(states),
+        any_unseeded=len(seeded_rows) < len(sampled_rows),
+        do_top_k=do_top_k,
+        do_top_p=do_top_p,
+        do_min_p=do_min_p,
         trunc_rows=upload(trunc, torch.int64, device) if trunc else None,
         max_logprobs=min(max(asked), vocab_size) if asked else None,
     )

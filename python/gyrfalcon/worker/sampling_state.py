@@ -61,6 +61,21 @@ class RequestSamplingState:
     prompt_dev: DeviceTokenBuffer = field(default_factory=DeviceTokenBuffer, repr=False)
     output_dev: DeviceTokenBuffer = field(default_factory=DeviceTokenBuffer, repr=False)
     _static_row: torch.Tensor | None = field(default=None, repr=False)
+    # NOTE: derived from params and grammar once (`__post_init__`): the sampler reads
+    # them for every row of every step
+    greedy: bool = field(init=False)  # `is_greedy`: argmax, no RNG
+    has_penalty: bool = field(init=False)  # repetition / presence / frequency penalty
+    # sampling reads the outputs so far on the host (penalties, a grammar): the steps
+    # before must be resolved first
+    reads_outputs: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.greedy = is_greedy(p)
+        self.has_penalty = (
+            p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        )
+        self.reads_outputs = self.has_penalty or self.grammar is not None
 
     @classmethod
     def create(
@@ -98,16 +113,3 @@ class RequestSamplingState:
         if self._static_row is None:
             self._static_row = static_row(p, vocab_size, device)
         return self._static_row
-
-    @property
-    def reads_outputs(self) -> bool:
-        """Whether sampling reads the outputs so far on the host (penalties, a grammar):
-        the steps before must be resolved first."""
-        return self.has_penalty or self.grammar is not None
-
-    @property
-    def has_penalty(self) -> bool:
-        p = self.params
-        return (
-            p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-        )

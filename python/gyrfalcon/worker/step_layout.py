@@ -132,9 +132,10 @@ class StepLayout:
         # row i's tokens are [firsts[i], firsts[i + 1])
         firsts = list(accumulate((len(row.input_ids) for row in rows), initial=self._tokens))
         for t0, row, req in zip(firsts, rows, reqs):
-            for j in placeholder_indices(row.input_ids):
-                self.ph_pos.append(t0 + j)
-                self.ph_slot.append(req.slot)
+            if PLACEHOLDER in row.input_ids:  # NOTE: a decode row's one input, or none
+                for j in placeholder_indices(row.input_ids):
+                    self.ph_pos.append(t0 + j)
+                    self.ph_slot.append(req.slot)
         last = [end - 1 for end, row in zip(firsts[1:], rows) if row.sample]
         self.logit_starts.extend(range(len(self.logit_tokens), len(self.logit_tokens) + len(last)))
         self.logit_tokens.extend(last)

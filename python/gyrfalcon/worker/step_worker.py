@@ -262,29 +262,35 @@ class StepWorker:
     def _launch(self, step_id: int, rb: RankBatch) -> PendingStep:
         rows = rb.rows
         step = PendingStep(step_id, self.dp_rank, [RowResult(row.rid) for row in rows])
-        reqs = [self.requests.apply(row) for row in rows]
+        reqs = self.requests.apply(rows)
         k, width = self.num_draft, 1 + max(row.num_draft for row in rows)
         assert width - 1 <= k, f"rows verify {width - 1} drafts, the drafter makes {k}"
         if self._fuses(rows, reqs):
             return self._launch_fused(step, rows, reqs)
         step.sample_rows = [i for i, row in enumerate(rows) if row.sample]
+        # the sampling rows and their requests (NOTE: every row's, as is, where all sample)
+        every = len(step.sample_rows) == len(rows)
+        s_rows = rows if every else [rows[i] for i in step.sample_rows]
+        s_reqs = reqs if every else [reqs[i] for i in step.sample_rows]
         num_tokens = step_tokens(rows)  # NOTE: as the plan counts them (`agreed_tokens`)
         layout = StepLayout(num_tokens, len(step.sample_rows) * width, width)
-        inputs = [
-            RowInput(latest_start(row), batch_input_ids(row), req.pages)
-            for row, req in zip(rows, reqs)
-        ]
         if self.drafter is None:  # NOTE: then no row verifies drafts (k = 0) nor floats
+            inputs = [RowInput(row.start, row.input_ids, req.pages) for row, req in zip(rows, reqs)]
             layout.add_plain(rows, reqs)
         else:
+            inputs = [
+                RowInput(latest_start(row), batch_input_ids(row), req.pages)
+                for row, req in zip(rows, reqs)
+            ]
             for row, req in zip(rows, reqs):
                 drafting = verifies_drafts(req.sampling.params)
                 layout.add(row, req, k, drafting, self.max_model_len, self.args.page_size)
         step.width, step.logit_starts = width, layout.logit_starts
-        sample_slots = [reqs[i].slot for i in step.sample_rows]
-        num_drafts = [rows[i].num_draft for i in step.sample_rows]
+        sample_slots = [req.slot for req in s_reqs]
+        num_drafts: list[int] = []
         verify_lists = []
         if width > 1:
+            num_drafts = [row.num_draft for row in s_rows]
             verify_lists = [padded_index(num_drafts, width), emitted_index(num_drafts, width)]
             verify_lists.append(num_drafts)
         # NOTE: every row drafts (the steady state): the drafter's extend batch is this
@@ -324,7 +330,7 @@ class StepWorker:
             )  # fmt: skip
         emitted = accept_len = None
         if step.sample_rows:
-            step.states = [reqs[i].sampling for i in step.sample_rows]
+            step.states = [req.sampling for req in s_reqs]
             if any(s.reads_outputs for s in step.states):
                 # NOTE: penalties and grammars read output_ids on the host: earlier steps
                 # must be in (the forward above is already queued behind them).
@@ -332,8 +338,8 @@ class StepWorker:
                     earlier.resolve()
             # tokens generated before each sample: its row's end position minus the prompt
             num_generated = [
-                rows[i].start + len(rows[i].input_ids) - len(reqs[i].prompt_ids)
-                for i in step.sample_rows
+                row.start + len(row.input_ids) - len(req.prompt_ids)
+                for row, req in zip(s_rows, s_reqs)
             ]
             vocab, kernels = self.cfg.vocab_size, self.executor.ctx.kernels
             if width == 1:

@@ -26,3 +26,17 @@ def test_a_reserve_keeps_its_tensors_and_its_scratch_slot_until_outgrown():
     more = [table.add(new(f"s{i}")).slot for i in range(3)]  # past the reserve: reallocated
     assert table.generation == 1 and table.next_pos[slots[1]] == 41
     assert scratch not in more and len(set(slots[1:] + more)) == 5  # never handed out
+
+
+def test_apply_extends_or_resets_each_rows_page_table():
+    from gyrfalcon.ipc.messages import ScheduledRow
+
+    table = RequestTable(torch.device("cpu"))
+    for rid in ("a", "b"):
+        table.add(new(rid))
+    table.apply([ScheduledRow("a", 0, [1], [4, 5], True), ScheduledRow("b", 0, [1], [6], True)])
+    reqs = table.apply(
+        [ScheduledRow("b", 1, [2], [], True), ScheduledRow("a", 0, [1], [7], True, reset=True)]
+    )
+    assert reqs == [table["b"], table["a"]]
+    assert table["a"].pages.tolist() == [7] and table["b"].pages.tolist() == [6]
