@@ -129,10 +129,14 @@ class StepLayout:
         their placeholder fills and their sampling rows' logit tokens (each its last
         input), a list comprehension over the rows rather than a call per row."""
         assert not any(row.num_draft or row.drafts_in_flight for row in rows), "plain rows"
-        # row i's tokens are [firsts[i], firsts[i + 1])
-        firsts = list(accumulate((len(row.input_ids) for row in rows), initial=self._tokens))
-        for t0, row, req in zip(firsts, rows, reqs):
-            if PLACEHOLDER in row.input_ids:  # NOTE: a decode row's one input, or none
+        q_lens = [len(row.input_ids) for row in rows]
+        firsts = list(accumulate(q_lens, initial=self._tokens))  # row i: [firsts[i], firsts[i + 1])
+        if q_lens.count(1) == len(q_lens):  # NOTE: decode rows: the one input, or none
+            fills = [i for i, row in enumerate(rows) if row.input_ids[0] == PLACEHOLDER]
+            self.ph_pos.extend(firsts[i] for i in fills)
+            self.ph_slot.extend(reqs[i].slot for i in fills)
+        else:
+            for t0, row, req in zip(firsts, rows, reqs):
                 for j in placeholder_indices(row.input_ids):
                     self.ph_pos.append(t0 + j)
                     self.ph_slot.append(req.slot)

@@ -37,13 +37,14 @@ def _lists(layout: StepLayout) -> tuple:
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_add_plain_equals_adding_row_by_row(seed):
+@pytest.mark.parametrize("decode", [False, True])
+def test_add_plain_equals_adding_row_by_row(seed, decode):
     """Decode rows (a placeholder or a known token), prompt chunks that sample or not,
     in one batch or two (the second continues the first's token and row counts)."""
     rng = random.Random(seed)
     rows, reqs = [], []
     for i in range(rng.randint(1, 12)):
-        n = 1 if rng.random() < 0.6 else rng.randint(2, 6)
+        n = 1 if decode or rng.random() < 0.6 else rng.randint(2, 6)
         ids = [rng.choice([PLACEHOLDER, rng.randint(0, 99)]) for _ in range(n)]
         rows.append(ScheduledRow(f"r{i}", rng.randint(0, 40), ids, [], rng.random() < 0.8))
         reqs.append(WorkerRequest([1, 2], None, array("q", [3]), rng.randint(0, 63)))
