@@ -169,10 +169,12 @@ def build_batch_tensors(
     packed_host = array("q", flat)
     packed_host += padded_page_table([r.pages for r in rows], max_pages, dummy_page)
     packed = upload_int64(packed_host, device)
-    sizes = [aligned_len(len(part)) for part in parts]
-    views = [x[: len(part)] for x, part in zip(packed[: sum(sizes)].split(sizes), parts)]
-    t_ids, t_pos, t_slots, t_seq, t_q, t_starts, t_last, *t_extra = views
-    t_table = packed[sum(sizes) :]
+    # NOTE: one split for every field, its padding and the table (a slice per field
+    # costs a torch call each): the fields are the even pieces, the table the last
+    sizes = [n for part in parts for n in (len(part), aligned_len(len(part)) - len(part))]
+    pieces = packed.split([*sizes, len(packed) - sum(sizes)])
+    t_ids, t_pos, t_slots, t_seq, t_q, t_starts, t_last, *t_extra = pieces[:-1:2]
+    t_table = pieces[-1]
     width = aligned_len(len(ids))
     bs_width = aligned_len(len(rows))  # NOTE: seq_lens, q_lens, q_starts follow the tokens
     row_lens = packed[3 * width : 3 * width + 3 * bs_width].view(3, bs_width)[:, : len(rows)]
