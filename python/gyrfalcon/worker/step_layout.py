@@ -24,7 +24,7 @@ def placeholder_indices(input_ids: list[int]) -> list[int]:
 def batch_input_ids(row: ScheduledRow) -> list[int]:
     """The row's ids in the step's batch: its inputs, then a 0 for each draft it verifies
     (filled on the device). NOTE: the row's own list where it has no drafts."""
-    return row.input_ids + [0] * row.num_draft if row.num_draft else row.input_ids
+    return list(row.input_ids) + [0] * row.num_draft if row.num_draft else row.input_ids
 
 
 def latest_start(row: ScheduledRow) -> int:
