@@ -99,23 +99,14 @@ class StepLayout:
             self.fl_slots.append(req.slot)
             self.fl_token_rows.extend([len(self.fl_rows) - 1] * (n + d))
             self.fl_tokens.extend(range(t0, t0 + n + d))
-        if n == 1:  # NOTE: a decode row, the most of any step: no loop
-            if row.input_ids[0] == PLACEHOLDER:
-                self.ph_pos.append(t0)
-                self.ph_slot.append(req.slot)
-        else:
-            for j in placeholder_indices(row.input_ids):
-                self.ph_pos.append(t0 + j)
-                self.ph_slot.append(req.slot)
-        if d:
-            self.dr_pos.extend(range(t0 + n, t0 + n + d))
-            self.dr_src.extend(range(req.slot * k, req.slot * k + d))
+        for j in placeholder_indices(row.input_ids):
+            self.ph_pos.append(t0 + j)
+            self.ph_slot.append(req.slot)
+        self.dr_pos.extend(range(t0 + n, t0 + n + d))
+        self.dr_src.extend(range(req.slot * k, req.slot * k + d))
         if row.sample:
             self.logit_starts.append(len(self.logit_tokens))
-            if d:
-                self.logit_tokens.extend(range(t0 + n - 1, t0 + n + d))
-            else:
-                self.logit_tokens.append(t0 + n - 1)
+            self.logit_tokens.extend(range(t0 + n - 1, t0 + n + d))
             self.sample_tokens.append(t0 + n - 1)
         if drafting:
             self._add_drafting(row, req, t0, n, d, max_model_len, page_size)
