@@ -25,7 +25,10 @@ token by the program whose split holds it).
 
 The grid is (bs, KVH, num_kv_splits) (packed: bs / T rows) whatever the lengths are: each
 program derives its key range from seq_lens on the device, so a CUDA graph
-captured for a batch size replays correctly for any lengths.
+captured for a batch size replays correctly for any lengths. A row of length 0 is
+skipped, nothing of it read or written: a whole graph over any rows
+(worker/piecewise_graph.py) runs its decode rows, the first ones, this way and the
+rest on the extend kernel.
 
 NOTE: log-sum-exps are kept in base 2 (scores are pre-multiplied by log2(e))
 so both stages use exp2; they are only ever compared with each other.
@@ -138,7 +141,10 @@ def _decode_split_kernel(
         mask_h = offs_h < GROUP
         heads = kvh * GROUP + offs_h  # [BLOCK_H] query heads of this KV head
         tok = row + offs_h * 0  # [BLOCK_H] this program's one query token
-        seq_len = tl.load(seq_lens_ptr + table_row) - (tokens_per_row - 1 - row % tokens_per_row)
+        row_len = tl.load(seq_lens_ptr + table_row)
+        seq_len = row_len - (tokens_per_row - 1 - row % tokens_per_row)
+    if row_len < 1:  # NOTE: a row given no keys is no work (a whole graph's other rows)
+        return
     # NOTE: the split length is rounded up to whole key blocks, so short rows use
     # only the first few splits; the rest have start >= end and stay empty.
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -338,7 +344,8 @@ def decode_attention(
     """Paged decode attention, written into `o` in place.
 
     q: [bs, H, D]; k_cache, v_cache: [slots, KVH, D]; page_table: [bs, max_pages]
-    int32/int64; seq_lens: [bs] (>= 1, KV length including the new token);
+    int32/int64; seq_lens: [bs] (KV length including the new token; 0: a row to skip,
+    its o rows left unwritten);
     o: [bs, H, D]; scratch: from `alloc_decode_scratch` with max_bs >= bs.
     tokens_per_row = T > 1 (verify rows of k + 1 tokens, their K/V in the cache): q's
     bs = rows * T tokens, row r's at [r T, (r + 1) T), page_table and seq_lens per row

@@ -29,13 +29,14 @@ the stand-in running the real attention at once: CI covers the padding, the stag
 and the output buffer.
 
 Whole graphs: where the attention backend can attend over any rows inside a graph
-(`AttentionBackend.supports_any_rows_graph`: the Triton extend kernel's flat grid),
-each size is also captured as ONE graph, attention included, over static row buffers
-(lengths, query starts and counts, page table) of up to max_rows rows: a step copies
-its rows in (spare rows get q_len 0) and replays once. A step the backend's eager
-metadata would split (`any_rows_fit`: decode rows beside it too long to join the
-extend kernel's launch) runs the pieces. The whole pass's padding tokens belong to no
-row: their attention output is zero.
+(`AttentionBackend.supports_any_rows_graph`: the Triton decode kernel over the decode
+rows, then the extend kernel's flat grid over the rest), each size is also captured as
+ONE graph, attention included, over static row buffers (lengths, query starts and
+counts, the decode rows' lengths, page table) of up to max_rows rows: a step copies its
+rows in (spare rows get q_len 0, rows other than decode rows decode length 0) and
+replays once. A step the backend cannot serve so (`any_rows_fit`: verify rows) runs the
+pieces. The whole pass's padding tokens belong to no row: their attention output is
+zero.
 """
 
 from __future__ import annotations
@@ -60,6 +61,24 @@ logger = logging.getLogger(__name__)
 
 # what a forward returns (the executor's: final hidden states, then the aux states)
 Forward = Callable[[ForwardBatch], tuple[torch.Tensor, ...]]
+
+
+def fill_static_rows(
+    rows: torch.Tensor, table: torch.Tensor, bt: BatchTensors, num_decode: int
+) -> None:
+    """Write bt's rows into a whole graph's static row buffers (rows [4, R]: seq_lens,
+    q_lens, q_starts, decode lengths; table [R, max_pages]): its first num_decode rows
+    as decode rows (their lengths in row 3, q_len 0), the rest as extend rows (decode
+    length 0); the rows after them get q_len 0 and decode length 0 (no work)."""
+    bs, width, nd = len(bt.seq_lens_cpu), bt.page_table.shape[1], num_decode
+    assert bt.row_lens is not None, "a step's rows, from build_batch_tensors"
+    assert rows.shape[0] == 4 and 0 <= nd <= bs <= rows.shape[1], (rows.shape, nd, bs)
+    rows[:3, :bs].copy_(bt.row_lens)
+    rows[3, :nd].copy_(rows[0, :nd])
+    rows[3, nd:].zero_()
+    rows[1, :nd].zero_()
+    rows[1, bs:].zero_()
+    table[:bs, :width].copy_(bt.page_table)
 
 
 class _Split(AttentionBackend):
@@ -118,12 +137,13 @@ class PiecewiseGraphs:
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self.num_runs = 0
-        # whole graphs (module docstring): static rows [3, R] (seq_lens, q_lens, q_starts;
-        # R even: each row 16-byte aligned) and page table [R, max_pages]
+        # whole graphs (module docstring): static rows [4, R] (seq_lens, q_lens, q_starts,
+        # the decode rows' lengths; R even: each row 16-byte aligned) and page table
+        # [R, max_pages]
         self.like = like
         self.whole = like.supports_any_rows_graph and max_rows > 0 and max_pages > 0
         r = aligned_len(max(max_rows, 1))
-        self.rows = torch.zeros(3, r if self.whole else 0, dtype=torch.int64, device=device)
+        self.rows = torch.zeros(4, r if self.whole else 0, dtype=torch.int64, device=device)
         self.rows[0] = 1
         self.table = torch.full(
             (r, max_pages) if self.whole else (0, 0), DUMMY_PAGE, dtype=torch.int64, device=device
@@ -170,16 +190,11 @@ class PiecewiseGraphs:
             page_size=self.page_size, kv_cache=self.kv_cache, attn_backend=self.like,
             num_decode_rows=0,
         )  # fmt: skip
-        batch.attn_meta = self.like.prepare_any_rows(batch)
+        batch.attn_meta = self.like.prepare_any_rows(batch, self.rows[3, : min(r, size)])
         return batch
 
-    def _fill_rows(self, bt: BatchTensors) -> None:
-        """Write bt's rows into the static row buffers; the rows after them get q_len 0."""
-        bs, width = len(bt.seq_lens_cpu), bt.page_table.shape[1]
-        assert bt.row_lens is not None, "a step's rows, from build_batch_tensors"
-        self.rows[:, :bs].copy_(bt.row_lens)
-        self.rows[1, bs:].zero_()
-        self.table[:bs, :width].copy_(bt.page_table)
+    def _fill_rows(self, bt: BatchTensors, num_decode: int) -> None:
+        fill_static_rows(self.rows, self.table, bt, num_decode)
 
     def _fits_whole(self, real: ForwardBatch) -> bool:
         # NOTE: capture() made a whole graph of every size (cuda mode)
@@ -331,7 +346,7 @@ class PiecewiseGraphs:
         self.last_whole = self._fits_whole(real)
         if self.last_whole:
             real.check()  # NOTE: the host checks of its eager metadata (none is built)
-            self._fill_rows(bt)
+            self._fill_rows(bt, real.num_decode_rows)
             self.num_whole_runs += 1
             if self.mode == "cuda":
                 self.whole_graphs[size].replay()

@@ -104,6 +104,35 @@ def test_decode_padded_rows_leave_real_rows_unchanged():
     assert torch.isfinite(padded).all()
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_rows_of_length_zero_are_skipped_untouched(splits):
+    """A whole graph's rows other than its decode rows come with length 0: the kernel
+    reads and writes nothing of them (their o rows keep what they held), the other rows
+    give what they give alone, and every (row, KV head) count is back at zero."""
+    from gyrfalcon.kernels.attention_decode import decode_attention
+    from gyrfalcon.kernels.attention_launch import alloc_decode_scratch
+
+    gen = torch.Generator().manual_seed(7)
+    h, kvh, d, ps, bs = 4, 2, 64, PS, 5
+    k = torch.randn(40 * ps, kvh, d, generator=gen)
+    v = torch.randn(40 * ps, kvh, d, generator=gen)
+    q = torch.randn(bs, h, d, generator=gen)
+    table = torch.randperm(40, generator=gen).view(bs, 8)  # 32 positions a row
+    lens = torch.tensor([9, 0, 30, 0, 0])
+    live = lens > 0
+
+    def run(q, table, lens):
+        o = torch.full_like(q, 123.0)
+        scratch = alloc_decode_scratch(q.shape[0], h, d, splits, CPU)
+        decode_attention(q, k, v, table, lens, o, scratch, ps, d**-0.5, block_n=16, pdl=False)
+        assert not scratch.counts.any()
+        return o
+
+    out = run(q, table, lens)
+    assert (out[~live] == 123.0).all()
+    torch.testing.assert_close(out[live], run(q[live], table[live], lens[live]), atol=0, rtol=0)
+
+
 # extend rows (prefix, q_len): fresh prefill, chunks after a cached prefix (one
 # crossing several 16-query blocks), verify rows (k + 1 = 4), a decode row
 

@@ -290,12 +290,12 @@ def _static_rows_batch(bt, cache, backend, rows_buf, table, num_tokens):
     """The real rows of bt copied into static buffers of R rows (spare rows q_len 0) and
     num_tokens tokens (padding on the dummy page's first slot), as a whole piecewise
     graph holds them (worker/piecewise_graph.py)."""
-    from gyrfalcon.forward.batch import ForwardBatch
+    from gyrfalcon.forward.batch import ForwardBatch, decode_rows
+    from gyrfalcon.worker.piecewise_graph import fill_static_rows
 
     bs, n, r = len(bt.seq_lens_cpu), bt.input_ids.shape[0], rows_buf.shape[1]
-    rows_buf[:, :bs].copy_(bt.row_lens)
-    rows_buf[1, bs:].zero_()
-    table[:bs, : bt.page_table.shape[1]].copy_(bt.page_table)
+    nd = decode_rows(ForwardMode.MIXED, bt.leading_single_rows, bs)
+    fill_static_rows(rows_buf, table, bt, nd)
     tokens = torch.zeros(3, num_tokens, dtype=torch.int64)
     tokens[:, :n] = bt.token_rows
     batch = ForwardBatch(
@@ -305,19 +305,20 @@ def _static_rows_batch(bt, cache, backend, rows_buf, table, num_tokens):
         q_lens_cpu=[1] * r, page_size=PS, kv_cache=cache, attn_backend=backend,
         num_decode_rows=0,
     )  # fmt: skip
-    batch.attn_meta = backend.prepare_any_rows(batch)
+    batch.attn_meta = backend.prepare_any_rows(batch, rows_buf[3, : min(r, num_tokens)])
     return batch
 
 
 def test_any_rows_metadata_serves_every_fill_of_one_static_batch():
     """One static batch of 10 rows and 96 tokens (a whole graph's): ragged extend rows,
     then decodes beside extend rows, each copied in with the rest of the rows spare
-    (q_len 0); the flat grid attends exactly as torch_ref over the real tokens, the
-    padding tokens get zeros, and both fills read the same tensors."""
+    (q_len 0); the decode kernel over the decode rows and the flat grid over the rest
+    attend exactly as torch_ref over the real tokens, the padding tokens get zeros, and
+    both fills read the same tensors."""
     heads, kvh, d = 4, 2, 32
     tri = TritonBackend(heads, kvh, d, d**-0.5)
     ref = TorchRefBackend(heads, kvh, d, d**-0.5)
-    rows_buf = torch.ones(3, 10, dtype=torch.int64)
+    rows_buf = torch.ones(4, 10, dtype=torch.int64)
     table = torch.zeros(10, 16, dtype=torch.int64)
     ptrs = set()
     specs = [EXTEND_SPEC, [(5, 1), (30, 1), (0, 9), (12, 4), (7, 22)]]
@@ -328,6 +329,8 @@ def test_any_rows_metadata_serves_every_fill_of_one_static_batch():
         tb = _static_rows_batch(bt, cache, tri, rows_buf, table, 96)
         meta = tb.attn_meta
         assert meta.flat and meta.num_decode == 0 and not meta.is_decode
+        # NOTE: the second fill's two leading rows of one token take the decode kernel
+        assert meta.flat_decode_lens.gt(0).sum() == (2 if seed == 1 else 0)
         ptrs.add((meta.page_table.data_ptr(), meta.q_lens.data_ptr(), meta.seq_lens.data_ptr()))
         gen = torch.Generator().manual_seed(seed)
         q = torch.randn(96, heads, d, generator=gen)
@@ -340,16 +343,17 @@ def test_any_rows_metadata_serves_every_fill_of_one_static_batch():
     assert len(ptrs) == 1, "every fill is read through the same tensors"
 
 
-def test_any_rows_graphs_serve_what_one_extend_launch_would():
-    """`any_rows_fit`: extend rows and prefill fit; decode rows beside them fit while
-    their KV is small enough to join the extend launch (ONE_LAUNCH_MAX_KV_BYTES), not
-    beyond; uniform verify rows (the decode kernel's) never."""
+def test_any_rows_graphs_serve_every_batch_but_verify_rows():
+    """`any_rows_fit`: extend rows and prefill fit; decode rows beside them fit whether
+    or not an eager step's extend launch would take them (ONE_LAUNCH_MAX_KV_BYTES: the
+    graph runs them on the decode kernel); uniform verify rows (the decode kernel's rows
+    of T tokens) never."""
     tri = TritonBackend(4, 2, 32, 32**-0.5)
     cache, rows = make_case([(0, 7), (9, 5)], 2, 32, 0)
     assert tri.any_rows_fit(make_batch(rows, cache, tri, ForwardMode.PREFILL))
     cache, rows = make_case([(20, 1), (0, 6)], 2, 32, 0)
     assert tri.any_rows_fit(make_batch(rows, cache, tri, ForwardMode.MIXED))
     tri.one_launch_max_kv_bytes = 0
-    assert not tri.any_rows_fit(make_batch(rows, cache, tri, ForwardMode.MIXED))
+    assert tri.any_rows_fit(make_batch(rows, cache, tri, ForwardMode.MIXED))
     cache, rows = make_case([(20, 4), (3, 4)], 2, 32, 0)
     assert not tri.any_rows_fit(make_batch(rows, cache, tri, ForwardMode.VERIFY))

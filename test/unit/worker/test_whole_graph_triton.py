@@ -1,9 +1,9 @@
 """Whole piecewise graphs (worker/piecewise_graph.py) on the triton backend through
 static replay, kernels in the Triton interpreter: prefill chunks and mixed steps run as
-one pass over the static row buffers (the extend kernel's flat grid), greedy outputs
-stay the torch_ref engine's token for token (also for a step of fewer rows than the
-step before it), and a step whose decode rows the extend launch may not take runs the
-pieces instead."""
+one pass over the static row buffers (decode rows on the decode kernel, the rest on
+the extend kernel's flat grid), greedy outputs stay the torch_ref engine's token for
+token (also for a step of fewer rows than the step before it), whether or not the
+eager steps' metadata would let the decode rows join the extend launch."""
 
 import triton_interpret  # noqa: F401  NOTE: before any gyrfalcon import of the kernels
 
@@ -33,21 +33,31 @@ def prompts() -> list[list[int]]:
     return [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (3, 17, 9, 26)]
 
 
-@pytest.mark.parametrize("pieces", [False, True], ids=["whole", "pieces-for-decode-rows"])
-def test_whole_graphs_give_the_eager_engines_tokens(tiny_model_dirs, pieces):
+@pytest.mark.parametrize("one_launch", [True, False], ids=["one-launch", "decode-launch"])
+def test_whole_graphs_give_the_eager_engines_tokens(tiny_model_dirs, one_launch):
     d = tiny_model_dirs["llama"]
     want = engine(d, "torch_ref").generate(prompts(), GREEDY)
     eng = engine(d, "triton")
     pw = eng.worker.executor.piecewise
     assert pw is not None and pw.whole and pw.rows.shape[1] == 6
-    if pieces:  # NOTE: no decode row may join the extend launch: such steps take pieces
+    if not one_launch:  # NOTE: the eager steps' decode rows take the decode kernel too
         eng.worker.executor.backends.extend.one_launch_max_kv_bytes = 0
+    decode_rows = []  # each whole step's decode rows, as the static buffers held them
+    fill = pw._fill_rows
+
+    def watch(bt, num_decode):
+        fill(bt, num_decode)
+        decode_rows.append(int((pw.rows[3] > 0).sum()))
+        assert decode_rows[-1] == num_decode and not pw.rows[1, :num_decode].any()
+
+    pw._fill_rows = watch
     before = pw.num_whole_runs
     assert eng.generate(prompts(), GREEDY) == want
     # NOTE: one row after steps of four: the rows left from those must hold no work
     assert eng.generate(prompts()[3:], GREEDY) == want[3:]
     kinds = eng.worker.stats.kinds
     assert kinds["whole"].steps > 0 and pw.num_whole_runs - before == kinds["whole"].steps
-    assert (kinds["piecewise"].steps > 0) == pieces
+    assert kinds["piecewise"].steps == 0  # NOTE: decode rows no longer send a step to pieces
+    assert max(decode_rows) > 0, "some whole step carried decode rows beside a prompt"
     eng.check_integrity()
     assert eng.scheduler.num_free_pages == eng.scheduler.num_usable_pages

@@ -141,10 +141,12 @@ class AttentionBackend(ABC):
         its eager metadata would (host values only)."""
         return False
 
-    def prepare_any_rows(self, batch: ForwardBatch) -> Any:
+    def prepare_any_rows(self, batch: ForwardBatch, decode_lens: torch.Tensor) -> Any:
         """Metadata that views a static batch of R rows (spare rows of q_len 0, tokens no
         row covers) for a graph captured once and replayed for any rows of at most its
-        tokens: every launch's grid depends on the token count and R alone."""
+        tokens: every launch's grid depends on the token count and R alone.
+        decode_lens: [min(R, T)] the decode rows' KV lengths (the first rows), 0 for
+        every other row (whose q_lens then hold their work; a decode row's is 0)."""
         raise NotImplementedError(f"{self.name} has no graphs over any rows")
 
     def prepare_replay(self, batch: ForwardBatch) -> Any:

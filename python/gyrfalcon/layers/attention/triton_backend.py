@@ -247,21 +247,29 @@ class TritonBackend(AttentionBackend):
         )  # fmt: skip
 
     def any_rows_fit(self, batch: ForwardBatch) -> bool:
-        """The flat grid runs every row on the extend kernel: a batch fits when its
-        eager metadata would too (no decode rows, or few enough to join that launch:
-        `_one_launch`), and never a batch of verify rows (the decode kernel's split-KV
-        serves those; `verify_tokens`)."""
-        nd = batch.num_decode_rows
-        if verify_tokens(batch.mode, batch.q_lens_cpu):
-            return False
-        return nd == 0 or (nd < batch.batch_size and self._one_launch(batch, nd))
+        """A graph over any rows runs the decode rows on the decode kernel and the rest on
+        the extend kernel's flat grid: any batch but one of verify rows (the decode
+        kernel's rows of T tokens serve those; `verify_tokens`)."""
+        return not verify_tokens(batch.mode, batch.q_lens_cpu)
 
-    def prepare_any_rows(self, batch: ForwardBatch) -> TritonMeta:
-        """Views of the static batch's rows: every row on the extend kernel's flat grid
-        (kernels/attention_extend.py), sized by the token count T and the row count."""
+    def prepare_any_rows(self, batch: ForwardBatch, decode_lens: torch.Tensor) -> TritonMeta:
+        """Views of the static batch's rows, sized by the token count T and the row count
+        R: the first min(R, T) rows on the decode kernel (those of decode_lens > 0, the
+        rest skipped), then every row on the extend kernel's flat grid
+        (kernels/attention_extend.py; a decode row's q_len is 0 there). The decode
+        scratch is the graphs' (`capture_buffers`, grown here: outside any capture)."""
         assert batch.q_lens.shape == batch.seq_lens.shape == batch.q_starts.shape
-        assert batch.page_table.shape[0] == batch.q_lens.shape[0]
-        return self._rows_meta(batch, batch.num_tokens, flat=True)
+        rows = batch.page_table.shape[0]
+        assert rows == batch.q_lens.shape[0]
+        m = min(rows, batch.num_tokens)
+        assert decode_lens.shape == (m,), (decode_lens.shape, m)
+        device = batch.seq_lens.device
+        self.capture_buffers(m, batch.page_table.shape[1], device)
+        assert self._graph_scratch is not None
+        scratch = self._graph_scratch[self.kv_splits(m, device)]
+        return self._rows_meta(
+            batch, batch.num_tokens, flat=True, flat_decode_lens=decode_lens, scratch=scratch
+        )
 
     def prepare_replay(self, batch: ForwardBatch) -> TritonMeta:
         """Metadata that views the batch's own page table, lengths and query offsets:
@@ -352,6 +360,14 @@ class TritonBackend(AttentionBackend):
         # strides, so no copy. On the flat grid no row covers a graph's padding tokens:
         # their output is zero, not whatever the memory held.
         out = q.new_zeros(q.shape) if meta.flat else q.new_empty(q.shape)  # [T, H, D]
+        if meta.flat_decode_lens is not None:  # NOTE: prepare_any_rows: rows of length 0 skip
+            assert meta.scratch is not None
+            m = meta.flat_decode_lens.shape[0]
+            decode_attention(
+                q[:m], k_all, v_all, meta.page_table[:m], meta.flat_decode_lens, out[:m],
+                meta.scratch, batch.page_size, self.scale, block_n=self.decode_block_n,
+                pdl=self.pdl,
+            )  # fmt: skip
         if meta.verify_tokens:
             assert meta.scratch is not None
             decode_attention(

@@ -41,6 +41,10 @@ class TritonMeta:
     # every row on the extend kernel's flat grid (`prepare_any_rows`): q_lens may hold
     # spare rows of 0, and max_q_len is the token count
     flat: bool = False
+    # a flat batch's decode rows on the decode kernel first (`prepare_any_rows`): [m]
+    # int64, each of the first m rows' KV length where it is a decode row (tokens
+    # [0, num decode rows)), else 0 (skipped; those rows' q_lens hold their work)
+    flat_decode_lens: torch.Tensor | None = None
 
     @property
     def is_decode(self) -> bool:
