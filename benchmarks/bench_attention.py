@@ -38,7 +38,7 @@ SHAPES = {"llama-3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
 
 
 # --sweep: launch parameters of the Triton decode kernel (block_n, num_warps, num_stages)
-SWEEP = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4)))
+SWEEP = list(itertools.product((32, 64, 128, 256), (2, 4, 8), (2, 3, 4)))
 
 
 def bench_shape(name: str, bs: int, ns: argparse.Namespace) -> dict[str, float]:
