@@ -22,8 +22,10 @@ DUMMY_PAGE = 0
 
 def piecewise_sizes(max_tokens: int) -> list[int]:
     """The token counts piecewise graphs are captured at (worker/piecewise_graph.py),
-    ascending: 16, 32, 64, then steps of half the previous power of two (96, 128, 192,
-    256, 384, 512, ...; at most 1.5x padding above 64 tokens), up to max_tokens
+    ascending: 16, 32, 64, then steps of half the power of two <= the size (96, 128,
+    192, 256, 384, 512, 768; at most 1.5x padding above 64 tokens), from 1,024 steps of
+    an eighth of it (1,024, 1,152, ..., 2,048, 2,304, ...; at most 1.125x: a large step
+    may be GPU-bound, where padding costs its share of the step), up to max_tokens
     (included); [] when max_tokens < 1. The scheduler pads DP ranks' agreed token
     counts to them (`StepPlan.graph_tokens`)."""
     if max_tokens < 1:
@@ -31,8 +33,8 @@ def piecewise_sizes(max_tokens: int) -> list[int]:
     sizes, size = [], 16
     while size < max_tokens:
         sizes.append(size)
-        half = 1 << (size.bit_length() - 2)  # NOTE: half the power of two <= size
-        size = size * 2 if size < 64 else size + half
+        power = 1 << (size.bit_length() - 1)  # NOTE: the power of two <= size
+        size = size * 2 if size < 64 else size + (power // 2 if size < 1024 else power // 8)
     return sorted(set(sizes) | {max_tokens})
 
 

@@ -45,15 +45,21 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], n: int) -> list[list[int
     return outs
 
 
-def test_sizes_pad_at_most_one_and_a_half_times_above_64_tokens():
+def test_sizes_pad_at_most_one_and_a_half_times_above_64_tokens_and_an_eighth_above_1024():
     assert piecewise_sizes(512) == [16, 32, 64, 96, 128, 192, 256, 384, 512]
     assert piecewise_sizes(100) == [16, 32, 64, 96, 100]
     assert piecewise_sizes(8) == [8] and piecewise_sizes(0) == []
-    sizes = piecewise_sizes(4096)
+    assert piecewise_sizes(2304)[9:] == [768, 1024, 1152, 1280, 1408, 1536, 1664, 1792, 1920,
+                                         2048, 2304]  # fmt: skip
+    sizes = piecewise_sizes(8448)
     assert all(b <= 1.5 * a for a, b in zip(sizes[2:], sizes[3:]))
-    assert [padded_batch_size(n, sizes) for n in (1, 16, 17, 65, 4096)] == [16, 16, 32, 96, 4096]
+    big = [s for s in sizes if s >= 1024]
+    assert all(b <= 1.125 * a for a, b in zip(big, big[1:])) and len(sizes) == 36
+    assert [padded_batch_size(n, sizes) for n in (1, 16, 17, 65, 1092, 8448)] == [
+        16, 16, 32, 96, 1152, 8448,
+    ]  # fmt: skip
     with pytest.raises(ValueError, match="exceed"):
-        padded_batch_size(4097, sizes)
+        padded_batch_size(8449, sizes)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
