@@ -325,88 +325,56 @@ class TritonBackend(AttentionBackend):
         meta: TritonMeta = batch.attn_meta
         return meta.is_decode or meta.packed
 
+    def _decode(self, q, layer, batch, table, lens, out, **kw) -> None:
+        """One decode-kernel launch of the step's metadata (kw: `decode_attention`'s
+        rope, tokens_per_row, pack)."""
+        scratch = batch.attn_meta.scratch
+        assert scratch is not None
+        k, v, ps = batch.kv_cache.k[layer], batch.kv_cache.v[layer], batch.page_size
+        decode_attention(
+            q, k, v, table, lens, out, scratch, ps, self.scale, block_n=self.decode_block_n,
+            pdl=self.pdl, **kw,
+        )  # fmt: skip
+
     def attend_rope(self, q, k, v, positions, cos_sin, layer, batch) -> torch.Tensor:
         meta: TritonMeta = batch.attn_meta
-        assert self.fuses_rope(batch) and meta.scratch is not None
+        assert self.fuses_rope(batch)
         bs = q.shape[0]
         assert q.shape == (bs, self.num_heads, self.head_dim), q.shape
-        cache = batch.kv_cache
         out = q.new_empty(q.shape)
-        decode_attention(
-            q,
-            cache.k[layer],
-            cache.v[layer],
-            meta.page_table,
-            meta.seq_lens,
-            out,
-            meta.scratch,
-            batch.page_size,
-            self.scale,
-            block_n=self.decode_block_n,
-            pdl=self.pdl,
-            rope=DecodeRope(k, v, positions, cos_sin, batch.out_cache_loc),
-            tokens_per_row=meta.verify_tokens or 1,
-            pack=meta.packed,
-        )
+        rope = DecodeRope(k, v, positions, cos_sin, batch.out_cache_loc)
+        self._decode(
+            q, layer, batch, meta.page_table, meta.seq_lens, out, rope=rope,
+            tokens_per_row=meta.verify_tokens or 1, pack=meta.packed,
+        )  # fmt: skip
         return out.view(bs, -1)
 
     def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
         meta: TritonMeta = batch.attn_meta
         num_tokens = q.shape[0]
         assert q.shape == (num_tokens, self.num_heads, self.head_dim), q.shape
-        cache = batch.kv_cache
-        k_all, v_all = cache.k[layer], cache.v[layer]  # [slots, KVH, D]
         # NOTE: q may be a strided view of the qkv projection: the kernels take its
         # strides, so no copy. On the flat grid no row covers a graph's padding tokens:
         # their output is zero, not whatever the memory held.
         out = q.new_zeros(q.shape) if meta.flat else q.new_empty(q.shape)  # [T, H, D]
         if meta.flat_decode_lens is not None:  # NOTE: prepare_any_rows: rows of length 0 skip
-            assert meta.scratch is not None
             m = meta.flat_decode_lens.shape[0]
-            decode_attention(
-                q[:m], k_all, v_all, meta.page_table[:m], meta.flat_decode_lens, out[:m],
-                meta.scratch, batch.page_size, self.scale, block_n=self.decode_block_n,
-                pdl=self.pdl,
-            )  # fmt: skip
+            self._decode(q[:m], layer, batch, meta.page_table[:m], meta.flat_decode_lens, out[:m])
         if meta.verify_tokens:
-            assert meta.scratch is not None
-            decode_attention(
-                q, k_all, v_all, meta.page_table, meta.seq_lens, out, meta.scratch,
-                batch.page_size, self.scale, block_n=self.decode_block_n, pdl=self.pdl,
+            self._decode(
+                q, layer, batch, meta.page_table, meta.seq_lens, out,
                 tokens_per_row=meta.verify_tokens, pack=meta.packed,
             )  # fmt: skip
             return out.view(num_tokens, -1)
         nd = meta.num_decode
         if nd:
-            assert meta.scratch is not None
-            decode_attention(
-                q[:nd],
-                k_all,
-                v_all,
-                meta.page_table[:nd],
-                meta.seq_lens[:nd],
-                out[:nd],
-                meta.scratch,
-                batch.page_size,
-                self.scale,
-                block_n=self.decode_block_n,
-                pdl=self.pdl,
-            )
+            self._decode(q[:nd], layer, batch, meta.page_table[:nd], meta.seq_lens[:nd], out[:nd])
         if nd < meta.page_table.shape[0]:  # NOTE: q_starts index the whole [T]
+            cache = batch.kv_cache
             extend_attention(
-                q,
-                k_all,
-                v_all,
-                meta.ext_page_table,
-                meta.q_starts,
-                meta.q_lens,
-                meta.ext_seq_lens,
-                out,
-                meta.max_q_len,
-                batch.page_size,
-                self.scale,
-                block_m=self.extend_block_m,
-                block_n=self.extend_block_n,
+                q, cache.k[layer], cache.v[layer], meta.ext_page_table, meta.q_starts,
+                meta.q_lens, meta.ext_seq_lens, out, meta.max_q_len, batch.page_size,
+                self.scale, block_m=self.extend_block_m, block_n=self.extend_block_n,
                 flat=meta.flat,
-            )
+            )  # fmt: skip
         return out.view(num_tokens, -1)
