@@ -74,7 +74,8 @@ def build(arch: int, shape: str, row: tuple, fp8: bool, warps: int, block_n: int
     kernel's own."""
     import torch
 
-    from gyrfalcon.kernels.attention_decode import _decode_split_kernel, decode_constexprs
+    from gyrfalcon.kernels.attention_decode import _decode_split_kernel
+    from gyrfalcon.kernels.attention_launch import decode_constexprs
 
     heads, kv_heads, head_dim = SHAPES[shape]
     _, t, pack, rope = row

@@ -36,8 +36,6 @@ so both stages use exp2; they are only ever compared with each other.
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 import triton
 import triton.language as tl
@@ -46,15 +44,14 @@ from gyrfalcon.kernels.attention_launch import (
     LOG2E,
     DecodeRope,
     DecodeScratch,
-    decode_block_params,
-    dot_precision,
+    decode_constexprs,
     packs,
 )
 from gyrfalcon.kernels.device import launch_pdl
 from gyrfalcon.kernels.kv_store import to_cache
 from gyrfalcon.kernels.pdl import pdl_gate
 from gyrfalcon.kernels.rotary import rotated_heads, rotated_rows
-from gyrfalcon.kernels.split_merge import merge_heads_per_tile, merge_splits
+from gyrfalcon.kernels.split_merge import merge_splits
 
 
 # NOTE: the page table's row stride and the tokens per row vary from batch to batch
@@ -286,41 +283,6 @@ def _decode_split_kernel(
                     BLOCK_S,
                     BLOCK_D,
                 )
-
-
-@lru_cache(maxsize=256)  # NOTE: called per layer in eager steps; a launch only reads it
-def decode_constexprs(
-    head_dim: int,
-    group: int,
-    tokens_per_row: int,
-    pack: bool,
-    splits: int,
-    page_size: int,
-    q_dtype: torch.dtype,
-    fp8: bool,
-    rope: bool,
-    pdl: bool,
-    block_n: int | None = None,
-    num_stages: int | None = None,
-) -> tuple[dict, int]:
-    """(the decode kernel's compile-time arguments, its pipeline stages) for a launch of
-    `decode_attention` with these parameters: each distinct pair is a build of its own.
-    block_n, num_stages: None = `decode_block_params`. Cached: the dict is shared, never
-    to be changed."""
-    t = tokens_per_row
-    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
-    default_n, default_stages = decode_block_params(block_d, fp8)
-    consts = dict(
-        GROUP=group, PACK=pack, BLOCK_T=triton.next_power_of_2(t) if pack else 1,
-        HEAD_DIM=head_dim, PAGE_SIZE=page_size, NUM_SPLITS=splits,
-        BLOCK_H=max(16, triton.next_power_of_2(t * group if pack else group)),
-        BLOCK_N=default_n if block_n is None else block_n, BLOCK_D=block_d,
-        BLOCK_G=merge_heads_per_tile(group, splits, block_d),
-        BLOCK_S=triton.next_power_of_2(splits),
-        PRECISION=dot_precision(q_dtype),
-        ROPE=rope, F16_MATH=fp8 and q_dtype.itemsize == 2, PDL=pdl,
-    )  # fmt: skip
-    return consts, default_stages if num_stages is None else num_stages
 
 
 def decode_attention(

@@ -1,13 +1,18 @@
 """What the attention kernels' launches take besides their tensors: the decode
-kernel's scratch (`DecodeScratch`), its RoPE inputs (`DecodeRope`), its block sizes, when
-verify rows pack (`packs`), and the dot precision and log base both kernels share.
-Host-side only: no kernel here (kernels/attention_decode.py, attention_extend.py)."""
+kernel's scratch (`DecodeScratch`), its RoPE inputs (`DecodeRope`), its block sizes and
+compile-time arguments (`decode_constexprs`), when verify rows pack (`packs`), and the
+dot precision and log base both kernels share. Host-side only: no kernel here
+(kernels/attention_decode.py, attention_extend.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
+import triton
+
+from gyrfalcon.kernels.split_merge import merge_heads_per_tile
 
 LOG2E = 1.4426950408889634
 # verify rows pack their T tokens' query heads of a KV head into one program's block
@@ -78,3 +83,38 @@ def decode_block_params(block_d: int, fp8: bool) -> tuple[int, int]:
     if block_d > 128:
         return 32, 2
     return (128, 3) if fp8 else (64, 2)
+
+
+@lru_cache(maxsize=256)  # NOTE: called per layer in eager steps; a launch only reads it
+def decode_constexprs(
+    head_dim: int,
+    group: int,
+    tokens_per_row: int,
+    pack: bool,
+    splits: int,
+    page_size: int,
+    q_dtype: torch.dtype,
+    fp8: bool,
+    rope: bool,
+    pdl: bool,
+    block_n: int | None = None,
+    num_stages: int | None = None,
+) -> tuple[dict, int]:
+    """(the decode kernel's compile-time arguments, its pipeline stages) for a launch of
+    `decode_attention` with these parameters: each distinct pair is a build of its own.
+    block_n, num_stages: None = `decode_block_params`. Cached: the dict is shared, never
+    to be changed."""
+    t = tokens_per_row
+    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
+    default_n, default_stages = decode_block_params(block_d, fp8)
+    consts = dict(
+        GROUP=group, PACK=pack, BLOCK_T=triton.next_power_of_2(t) if pack else 1,
+        HEAD_DIM=head_dim, PAGE_SIZE=page_size, NUM_SPLITS=splits,
+        BLOCK_H=max(16, triton.next_power_of_2(t * group if pack else group)),
+        BLOCK_N=default_n if block_n is None else block_n, BLOCK_D=block_d,
+        BLOCK_G=merge_heads_per_tile(group, splits, block_d),
+        BLOCK_S=triton.next_power_of_2(splits),
+        PRECISION=dot_precision(q_dtype),
+        ROPE=rope, F16_MATH=fp8 and q_dtype.itemsize == 2, PDL=pdl,
+    )  # fmt: skip
+    return consts, default_stages if num_stages is None else num_stages

@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 
 import torch  # noqa: E402
 
-from gyrfalcon.kernels.attention_decode import decode_constexprs  # noqa: E402
+from gyrfalcon.kernels.attention_launch import decode_constexprs  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 
