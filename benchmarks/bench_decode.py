@@ -159,7 +159,7 @@ def server_args(ns: argparse.Namespace, extra: list[str], model_dir: str) -> Ser
         attention_backend=ns.attention_backend,
         device=ns.device,
         seed=ns.seed,
-    ).resolved(ModelConfig.from_dir(model_dir).head_dim)
+    ).resolved(ModelConfig.from_dir(model_dir))
 
 
 def print_table(rows: list[dict]) -> None:

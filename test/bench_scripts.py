@@ -1,4 +1,5 @@
-"""Load a script of benchmarks/ as a module for its tests."""
+"""Load a script of benchmarks/ as a module for its tests; the configs of
+benchmarks/models."""
 
 from __future__ import annotations
 
@@ -9,7 +10,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
+from gyrfalcon.config.model_config import ModelConfig
+
 ROOT = Path(__file__).resolve().parents[1]
+MODELS = ROOT / "benchmarks" / "models"
+
+
+def bench_model_config(name: str) -> ModelConfig:
+    """The config of benchmarks/models/<name> (a shape served with dummy weights)."""
+    return ModelConfig.from_dir(str(MODELS / name))
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ from gyrfalcon.worker.executor import ForwardOutput, ModelExecutor
 def build_executor(model_dir: str, **kw) -> tuple[ModelExecutor, int]:
     """(the executor of a freshly built worker, its context length); kw: ServerArgs."""
     cfg = ModelConfig.from_dir(model_dir)
-    args = ServerArgs(model=model_dir, **kw).resolved(cfg.head_dim)
+    args = ServerArgs(model=model_dir, **kw).resolved(cfg)
     worker, context = build_worker(args, model_dir, cfg, rank=0)
     return worker.executor, context
 

@@ -23,7 +23,7 @@ class LocalEngine:
         engine; offline generation over a large KV pool may turn it off)."""
         self.model_dir = model_dir
         self.model_cfg = ModelConfig.from_dir(model_dir)
-        self.args = args = args.resolved(self.model_cfg.head_dim)
+        self.args = args = args.resolved(self.model_cfg)
         self.worker, context_len = build_worker(args, model_dir, self.model_cfg, rank=0)
         assert self.worker.executor.kv_cache is not None
         self.scheduler = Scheduler(

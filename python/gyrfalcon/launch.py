@@ -168,7 +168,7 @@ def _serve(args: ServerArgs) -> int:
 
     model_dir = resolve_model(args.model, args.cache_dir)
     model_cfg = ModelConfig.from_dir(model_dir)
-    args = args.resolved(model_cfg.head_dim)
+    args = args.resolved(model_cfg)
     # NOTE: the frontend does no tensor math worth threads. Set after a GGUF conversion
     # (which may use them) and after torch is imported (else the children inherit it).
     set_torch_threads(1)

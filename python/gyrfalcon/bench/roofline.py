@@ -19,7 +19,7 @@ def layer_param_count(cfg: ModelConfig) -> int:
     """Parameters of one decoder layer (attention, MLP and its two norms)."""
     q = cfg.num_heads * cfg.head_dim
     kv = cfg.num_kv_heads * cfg.head_dim
-    attn = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size  # qkv_proj + o_proj
+    attn = cfg.attention_weights
     if cfg.qkv_bias:
         attn += q + 2 * kv
     if cfg.qk_norm:

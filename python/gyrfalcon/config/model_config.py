@@ -134,6 +134,13 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
+    @property
+    def attention_weights(self) -> int:
+        """The weights of one layer's q, k, v and o projections (biases and norms aside)."""
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        return self.hidden_size * (q + 2 * kv) + q * self.hidden_size
+
 
 def _moe_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
     """The MoE fields of `ModelConfig` from an HF config (none for a dense model).

@@ -11,16 +11,18 @@ from typing import TYPE_CHECKING
 from gyrfalcon.config.attention import default_attention_backend
 from gyrfalcon.config.cli_args import available_cores
 from gyrfalcon.config.nodes import init_url
+from gyrfalcon.config.piecewise import default_piecewise_max_tokens
 from gyrfalcon.config.speculative import resolve_speculative
 
 if TYPE_CHECKING:
+    from gyrfalcon.config.model_config import ModelConfig
     from gyrfalcon.config.server_args import ServerArgs
 
 
-def resolve_server_args(args: ServerArgs, head_dim: int | None = None) -> ServerArgs:
+def resolve_server_args(args: ServerArgs, model: ModelConfig | None = None) -> ServerArgs:
     """A copy of args with every "auto" resolved for this machine (and, when the
-    model's head_dim is given, for that model's attention); ValueError names a flag
-    that cannot work."""
+    model's config is given, for that model: its attention, its graphs); ValueError
+    names a flag that cannot work."""
     import torch
 
     device = args.device
@@ -32,7 +34,7 @@ def resolve_server_args(args: ServerArgs, head_dim: int | None = None) -> Server
     backend = args.attention_backend
     fp8_kv = args.kv_cache_dtype == "fp8_e4m3"
     if backend == "auto":
-        backend = default_attention_backend(device, dtype, head_dim)
+        backend = default_attention_backend(device, dtype, model and model.head_dim)
         if fp8_kv and backend == "flashinfer":
             backend = "triton"  # NOTE: our flashinfer path reads 16-bit caches only
     decode_backend = args.decode_attention_backend
@@ -47,6 +49,10 @@ def resolve_server_args(args: ServerArgs, head_dim: int | None = None) -> Server
     on_gpu = device.startswith("cuda")
     budget = args.max_num_batched_tokens or (16384 if on_gpu else 8192)
     chunk = args.chunked_prefill_size or (8192 if on_gpu else 2048)
+    piecewise = args.piecewise_cuda_graph_max_tokens
+    if piecewise is None:
+        largest = min(budget, chunk + args.max_num_seqs)
+        piecewise = default_piecewise_max_tokens(model, largest, on_gpu)
     # NOTE: on CUDA the worker's host threads matter little: its tensor math on the
     # host is converting checkpoint dtypes at load (threads help there), and small
     # metadata tensors stay under torch's grain size and never wake the pool; so
@@ -87,5 +93,6 @@ def resolve_server_args(args: ServerArgs, head_dim: int | None = None) -> Server
         decode_attention_backend=decode_backend,
         max_num_batched_tokens=budget,
         chunked_prefill_size=chunk,
+        piecewise_cuda_graph_max_tokens=piecewise,
         cpu_threads=threads,
     )

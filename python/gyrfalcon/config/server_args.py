@@ -18,6 +18,8 @@ from gyrfalcon.config.resolve import resolve_server_args
 if TYPE_CHECKING:
     import torch
 
+    from gyrfalcon.config.model_config import ModelConfig
+
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -153,11 +155,13 @@ class ServerArgs:
     cuda_graph_max_bs: int = field(
         default=256, metadata={"help": "largest decode batch run through a CUDA graph"}
     )
-    piecewise_cuda_graph_max_tokens: int = field(
-        default=512,
+    piecewise_cuda_graph_max_tokens: int | None = field(
+        default=None,
         metadata={
             "help": "largest eager forward (prefill chunks, mixed steps) run as piecewise "
-            "CUDA graphs between attention calls (0: none)"
+            "CUDA graphs between attention calls (0: none; default: the chunk plus "
+            "--max-num-seqs on a GPU for a model whose steps that large stay bound by "
+            "their launches, such as SmolLM2-135M, else 512: config/piecewise.py)"
         },
     )
     cuda_graph_bs: str | None = field(
@@ -340,10 +344,10 @@ class ServerArgs:
 
     # ---- helpers -------------------------------------------------------
 
-    def resolved(self, head_dim: int | None = None) -> ServerArgs:
+    def resolved(self, model: ModelConfig | None = None) -> ServerArgs:
         """Return a copy with every "auto" resolved for this machine (and, when the
-        model's head_dim is given, for that model's attention): `config/resolve.py`."""
-        return resolve_server_args(self, head_dim)
+        model's config is given, for that model): `config/resolve.py`."""
+        return resolve_server_args(self, model)
 
     @property
     def spec_attention_backend(self) -> str:

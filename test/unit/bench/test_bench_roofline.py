@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from bench_scripts import bench_model_config
 
 from gyrfalcon.bench.bandwidth import best_rate, measure_read_bandwidth
 from gyrfalcon.bench.roofline import (
@@ -20,15 +20,11 @@ from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.layers.context import LayerContext
 from gyrfalcon.models.llama import LlamaForCausalLM
 
-MODELS = Path(__file__).resolve().parents[3] / "benchmarks" / "models"
-
-
-def _cfg(name: str) -> ModelConfig:
-    return ModelConfig.from_dir(str(MODELS / name))
-
 
 def test_model_configs_load_with_published_shapes() -> None:
-    llama, qwen, smol = _cfg("llama-3.1-8b"), _cfg("qwen3-8b"), _cfg("smollm2-135m")
+    llama, qwen, smol = (
+        bench_model_config(n) for n in ("llama-3.1-8b", "qwen3-8b", "smollm2-135m")
+    )
     assert (llama.num_layers, llama.hidden_size, llama.intermediate_size) == (32, 4096, 14336)
     assert (llama.num_heads, llama.num_kv_heads, llama.head_dim) == (32, 8, 128)
     assert llama.vocab_size == 128256 and not llama.tie_word_embeddings
@@ -50,7 +46,7 @@ def test_model_configs_load_with_published_shapes() -> None:
 
 @pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen3-8b", "smollm2-135m"])
 def test_param_count_matches_the_model_module(name: str) -> None:
-    cfg = _cfg(name)
+    cfg = bench_model_config(name)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, LayerContext())
     assert param_count(cfg) == sum(p.numel() for p in model.parameters())
@@ -77,7 +73,7 @@ def test_param_count_with_qkv_bias() -> None:
 
 
 def test_llama_weight_bytes() -> None:
-    cfg = _cfg("llama-3.1-8b")
+    cfg = bench_model_config("llama-3.1-8b")
     assert param_count(cfg) == 8_030_261_248
     assert weight_bytes(cfg, 2) == 16_060_522_496  # ~16.06e9
     # without the untied input embedding table (a decode step gathers only a row of it)
@@ -85,7 +81,7 @@ def test_llama_weight_bytes() -> None:
 
 
 def test_tied_lm_head_counted_once() -> None:
-    cfg = _cfg("smollm2-135m")
+    cfg = bench_model_config("smollm2-135m")
     assert param_count(cfg) == 134_515_008
     assert weight_bytes(cfg, 4) == 4 * 134_515_008
     # the tied matrix is the LM head, which reads all of it: it stays
@@ -93,15 +89,15 @@ def test_tied_lm_head_counted_once() -> None:
 
 
 def test_kv_read_bytes() -> None:
-    cfg = _cfg("llama-3.1-8b")
+    cfg = bench_model_config("llama-3.1-8b")
     assert kv_read_bytes(cfg, 64, 1024, 2) == 2 * 32 * 8 * 128 * 2 * 1024 * 64  # ~8.6e9
     assert kv_read_bytes(cfg, 1, 1, 2) == 131072
-    qwen = _cfg("qwen3-8b")
+    qwen = bench_model_config("qwen3-8b")
     assert kv_read_bytes(qwen, 2, 10, 2) == 2 * 10 * 2 * 36 * 8 * 128 * 2
 
 
 def test_roofline_matches_the_issue_figure() -> None:
-    cfg = _cfg("llama-3.1-8b")
+    cfg = bench_model_config("llama-3.1-8b")
     w = weight_bytes(cfg, 2)
     step = roofline_step_ms(w, 0, 3.04e12)
     assert step == pytest.approx(5.283, abs=1e-3)

@@ -117,7 +117,7 @@ def test_serving_config_execs_one_accepted_serve_command(script: Path, tmp_path:
     assert (args.tp_size, args.dp_size) == RANKS.get(script.name, (1, 1))
     if script.name in MOE_SCRIPTS:
         assert args.ep_size == MOE_SCRIPTS[script.name][2]
-        assert args.resolved(128).ep_size == args.ep_size  # the layout validates
+        assert args.resolved().ep_size == args.ep_size  # the layout validates
     if script.name in SPEC:
         assert args.speculative_algorithm == "EAGLE3" and (k, verified) == (3, 4)
     else:
@@ -193,8 +193,9 @@ def test_moe_config_ranks_build_their_share_of_the_model(name: str, tmp_path: Pa
     argv = run_with_stub(ROOT / "configs" / f"{name}_eagle3.sh", tmp_path)
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
-    args = ServerArgs.from_cli_args(parser.parse_args(argv[1:])).resolved(128)
+    args = ServerArgs.from_cli_args(parser.parse_args(argv[1:]))
     target = ModelConfig.from_dir(args.model)
+    args = args.resolved(target)
     draft = DraftConfig.from_dir(args.speculative_draft_model_path)
     draft = draft.with_max_positions(target.max_position_embeddings)
     tp, world = args.tp_size, args.tp_size * args.dp_size

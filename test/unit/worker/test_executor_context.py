@@ -17,7 +17,7 @@ CPU = torch.device("cpu")
 
 def build(model_dir: str, parallel: ParallelContext | None = None, **kw) -> ModelExecutor:
     cfg = ModelConfig.from_dir(model_dir)
-    args = ServerArgs(model=model_dir, device="cpu", dtype="float32", **kw).resolved(cfg.head_dim)
+    args = ServerArgs(model=model_dir, device="cpu", dtype="float32", **kw).resolved(cfg)
     extra = {} if parallel is None else {"parallel": parallel}
     executor = ModelExecutor(args, cfg, model_dir, CPU, **extra)
     executor.init_kv_cache(num_pages=8, max_model_len=64)
@@ -47,7 +47,7 @@ def test_a_tp_rank_holds_its_heads_in_model_cache_and_backends(tiny_model_dirs):
         backend = ex.backend_for(mode)
         assert (backend.num_heads, backend.num_kv_heads) == (2, 1)
     cfg = ModelConfig.from_dir(d)
-    args = ServerArgs(model=d, device="cpu", kv_cache_memory="1MB").resolved(cfg.head_dim)
+    args = ServerArgs(model=d, device="cpu", kv_cache_memory="1MB").resolved(cfg)
     # a page holds this rank's KV heads only: half of them, twice the pages
     assert num_kv_pages(args, cfg, torch.float32, CPU, 2) == 2 * num_kv_pages(
         args, cfg, torch.float32, CPU, 1
