@@ -158,10 +158,9 @@ class ServerArgs:
     piecewise_cuda_graph_max_tokens: int | None = field(
         default=None,
         metadata={
-            "help": "largest eager forward (prefill chunks, mixed steps) run as piecewise "
-            "CUDA graphs between attention calls (0: none; default: the chunk plus "
-            "--max-num-seqs on a GPU for a model whose steps that large stay bound by "
-            "their launches, such as SmolLM2-135M, else 512: config/piecewise.py)"
+            "help": "largest forward (prefill chunks, mixed steps) run as piecewise CUDA "
+            "graphs (0: none; default: the chunk + --max-num-seqs on a GPU for a model "
+            "launch-bound that far, e.g. SmolLM2-135M, else 512: config/piecewise.py)"
         },
     )
     cuda_graph_bs: str | None = field(
