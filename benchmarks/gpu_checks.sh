@@ -176,6 +176,7 @@ case "${1:-tests}" in
       serve_bench "c$C${TAG:-}" --num-prompts $N --random-input-len 1024 --random-output-len 512 \
         --ignore-eos --max-concurrency $C --seed $((2 + C))
     done
+    pages_after
     kill -TERM $SERVER; wait $SERVER; echo "server exit $?"
     grep -a "target forwards" "$OUT/server_sweep${TAG:-}.log" | cut -c1-400 ;;
   ranks)  # several GPUs: the 8B shape on triton (no flashinfer build per rank) at tp 1 and

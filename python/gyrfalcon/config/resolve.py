@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from gyrfalcon.config.attention import default_attention_backend
 from gyrfalcon.config.cli_args import available_cores
 from gyrfalcon.config.nodes import init_url
-from gyrfalcon.config.piecewise import default_piecewise_max_tokens
+from gyrfalcon.config.piecewise import default_piecewise_max_tokens, launch_bound_at
 from gyrfalcon.config.speculative import resolve_speculative
 
 if TYPE_CHECKING:
@@ -31,10 +31,20 @@ def resolve_server_args(args: ServerArgs, model: ModelConfig | None = None) -> S
     dtype = args.dtype
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"
+    # NOTE: measured on nvidia-h200 (benchmarks/NOTES.md): 8192/16384 gives +11% output
+    # throughput on SGLang's serving check over 2048/8192.
+    on_gpu = device.startswith("cuda")
+    budget = args.max_num_batched_tokens or (16384 if on_gpu else 8192)
+    chunk = args.chunked_prefill_size or (8192 if on_gpu else 2048)
+    largest = min(budget, chunk + args.max_num_seqs)  # a prompt chunk beside every row
+    piecewise = args.piecewise_cuda_graph_max_tokens
+    if piecewise is None:
+        piecewise = default_piecewise_max_tokens(model, largest, on_gpu)
     backend = args.attention_backend
     fp8_kv = args.kv_cache_dtype == "fp8_e4m3"
     if backend == "auto":
-        backend = default_attention_backend(device, dtype, model and model.head_dim)
+        whole = piecewise >= largest and launch_bound_at(model, largest, on_gpu)
+        backend = default_attention_backend(device, dtype, model and model.head_dim, whole)
         if fp8_kv and backend == "flashinfer":
             backend = "triton"  # NOTE: our flashinfer path reads 16-bit caches only
     decode_backend = args.decode_attention_backend
@@ -44,15 +54,6 @@ def resolve_server_args(args: ServerArgs, model: ModelConfig | None = None) -> S
         raise ValueError(
             "--kv-cache-dtype fp8_e4m3 runs on the triton or torch_ref attention backends"
         )
-    # NOTE: measured on nvidia-h200 (benchmarks/NOTES.md): 8192/16384 gives +11% output
-    # throughput on SGLang's serving check over 2048/8192.
-    on_gpu = device.startswith("cuda")
-    budget = args.max_num_batched_tokens or (16384 if on_gpu else 8192)
-    chunk = args.chunked_prefill_size or (8192 if on_gpu else 2048)
-    piecewise = args.piecewise_cuda_graph_max_tokens
-    if piecewise is None:
-        largest = min(budget, chunk + args.max_num_seqs)
-        piecewise = default_piecewise_max_tokens(model, largest, on_gpu)
     # NOTE: on CUDA the worker's host threads matter little: its tensor math on the
     # host is converting checkpoint dtypes at load (threads help there), and small
     # metadata tensors stay under torch's grain size and never wake the pool; so

@@ -83,7 +83,8 @@ class ServerArgs:
         default="auto",
         metadata={
             "help": "auto = flashinfer on CUDA when importable (bf16/fp16), else triton on "
-            "CUDA, else torch_ref",
+            "CUDA, else torch_ref; triton for a model launch-bound up to its largest step "
+            "(whole-step graphs; config/attention.py)",
             "choices": ["auto", "torch_ref", "triton", "flashinfer"],
         },
     )
