@@ -187,7 +187,7 @@ case "${1:-tests}" in
     # NUM_DP / 2 prompts at concurrency 128, one DP 2 rank's share alone: with the weights
     # on every rank, the most a dp 2 server can do is two of those at once; TREE=.ab/<commit>
     # serves the dp runs from an older tree, TAG suffixes their files, DP_FLAGS adds flags to
-    # them (e.g. "--api-server-count 2")
+    # them (e.g. "--api-server-count 1": one API server for every rank, the default until stop 56)
     TP_RUNS=() DP_RUNS=()  # NOTE: arrays: each "name:flags[:prompts:concurrency]" is one word
     # NOTE: tp2nccl: every all-reduce through NCCL (--disable-custom-all-reduce)
     [ "${RANKS_TP:-1}" = 1 ] && TP_RUNS=("tp1:--tp-size 1" "tp2:--tp-size 2"

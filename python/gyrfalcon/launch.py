@@ -142,7 +142,7 @@ def serve(args: ServerArgs) -> int:
     """Run the server until it is stopped; returns the process exit code."""
     configure_logging(args.log_level)
     signal.signal(signal.SIGTERM, _sigterm_while_starting)  # no child to stop yet
-    metrics_dir = _shared_metrics_dir(args.api_server_count)
+    metrics_dir = _shared_metrics_dir(args.num_api_servers)
     try:
         return _serve(args)
     finally:
@@ -198,7 +198,7 @@ def _serve(args: ServerArgs) -> int:
             args.nnodes, local.start, local.stop - 1, local.stop, layout.world_size - 1,
             ports.port, ports.port + 2 + layout.world_size,
         )  # fmt: skip
-    num_api = args.api_server_count
+    num_api = args.num_api_servers
     paths, ipc_root = IpcPaths.create(layout.world_size, ports, len(local), num_api)
     engine = EngineClient(paths)
     app = build_app(args, engine, tokenizer, name)

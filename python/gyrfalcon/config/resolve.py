@@ -86,6 +86,7 @@ def resolve_server_args(args: ServerArgs, model: ModelConfig | None = None) -> S
     return dataclasses.replace(
         args,
         dist_init_addr=init_addr,
+        api_server_count=args.num_api_servers,
         speculative_num_steps=steps,
         speculative_num_draft_tokens=verified,
         device=device,

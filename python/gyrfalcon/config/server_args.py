@@ -36,12 +36,12 @@ class ServerArgs:
     )
     host: str = field(default="127.0.0.1", metadata={"help": "HTTP bind address"})
     port: int = field(default=8000, metadata={"help": "HTTP port"})
-    api_server_count: int = field(
-        default=1,
+    api_server_count: int | None = field(
+        default=None,
         metadata={
             "help": "HTTP frontend processes serving --port together (SO_REUSEPORT), each "
             "detokenizing and streaming its own requests on its own core; one scheduler "
-            "serves them all (vLLM's flag name)"
+            "serves them all (vLLM's flag name and default: one per DP rank, --dp-size)"
         },
     )
     served_model_name: str | None = field(
@@ -333,7 +333,7 @@ class ServerArgs:
     def __post_init__(self) -> None:
         # NOTE: at parse time, before a model loads: a misspelt node fails at once
         check_nodes(self.nnodes, self.node_rank, self.tp_size * self.dp_size, self.dist_init_addr)
-        if self.api_server_count < 1:
+        if self.api_server_count is not None and self.api_server_count < 1:
             raise ValueError(f"--api-server-count must be >= 1, got {self.api_server_count}")
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise ValueError("--request-timeout must be > 0")
@@ -348,6 +348,12 @@ class ServerArgs:
         """Return a copy with every "auto" resolved for this machine (and, when the
         model's config is given, for that model): `config/resolve.py`."""
         return resolve_server_args(self, model)
+
+    @property
+    def num_api_servers(self) -> int:
+        """--api-server-count, or one a DP rank when it is not given (as vLLM: each DP
+        rank's token rate can take a frontend's core, benchmarks/NOTES.md stop 52)."""
+        return self.dp_size if self.api_server_count is None else self.api_server_count
 
     @property
     def spec_attention_backend(self) -> str:

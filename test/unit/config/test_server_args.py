@@ -189,9 +189,13 @@ def test_serving_limits_are_checked_at_parse_time(kw, flag):
         ServerArgs(**kw)
 
 
-def test_api_server_count_defaults_to_one_and_must_be_positive():
-    assert ServerArgs().api_server_count == 1
-    assert parse("--api-server-count", "3").api_server_count == 3
+def test_api_server_count_defaults_to_one_a_dp_rank_and_must_be_positive():
+    assert ServerArgs().resolved().api_server_count == 1
+    assert parse("--dp-size", "2").resolved().api_server_count == 2  # vLLM's default
+    assert parse("--dp-size", "4", "--tp-size", "2").num_api_servers == 4
+    assert parse("--tp-size", "2").num_api_servers == 1  # one DP group
+    assert parse("--api-server-count", "3").resolved().api_server_count == 3
+    assert parse("--dp-size", "2", "--api-server-count", "1").resolved().api_server_count == 1
     for bad in ("0", "-2"):
         with pytest.raises(ValueError, match="--api-server-count must be >= 1"):
             parse("--api-server-count", bad)
