@@ -52,8 +52,3 @@ def launch_bound_at(cfg: ModelConfig | None, largest_step: int, on_gpu: bool) ->
     prompt chunk beside every running row). SmolLM2-135M is launch-bound to ~51,000
     tokens, the 8B to ~830, Qwen3-30B-A3B to ~3,200, Mixtral-8x7B to ~460."""
     return cfg is not None and on_gpu and launch_bound_tokens(cfg) >= largest_step
-
-
-def default_piecewise_max_tokens(cfg: ModelConfig | None, largest_step: int, on_gpu: bool) -> int:
-    """largest_step where the model is launch-bound up to it, else DEFAULT_MAX_TOKENS."""
-    return largest_step if launch_bound_at(cfg, largest_step, on_gpu) else DEFAULT_MAX_TOKENS

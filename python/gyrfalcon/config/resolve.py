@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from gyrfalcon.config.attention import default_attention_backend
 from gyrfalcon.config.cli_args import available_cores
 from gyrfalcon.config.nodes import init_url
-from gyrfalcon.config.piecewise import default_piecewise_max_tokens, launch_bound_at
+from gyrfalcon.config.piecewise import DEFAULT_MAX_TOKENS, launch_bound_at
 from gyrfalcon.config.speculative import resolve_speculative
 
 if TYPE_CHECKING:
@@ -37,13 +37,16 @@ def resolve_server_args(args: ServerArgs, model: ModelConfig | None = None) -> S
     budget = args.max_num_batched_tokens or (16384 if on_gpu else 8192)
     chunk = args.chunked_prefill_size or (8192 if on_gpu else 2048)
     largest = min(budget, chunk + args.max_num_seqs)  # a prompt chunk beside every row
+    # NOTE: a model launch-bound up to its largest step gets graphs up to it, and triton,
+    # whose graphs take a whole step (config/piecewise.py, config/attention.py)
+    launch_bound = launch_bound_at(model, largest, on_gpu)
     piecewise = args.piecewise_cuda_graph_max_tokens
     if piecewise is None:
-        piecewise = default_piecewise_max_tokens(model, largest, on_gpu)
+        piecewise = largest if launch_bound else DEFAULT_MAX_TOKENS
     backend = args.attention_backend
     fp8_kv = args.kv_cache_dtype == "fp8_e4m3"
     if backend == "auto":
-        whole = piecewise >= largest and launch_bound_at(model, largest, on_gpu)
+        whole = launch_bound and piecewise >= largest
         backend = default_attention_backend(device, dtype, model and model.head_dim, whole)
         if fp8_kv and backend == "flashinfer":
             backend = "triton"  # NOTE: our flashinfer path reads 16-bit caches only
