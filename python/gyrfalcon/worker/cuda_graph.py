@@ -273,6 +273,9 @@ class GraphRunner:
         )
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphKey, tuple[torch.Tensor, ...]] = {}
+        # (key, tokens) -> the outputs' first rows (`_real_rows`): at most max_bs entries
+        # per captured mode
+        self._views: dict[tuple[GraphKey, int], tuple[torch.Tensor, ...]] = {}
         self.num_runs = 0  # steps served through the graph runner, every mode
         for s in specs:
             for backend, m in ((s.backend, s.mode), *s.inner):
@@ -335,6 +338,7 @@ class GraphRunner:
         t0 = time.perf_counter()
         pool = None
         stream = capture_stream(self.device)
+        self._views.clear()  # NOTE: views of the outputs of an earlier capture
         for key in tqdm(self.keys, desc="Capturing CUDA graphs", unit="graph"):
             forward = self.specs[key.mode, key.variant].forward
             batch = self._prepare(key, self.buf.fill(None, key))
@@ -370,11 +374,20 @@ class GraphRunner:
         spec = self.specs[mode, variant]
         t = spec.tokens_per_row
         key = GraphKey(mode, padded_batch_size(max(bs, rows), self.sizes), t, variant)
-        batch = self._prepare(key, self.buf.fill(bt, key))
+        seq_lens = self.buf.fill(bt, key)
         self.num_runs += 1
-        if self.mode == "cuda":
-            self.graphs[key].replay()
-            out = self.outputs[key]
-        else:
-            out = spec.forward(batch)
-        return tuple(x[: bs * t] for x in out)
+        if self.mode == "static":
+            out = spec.forward(self._prepare(key, seq_lens))
+            return tuple(x[: bs * t] for x in out)
+        if spec.backend.replay_plans:  # NOTE: else the metadata would be views only
+            self._prepare(key, seq_lens)
+        self.graphs[key].replay()
+        return self._real_rows(key, bs * t)
+
+    def _real_rows(self, key: GraphKey, n: int) -> tuple[torch.Tensor, ...]:
+        """The first n tokens' rows of each of the key's outputs: views made once per
+        (key, n) and kept (a replay writes the same tensors)."""
+        views = self._views.get((key, n))
+        if views is None:
+            views = self._views[key, n] = tuple(x[:n] for x in self.outputs[key])
+        return views

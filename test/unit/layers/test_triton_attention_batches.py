@@ -93,6 +93,47 @@ def test_verify_replay_metadata_views_the_static_batch(k):
     assert len(ptrs) == 1, "replays of one key must read the same tensors"
 
 
+@pytest.mark.parametrize("t", [1, 4])
+def test_replay_metadata_depends_on_the_key_alone(t):
+    """Why a CUDA-graph replay on triton may skip prepare_replay (`replay_plans` False):
+    for one key, the metadata of a fill with other rows and lengths is the capture's own,
+    field for field (the same tensors, shapes and strides; the same host values), and
+    preparing it writes nothing. So the captured kernels read all a new prepare would
+    give them."""
+    from dataclasses import fields
+
+    from gyrfalcon.worker.cuda_graph import GraphKey, StaticBuffers
+
+    assert not TritonBackend.replay_plans
+    mode = ForwardMode.DECODE if t == 1 else ForwardMode.VERIFY
+    tri = TritonBackend(4, 2, 64, 64**-0.5)
+    tri.capture_buffers(8, 16, CPU, mode, t)
+    buf = StaticBuffers.allocate(8, 16, PS, CPU, tokens_per_row=tuple(sorted({1, t})))
+    key = GraphKey(mode, 4, t)
+
+    def described(meta) -> list:
+        out = []
+        for f in fields(meta):
+            v = getattr(meta, f.name)
+            if isinstance(v, torch.Tensor):
+                v = (v.data_ptr(), v.shape, v.stride(), v.dtype)
+            elif f.name == "scratch":
+                v = None if v is None else id(v)
+            out.append((f.name, v))
+        return out
+
+    capture = described(tri.prepare_replay(buf.forward_batch(key, buf.fill(None, key), None, tri)))
+    for seed, prefixes in enumerate([[3, PS + 2], [40, 1, 7]]):
+        cache, rows = make_case([(p, t) for p in prefixes], 2, 64, seed)
+        batch = buf.forward_batch(
+            key, buf.fill(build_batch_tensors(rows, PS, CPU), key), cache, tri
+        )
+        before = [x.clone() for x in (buf.tokens, buf.seq_lens, buf.page_table)]
+        assert described(tri.prepare_replay(batch)) == capture
+        after = (buf.tokens, buf.seq_lens, buf.page_table)
+        assert all(torch.equal(a, b) for a, b in zip(before, after)), "prepare wrote buffers"
+
+
 def test_metadata_rejects_inconsistent_batches():
     cache, rows = make_case([(3, 1), (8, 1)], 2, 64, 0)
     tri = TritonBackend(4, 2, 64, 0.125)

@@ -52,6 +52,11 @@ class AttentionBackend(ABC):
     # (capture_buffers) and rebuilds it in place before every replay
     # (prepare_replay), from the graph runner's static batch.
     supports_cuda_graph: bool = False
+    # Whether `prepare_replay` must run before every replay because it writes what the
+    # captured kernels read (flashinfer's planner fills its buffers). False where it
+    # only returns views of the static batch (triton): a CUDA-graph replay then skips
+    # it (worker/cuda_graph.py; ~50 us of a ~1 ms step's host time on an H200's host).
+    replay_plans: bool = True
     # Whether every row attends over the lengths in the device tensor `batch.seq_lens`,
     # the host lengths only bounding the work: then a draft step's lengths may live on
     # the device alone (`forward.metadata.advanced_rows`), and a verify row may start

@@ -68,6 +68,7 @@ from gyrfalcon.layers.attention.triton_meta import (
 class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graph = True
+    replay_plans = False  # NOTE: prepare_replay only views the static batch
     device_lengths = True  # NOTE: both kernels read each row's length on the device
     supports_any_rows_graph = True
 
