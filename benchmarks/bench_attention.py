@@ -10,8 +10,9 @@ For each (heads, kv heads, head dim) and batch size, every row has
 --reps calls and replayed; the figure is the median time of one call.
 A small model's KV of one layer fits the L2 cache (SmolLM2 at batch 32: 25 MB of
 H200's 50), so a graph calling one cache over and over reads it from L2, which no
-served step does: `--cold-kv-bytes B` gives the calls as many caches (each its own
-pages of the same rows) as hold B bytes together, taken in turn as the layers are.
+served step does: `--cold-kv-bytes B` gives the calls as many caches (copies of the
+first, read through the same page table) as hold B bytes together, taken in turn as the
+layers are.
 
     python benchmarks/bench_attention.py --output-json attention.json --device-kind h100
 """
@@ -58,7 +59,8 @@ def bench_shape(name: str, bs: int, ns: argparse.Namespace) -> dict[str, float]:
     copies = max(1, -(-ns.cold_kv_bytes // (2 * k.numel() * k.element_size())))
     caches = [(k, v)] + [(torch.empty_like(k), torch.empty_like(v)) for _ in range(copies - 1)]
     for kc_, vc_ in caches[1:]:
-        kc_.copy_(k), vc_.copy_(v)
+        kc_.copy_(k)
+        vc_.copy_(v)
     reps = max(ns.reps, len(caches))
     perm = torch.randperm(num_pages - 1, device=dev)[: bs * pages_per_row] + 1
     table = perm.view(bs, pages_per_row)
