@@ -58,11 +58,11 @@ def test_warm_up_launches_the_decode_kernel_at_every_split_count_of_eager_rows(m
     tri = TritonBackend(heads, kv_heads, d, d**-0.5, decode_block_n=16)
     cache = KVCache(2, 8, PS, kv_heads, d, torch.float32, CPU)
     tri.warm_up_kernels(cache, torch.float32, 3, PS)
-    want = {decode_kv_splits(n, kv_heads, 8) for n in range(1, 3 * MAX_VERIFY_TOKENS + 1)}
+    want = {decode_kv_splits(n, kv_heads, 8, d) for n in range(1, 3 * MAX_VERIFY_TOKENS + 1)}
     assert {key[3] for _, key, _ in launches} == want == {1, 2, 4, 8, 16}
     assert len(launches) == len(want)
     for rows, key, kw in launches:
-        assert decode_kv_splits(rows, kv_heads, 8) == key[3] and kw.get("rope") is None
+        assert decode_kv_splits(rows, kv_heads, 8, d) == key[3] and kw.get("rope") is None
         assert key[1] == key[2] == torch.int32
         # NOTE: Triton specializes an int on == 1 and % 16: a qkv row's width or, for
         # a single row, the contiguous H * D (torch's stride of a size-1 dim)
@@ -114,7 +114,7 @@ def test_eager_decode_batches_no_graph_holds_launch_the_builds_the_warm_up_made(
     tri.warm_up_kernels(KVCache(2, 8, PS, kv_heads, d, torch.float32, CPU), torch.float32, 0, PS,
                         range(3, 13))  # fmt: skip
     warmed = {key for _, key, _ in launches}
-    assert {key[3] for key in warmed} == {decode_kv_splits(n, kv_heads, 8) for n in range(3, 13)}
+    assert {key[3] for key in warmed} == {decode_kv_splits(n, kv_heads, 8, d) for n in range(3, 13)}
     assert all(kw.get("rope") is not None for _, _, kw in launches)
     del launches[:]
     cos_sin = build_cos_sin_cache(rope_inv_freq(d, 10000.0, None), 128)

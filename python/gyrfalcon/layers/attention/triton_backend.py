@@ -107,7 +107,7 @@ class TritonBackend(AttentionBackend):
     def kv_splits(self, bs: int, device: torch.device) -> int:
         if self.num_kv_splits is not None:
             return self.num_kv_splits
-        return decode_kv_splits(bs, self.num_kv_heads, num_sms(device))
+        return decode_kv_splits(bs, self.num_kv_heads, num_sms(device), self.head_dim)
 
     def packs(self, tokens_per_row: int) -> bool:
         """Whether verify rows of this many tokens run packed under graphs

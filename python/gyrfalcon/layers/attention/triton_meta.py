@@ -52,21 +52,29 @@ class TritonMeta:
 
 
 # NOTE: measured on nvidia-h200 (benchmarks/bench_attention.py, context 1024): about
-# four programs per SM is where more splits stop paying, for 3 and 8 KV heads alike.
+# four programs per SM of 128-wide heads is where more splits stop paying. A program's
+# work per key is its head's width: with the KV read from memory (`--cold-kv-bytes`, as
+# a model's layers read it), 64-wide heads (SmolLM2) kept paying up to twice as many
+# programs (bs 64: 22.5 -> 20.2 us at 4 splits, bs 128: 40.0 -> 36.0 at 2), where
+# 128-wide ones (Llama-8B) lost 12% at one split more (bs 32). Widths outside [64, 128]
+# were not measured and count as the nearer end.
 PROGRAMS_PER_SM = 4
+PROGRAM_WIDTH = 128  # the head width PROGRAMS_PER_SM counts in
+MIN_PROGRAM_WIDTH = 64
 MAX_KV_SPLITS = 16
 
 
-def decode_kv_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
+def decode_kv_splits(batch_size: int, num_kv_heads: int, num_sms: int, head_dim: int) -> int:
     """Split-KV count of the decode kernel for a batch: the largest power of two
-    <= MAX_KV_SPLITS with batch_size * num_kv_heads * splits <= PROGRAMS_PER_SM *
-    num_sms, and at least 1. Non-increasing in batch_size."""
-    assert batch_size >= 1 and num_kv_heads >= 1 and num_sms >= 1
+    <= MAX_KV_SPLITS with batch_size * num_kv_heads * splits programs, each weighing
+    its head width in PROGRAM_WIDTH units (clamped to [MIN_PROGRAM_WIDTH,
+    PROGRAM_WIDTH]), within PROGRAMS_PER_SM * num_sms; at least 1. Non-increasing in
+    batch_size."""
+    assert batch_size >= 1 and num_kv_heads >= 1 and num_sms >= 1 and head_dim >= 1
+    width = min(max(head_dim, MIN_PROGRAM_WIDTH), PROGRAM_WIDTH)
+    budget = PROGRAMS_PER_SM * num_sms * PROGRAM_WIDTH
     splits = 1
-    while (
-        splits * 2 <= MAX_KV_SPLITS
-        and batch_size * num_kv_heads * splits * 2 <= PROGRAMS_PER_SM * num_sms
-    ):
+    while splits * 2 <= MAX_KV_SPLITS and batch_size * num_kv_heads * splits * 2 * width <= budget:
         splits *= 2
     return splits
 
