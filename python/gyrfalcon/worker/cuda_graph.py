@@ -31,7 +31,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
@@ -113,6 +113,10 @@ def graph_keys(specs: list[GraphSpec], sizes: list[int]) -> list[GraphKey]:
     return sorted(keys, key=lambda k: (-k.num_tokens, k.mode, k.variant, -k.batch_size))
 
 
+# views `StaticBuffers.fill` keeps: rows x table widths in use, and padded sizes
+MAX_VIEWS = 4096
+
+
 @dataclass
 class StaticBuffers:
     """Inputs of a captured step: rows [0, max_bs) of up to max(tokens_per_row) tokens."""
@@ -127,8 +131,10 @@ class StaticBuffers:
     # per tokens-per-row t (constant: written once):
     q_lens: dict[int, torch.Tensor]  # [max_bs] int64, all t
     q_starts: dict[int, torch.Tensor]  # [max_bs] int64, arange * t
-    pad_positions: dict[int, torch.Tensor]  # [t] int64: 0 .. t - 1
-    pad_slots: dict[int, torch.Tensor]  # [t] int64: their slots on the dummy page
+    # [3, max_bs * t] int64, padding rows' token rows: ids 0, positions 0 .. t - 1 a row,
+    # their slots on the dummy page (`fill` copies a padded step's part in one copy)
+    pad_tokens: dict[int, torch.Tensor]
+    _views: dict[tuple, tuple[torch.Tensor, ...]] = field(default_factory=dict, repr=False)
 
     @classmethod
     def allocate(
@@ -151,7 +157,12 @@ class StaticBuffers:
             return torch.as_tensor(values, dtype=torch.int64).to(device)
 
         rows = torch.arange(max_bs)
-        pos = {t: torch.arange(t) for t in tokens_per_row}
+
+        def pad_tokens(t: int) -> torch.Tensor:
+            pos = torch.arange(max_bs * t) % t
+            slots = DUMMY_PAGE * page_size + pos % page_size
+            return i64(torch.stack([torch.zeros_like(pos), pos, slots]))
+
         return cls(
             tokens=torch.zeros(3, max_bs * max(tokens_per_row), dtype=torch.int64, device=device),
             seq_lens=torch.ones(max_bs, dtype=torch.int64, device=device),
@@ -159,8 +170,7 @@ class StaticBuffers:
             page_size=page_size,
             q_lens={t: i64(torch.full((max_bs,), t)) for t in tokens_per_row},
             q_starts={t: i64(rows * t) for t in tokens_per_row},
-            pad_positions={t: i64(p) for t, p in pos.items()},
-            pad_slots={t: i64(DUMMY_PAGE * page_size + p % page_size) for t, p in pos.items()},
+            pad_tokens={t: pad_tokens(t) for t in tokens_per_row},
         )
 
     @property
@@ -194,22 +204,44 @@ class StaticBuffers:
         bs = 0 if bt is None else len(bt.seq_lens_cpu)
         assert bs <= padded_bs <= self.max_bs, (bs, padded_bs, self.max_bs)
         assert t in self.q_lens, f"no static buffers for {t} tokens per row"
+        # NOTE: the views written are kept by their sizes (`_views`), and the padding comes
+        # from `pad_tokens` in one copy: each torch call costs a GPU host ~10-20 us
+        # (benchmarks/NOTES.md, stop 57), so a step's fill is three copies, and three
+        # more calls when it is padded
         if bt is not None and bs:
             assert bt.input_ids.shape[0] == bs * t, f"{key.mode.name} rows carry {t} tokens each"
             width = bt.page_table.shape[1]
             assert width <= self.max_pages, f"page table width {width} > {self.max_pages}"
-            self.tokens[:, : bs * t].copy_(bt.token_rows)
-            self.seq_lens[:bs].copy_(bt.seq_lens)
-            self.page_table[:bs, :width].copy_(bt.page_table)
+            tokens, seq_lens, table = self._view(("rows", bs * t, bs, width))
+            tokens.copy_(bt.token_rows)
+            seq_lens.copy_(bt.seq_lens)
+            table.copy_(bt.page_table)
         if padded_bs > bs:  # NOTE: no launches (and no host time) when nothing is padded
-            pad, pad_tokens = slice(bs, padded_bs), slice(bs * t, padded_bs * t)
-            self.input_ids[pad_tokens] = 0
-            self.positions[pad_tokens].view(-1, t).copy_(self.pad_positions[t])
-            self.out_cache_loc[pad_tokens].view(-1, t).copy_(self.pad_slots[t])
-            self.seq_lens[pad] = t
-            self.page_table[pad] = DUMMY_PAGE
+            tokens, pad_tokens, seq_lens, table = self._view(("pad", bs, padded_bs, t))
+            tokens.copy_(pad_tokens)
+            seq_lens.fill_(t)
+            table.fill_(DUMMY_PAGE)
         seq_lens = [] if bt is None else list(bt.seq_lens_cpu)
         return seq_lens + [t] * (padded_bs - bs)
+
+    def _view(self, key: tuple) -> tuple[torch.Tensor, ...]:
+        """The views `fill` writes for `key`: ("rows", tokens, rows, table width) or
+        ("pad", first padding row, padded rows, tokens per row). Made once each; at
+        most MAX_VIEWS kept."""
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) >= MAX_VIEWS:
+                self._views.clear()
+            if key[0] == "rows":
+                _, n, bs, width = key
+                views = (self.tokens[:, :n], self.seq_lens[:bs], self.page_table[:bs, :width])
+            else:
+                _, bs, padded_bs, t = key
+                lo, hi = bs * t, padded_bs * t
+                views = (self.tokens[:, lo:hi], self.pad_tokens[t][:, lo:hi],
+                         self.seq_lens[bs:padded_bs], self.page_table[bs:padded_bs])  # fmt: skip
+            self._views[key] = views
+        return views
 
     def forward_batch(
         self,

@@ -50,6 +50,32 @@ def test_fill_pads_with_dummy_page_and_length_one():
     assert buf.page_table[0, :2].tolist() == [3, 7]
 
 
+def test_fill_after_fill_of_other_sizes_writes_each_step_whole():
+    """Steps of other row counts and table widths in turn through the kept views: rows
+    a larger step left real are padding again, and a wider table's columns never leak
+    into a narrower step's rows (only the dummy page or the row's pages)."""
+    cpu = torch.device("cpu")
+    buf = StaticBuffers.allocate(8, 4, 4, cpu)
+    big = build_batch_tensors(
+        [RowInput(9, [11], [3, 7, 2]), RowInput(4, [12], [6, 1]), RowInput(0, [13], [5])], 4, cpu
+    )
+    small = build_batch_tensors([RowInput(2, [21], [4])], 4, cpu)
+    key = GraphKey(ForwardMode.DECODE, 4, 1)
+    for _ in range(2):
+        assert buf.fill(big, key) == [10, 5, 1, 1]
+        assert buf.input_ids[:4].tolist() == [11, 12, 13, 0]
+        assert buf.positions[:4].tolist() == [9, 4, 0, 0]
+        assert buf.out_cache_loc[:4].tolist() == [2 * 4 + 1, 1 * 4, 5 * 4, 0]
+        assert buf.page_table[:4, :3].tolist() == [[3, 7, 2], [6, 1, 0], [5, 0, 0], [0, 0, 0]]
+        assert buf.fill(small, key) == [3, 1, 1, 1]
+        assert buf.input_ids[:4].tolist() == [21, 0, 0, 0]
+        assert buf.positions[:4].tolist() == [2, 0, 0, 0]
+        assert buf.out_cache_loc[:4].tolist() == [4 * 4 + 2, 0, 0, 0]
+        assert buf.seq_lens[:4].tolist() == [3, 1, 1, 1]
+        assert buf.page_table[1:4].tolist() == [[0] * 4] * 3
+    assert len(buf._views) == 4  # two steps' rows and padding, made once each
+
+
 def run(model_dir, prompts, sampling, **kw):
     args = ServerArgs(model=model_dir, device="cpu", dtype="float32", page_size=4, **kw)
     eng = LocalEngine(args, model_dir)
