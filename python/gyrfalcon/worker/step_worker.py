@@ -314,7 +314,12 @@ class StepWorker:
         if layout.fl_rows:  # NOTE: floating rows start where their previous row ended
             shift = self.requests.next_pos[fl_slots_t] - bt.positions[bt.q_starts[fl_rows_t]]
             shift_rows(bt, fl_rows_t, shift, fl_tokens_t, fl_token_rows_t, self.args.page_size)
-        if layout.ph_pos:
+        if len(layout.ph_pos) == num_tokens == bt.input_ids.shape[0]:
+            # NOTE: every input is a placeholder (decode rows behind the step in flight):
+            # ph_pos ascends, so it is every token in order, and one gather writes them
+            # all (an index and an index_put cost a GPU host twice the torch calls)
+            torch.index_select(self.requests.last_tokens, 0, ph_slot_t, out=bt.input_ids)
+        elif layout.ph_pos:
             bt.input_ids[ph_pos_t] = self.requests.last_tokens[ph_slot_t]
         if layout.dr_pos:
             bt.input_ids[dr_pos_t] = self.requests.draft_tokens.view(-1)[dr_src_t]
