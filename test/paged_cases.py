@@ -50,7 +50,7 @@ def replay_batch(rows, cache, backend, mode, page_size) -> ForwardBatch:
     """The rows' batch as a CUDA graph of their size replays it: views of the graph
     runner's static buffers, with `backend`'s replay metadata (`prepare_replay`).
     Every row holds the same number of tokens."""
-    from gyrfalcon.worker.cuda_graph import GraphKey, StaticBuffers
+    from gyrfalcon.worker.static_buffers import GraphKey, StaticBuffers
 
     device, t, bs = cache.k.device, len(rows[0].input_ids), len(rows)
     max_pages = max(len(r.pages) for r in rows)

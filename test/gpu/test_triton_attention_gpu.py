@@ -17,7 +17,7 @@ from paged_cases import paged_batch, paged_case, replay_batch
 from gyrfalcon.forward.metadata import RowInput, build_batch_tensors
 from gyrfalcon.ipc.messages import ForwardMode
 from gyrfalcon.layers.attention.torch_ref import TorchRefBackend
-from gyrfalcon.worker.cuda_graph import GraphKey, StaticBuffers
+from gyrfalcon.worker.static_buffers import GraphKey, StaticBuffers
 
 pytestmark = pytest.mark.gpu
 

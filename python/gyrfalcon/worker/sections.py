@@ -18,12 +18,13 @@ def worker_sections() -> dict[str, tuple[object, str]]:
     from gyrfalcon.forward import metadata
     from gyrfalcon.layers.attention import triton_backend
     from gyrfalcon.worker import draft_round, drafter, step_worker
-    from gyrfalcon.worker.cuda_graph import GraphRunner, StaticBuffers
+    from gyrfalcon.worker.cuda_graph import GraphRunner
     from gyrfalcon.worker.executor import ModelExecutor
     from gyrfalcon.worker.logprobs import HostCopy
     from gyrfalcon.worker.pending_step import PendingStep
     from gyrfalcon.worker.piecewise_graph import PiecewiseGraphs
     from gyrfalcon.worker.request_table import RequestTable
+    from gyrfalcon.worker.static_buffers import StaticBuffers
     from gyrfalcon.worker.step_layout import StepLayout
 
     return {

@@ -28,7 +28,7 @@ def test_replay_metadata_views_the_graph_runners_static_batch():
     """capture_buffers + prepare_replay on the graph runner's static buffers: the
     metadata views them (no copies), so every replay of one size reads the same
     tensors, refilled in place, and attention matches torch_ref for each fill."""
-    from gyrfalcon.worker.cuda_graph import GraphKey, StaticBuffers
+    from gyrfalcon.worker.static_buffers import GraphKey, StaticBuffers
 
     tri = TritonBackend(4, 2, 64, 64**-0.5, num_kv_splits=4, decode_block_n=16)
     tri.capture_buffers(max_bs=8, max_pages=16, device=CPU)
@@ -60,7 +60,7 @@ def test_verify_replay_metadata_views_the_static_batch(k):
     depend on the key alone: padded rows, x (k + 1) scratch rows); two fills of one key
     read the same tensors and match torch_ref on the real rows. Packed verify rows may
     take RoPE inside the kernel (`attend_rope`)."""
-    from gyrfalcon.worker.cuda_graph import GraphKey, StaticBuffers
+    from gyrfalcon.worker.static_buffers import GraphKey, StaticBuffers
 
     t, padded = k + 1, 4
     tri = TritonBackend(4, 2, 64, 64**-0.5, extend_block_m=16, extend_block_n=16)
@@ -102,7 +102,7 @@ def test_replay_metadata_depends_on_the_key_alone(t):
     give them."""
     from dataclasses import fields
 
-    from gyrfalcon.worker.cuda_graph import GraphKey, StaticBuffers
+    from gyrfalcon.worker.static_buffers import GraphKey, StaticBuffers
 
     assert not TritonBackend.replay_plans
     mode = ForwardMode.DECODE if t == 1 else ForwardMode.VERIFY

@@ -8,12 +8,8 @@ from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.engine import LocalEngine
 from gyrfalcon.forward.metadata import RowInput, build_batch_tensors
 from gyrfalcon.ipc.messages import ForwardMode, SamplingParams
-from gyrfalcon.worker.cuda_graph import (
-    GraphKey,
-    StaticBuffers,
-    capture_batch_sizes,
-    padded_batch_size,
-)
+from gyrfalcon.worker.cuda_graph import capture_batch_sizes, padded_batch_size
+from gyrfalcon.worker.static_buffers import GraphKey, StaticBuffers
 
 
 def test_capture_sizes():

@@ -9,7 +9,8 @@ from verify_util import build_executor, make_case, prefill_prefixes, verify, who
 from gyrfalcon.forward.metadata import RowInput, build_batch_tensors
 from gyrfalcon.ipc.contract import DUMMY_PAGE
 from gyrfalcon.ipc.messages import ForwardMode
-from gyrfalcon.worker.cuda_graph import GraphKey, GraphSpec, StaticBuffers, graph_keys
+from gyrfalcon.worker.cuda_graph import GraphSpec, graph_keys
+from gyrfalcon.worker.static_buffers import GraphKey, StaticBuffers
 
 CPU = torch.device("cpu")
 D, V = ForwardMode.DECODE, ForwardMode.VERIFY
