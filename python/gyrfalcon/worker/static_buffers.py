@@ -129,7 +129,7 @@ class StaticBuffers:
             assert bt.input_ids.shape[0] == bs * t, f"{key.mode.name} rows carry {t} tokens each"
             width = bt.page_table.shape[1]
             assert width <= self.max_pages, f"page table width {width} > {self.max_pages}"
-            tokens, seq_lens, table = self._view(("rows", bs * t, bs, width))
+            tokens, seq_lens, table = self._view(("rows", bs, t, width))
             tokens.copy_(bt.token_rows)
             seq_lens.copy_(bt.seq_lens)
             table.copy_(bt.page_table)
@@ -142,16 +142,16 @@ class StaticBuffers:
         return seq_lens + [t] * (padded_bs - bs)
 
     def _view(self, key: tuple) -> tuple[torch.Tensor, ...]:
-        """The views `fill` writes for `key`: ("rows", tokens, rows, table width) or
-        ("pad", first padding row, padded rows, tokens per row). Made once each; at
-        most MAX_VIEWS kept."""
+        """The views `fill` writes for `key`: ("rows", rows, tokens per row, table
+        width) or ("pad", first padding row, padded rows, tokens per row). Made once
+        each; at most MAX_VIEWS kept."""
         views = self._views.get(key)
         if views is None:
             if len(self._views) >= MAX_VIEWS:
                 self._views.clear()
             if key[0] == "rows":
-                _, n, bs, width = key
-                views = (self.tokens[:, :n], self.seq_lens[:bs], self.page_table[:bs, :width])
+                _, bs, t, width = key
+                views = (self.tokens[:, : bs * t], self.seq_lens[:bs], self.page_table[:bs, :width])
             else:
                 _, bs, padded_bs, t = key
                 lo, hi = bs * t, padded_bs * t

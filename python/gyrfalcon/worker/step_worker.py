@@ -314,7 +314,7 @@ class StepWorker:
         if layout.fl_rows:  # NOTE: floating rows start where their previous row ended
             shift = self.requests.next_pos[fl_slots_t] - bt.positions[bt.q_starts[fl_rows_t]]
             shift_rows(bt, fl_rows_t, shift, fl_tokens_t, fl_token_rows_t, self.args.page_size)
-        if len(layout.ph_pos) == num_tokens == bt.input_ids.shape[0]:
+        if len(layout.ph_pos) == num_tokens:  # NOTE: the batch's tokens, draft slots included
             # NOTE: every input is a placeholder (decode rows behind the step in flight):
             # ph_pos ascends, so it is every token in order, and one gather writes them
             # all (an index and an index_put cost a GPU host twice the torch calls)
