@@ -188,7 +188,9 @@ def bench_case(
         cublas = lambda w: F.linear(x, w)
     row["cublas_us"] = time_graph(case.fns(cublas), ns.replays)
     row["cublas_gbps"] = case.gbps(row["cublas_us"])
-    default = gemv_config(m, n, k, num_sms, act_silu_mul=case.act)
+    # NOTE: what the engine picks on this GPU (its tuned table by name included)
+    gpu = torch.cuda.get_device_name()
+    default = gemv_config(m, n, k, num_sms, act_silu_mul=case.act, gpu=gpu)
     row["default_config"] = cfg_name(default)
     try:
         row["default_us"] = try_config(case, None, ref, ns.replays)
@@ -218,7 +220,7 @@ def bench_case(
         row["top"] = [[cfg_name(c), round(us, 2)] for us, c in results[:5]]
         row["all"] = {cfg_name(c): round(us, 3) for us, c in results}
     if case.act and results:  # what the fusion buys over silu_and_mul + skinny_linear
-        plain = gemv_config(m, n, k, num_sms)
+        plain = gemv_config(m, n, k, num_sms, gpu=gpu)
         row["skinny_unfused_us"] = time_graph(
             case.fns(lambda w: skinny_linear(engine_silu_and_mul(x), w, config=plain)),
             ns.replays,

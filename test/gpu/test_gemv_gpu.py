@@ -9,8 +9,17 @@ import torch.nn.functional as F
 
 pytestmark = pytest.mark.gpu
 
-# (N, K): Llama-3.1-8B qkv / down, SmolLM2 qkv / down, and a ragged shape
-SHAPES = [(6144, 4096), (4096, 14336), (960, 576), (576, 1536), (1000, 200)]
+# (N, K): Llama-3.1-8B qkv / o / gate_up / down (the first three take configs of their
+# own on an H200), SmolLM2 qkv / down, and a ragged shape
+SHAPES = [
+    (6144, 4096),
+    (4096, 4096),
+    (28672, 4096),
+    (4096, 14336),
+    (960, 576),
+    (576, 1536),
+    (1000, 200),
+]
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,15 @@ def num_sms(device: torch.device) -> int:
 
 
 @functools.cache
+def gpu_name(device: torch.device) -> str:
+    """The CUDA device's name (e.g. "NVIDIA H200"), for launch tables measured on one
+    model of GPU; "" elsewhere."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return ""
+
+
+@functools.cache
 def pdl_supported(device: torch.device) -> bool:
     """Whether kernels on `device` can launch with programmatic dependent launch: they
     may start while the previous kernel finishes, and wait (`gdc_wait`) before they

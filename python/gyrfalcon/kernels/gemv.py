@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gyrfalcon.kernels.device import launch_pdl, num_sms
+from gyrfalcon.kernels.device import gpu_name, launch_pdl, num_sms
 from gyrfalcon.kernels.pdl import pdl_gate
 
 # Largest row count `skinny_linear` accepts; larger decode batches go to cuBLAS.
@@ -83,8 +83,27 @@ _TUNED_M1 = {
 }
 
 
+# Shapes whose swept best on an H200 (132 SMs as the H100, 4.6 TB/s of reads against
+# 3.1) beat the rule by more than 3%: the Llama-3.1-8B tp-1 projections, (n, k,
+# act_silu_mul, m == 1) -> config (bench_gemv, results/gemv_stop59_rule_eba1f82_nvidia-h200.json,
+# confirmed by a second sweep; us rule -> tuned at M = 1: qkv 15.95 -> 14.03, o 11.48 ->
+# 10.86, gate_up 59.44 -> 55.80; qkv at M = 4 and 16: 16.09 -> 14.30). The fused down
+# projection keeps the rule (best); the tp-2 shapes keep `_TUNED_M1` (within 2% of best).
+# In the model: batch-1 decode 217.5 -> 232.0 tok/s (results/decode_llama8b_ab_h200gemv_*).
+_TUNED_H200 = {
+    (6144, 4096, False, True): GemvConfig(64, 128, num_warps=4, num_stages=5, use_dot=True),
+    (4096, 4096, False, True): GemvConfig(64, 128, num_warps=4, num_stages=6, use_dot=True),
+    (28672, 4096, False, True): GemvConfig(4, 256, num_warps=2, num_stages=2, use_dot=False),
+    (6144, 4096, False, False): GemvConfig(64, 128, num_warps=4, num_stages=5, use_dot=True),
+}
+# Tables of one model of GPU, by a word of its name (`device.gpu_name`); they come first
+_TUNED_BY_GPU = {"H200": _TUNED_H200}
+
+
 @functools.lru_cache(maxsize=1024)
-def gemv_config(m: int, n: int, k: int, num_sms: int, *, act_silu_mul: bool = False) -> GemvConfig:
+def gemv_config(
+    m: int, n: int, k: int, num_sms: int, *, act_silu_mul: bool = False, gpu: str = ""
+) -> GemvConfig:
     """Default config for x: [m, k] times w: [n, k].T on a GPU with num_sms SMs.
 
     The rule comes from sweeps of the bf16 Llama-3.1-8B and SmolLM2-135M
@@ -106,8 +125,12 @@ def gemv_config(m: int, n: int, k: int, num_sms: int, *, act_silu_mul: bool = Fa
       wider programs with more warps amortize it best. Even so the fused kernel
       loses to silu_and_mul + skinny_linear there (see FUSED_SILU_MUL_MAX_M).
     - m == 1 at a shape of `_TUNED_M1` on a GPU of 132 SMs (an H100): its swept best.
+    - before all these, a shape of the table of `gpu` (its name) in `_TUNED_BY_GPU`.
     """
     assert m >= 1 and n >= 1 and k >= 1 and num_sms >= 1
+    for word, table in _TUNED_BY_GPU.items():
+        if word in gpu and (n, k, act_silu_mul, m == 1) in table:
+            return table[(n, k, act_silu_mul, m == 1)]
     tuned = _TUNED_M1.get((n, k, act_silu_mul)) if m == 1 and num_sms == 132 else None
     if tuned is not None:
         return tuned
@@ -225,7 +248,7 @@ def skinny_linear(
     (silu(gate) * up) @ w.T, the activation rounded to x.dtype as
     `silu_and_mul` does (only faster than silu_and_mul + skinny_linear for
     M <= FUSED_SILU_MUL_MAX_M). config: None picks `gemv_config(M, N, K, #SMs,
-    act_silu_mul=act_silu_mul)`.
+    act_silu_mul=act_silu_mul, gpu=<its name>)`.
     out ([M, N], last dim contiguous, x.dtype) is written instead of allocating.
     pdl: may launch with programmatic dependent launch (where the device supports it).
     """
@@ -245,7 +268,8 @@ def skinny_linear(
         return out.zero_()
     cfg = config
     if cfg is None:
-        cfg = gemv_config(m, n, k, num_sms(x.device), act_silu_mul=act_silu_mul)
+        sms, gpu = num_sms(x.device), gpu_name(x.device)
+        cfg = gemv_config(m, n, k, sms, act_silu_mul=act_silu_mul, gpu=gpu)
     # NOTE: triton's interpreter (CPU tensors) multiplies bfloat16 dot operands as
     # their raw uint16 bits, so off the GPU the tensor-core path upcasts them to
     # float32 first (bf16 x bf16 products are exact in float32 either way).

@@ -12,6 +12,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from gyrfalcon.kernels.gemv import (  # noqa: E402
+    _TUNED_BY_GPU,
+    _TUNED_M1,
     MAX_SKINNY_M,
     NORM_FUSED_MAX_K,
     GemvConfig,
@@ -186,6 +188,39 @@ def test_tuned_shapes_only_at_one_row_on_an_h100():
     assert gemv_config(1, 4096, 7168, 132, act_silu_mul=True).block_k == 512
     assert gemv_config(1, 4096, 7168, 132).block_k == 1024  # the plain down is not tuned
     assert gemv_config(1, 4096, 4096, 132) == GemvConfig(4, 1024, 8, 3, use_dot=False)
+
+
+def test_tuned_by_gpu_name_only_on_that_gpu():
+    """An H200 takes its own swept configs for the 8B's tp-1 projections (before the
+    132-SM table, which it shares with the H100); an H100, or no name, keeps the rule;
+    shapes outside the table and the fused down projection keep it on the H200 too."""
+    h200, h100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
+    qkv, o, gate_up, down = (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)
+    assert gemv_config(1, *qkv, 132, gpu=h200) == GemvConfig(64, 128, 4, 5, use_dot=True)
+    assert gemv_config(4, *qkv, 132, gpu=h200) == GemvConfig(64, 128, 4, 5, use_dot=True)
+    assert gemv_config(1, *gate_up, 132, gpu=h200) == GemvConfig(4, 256, 2, 2, use_dot=False)
+    assert gemv_config(1, *o, 132, gpu=h200).use_dot
+    for m, shape in ((1, qkv), (4, qkv), (1, o), (1, gate_up)):
+        assert gemv_config(m, *shape, 132, gpu=h100) == gemv_config(m, *shape, 132)
+    assert gemv_config(4, *o, 132, gpu=h200) == gemv_config(4, *o, 132)
+    fused = gemv_config(1, *down, 132, act_silu_mul=True)
+    assert gemv_config(1, *down, 132, act_silu_mul=True, gpu=h200) == fused
+    # the tp-2 shapes: the 132-SM table on both
+    assert gemv_config(1, 4096, 2048, 132, gpu=h200) == gemv_config(1, 4096, 2048, 132)
+
+
+TUNED = [cfg for t in (_TUNED_M1, *_TUNED_BY_GPU.values()) for cfg in t.values()]
+
+
+@pytest.mark.parametrize("cfg", sorted(set(TUNED), key=repr), ids=repr)
+def test_tuned_configs_compute_the_product(cfg):
+    """Every config of the tuned tables runs and is exact (a small shape with a
+    partial last program and K tail), at one row and at four."""
+    torch.manual_seed(cfg.block_n + cfg.block_k)
+    n, k = cfg.block_n + 3, cfg.block_k + 40
+    for m in (1, 4):
+        x, w = torch.randn(m, k), torch.randn(n, k)
+        torch.testing.assert_close(skinny_linear(x, w, config=cfg), x @ w.T, **TOL)
 
 
 @pytest.mark.parametrize("M", [1, 3])
