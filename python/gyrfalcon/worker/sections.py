@@ -24,12 +24,13 @@ def worker_sections() -> dict[str, tuple[object, str]]:
     from gyrfalcon.worker.pending_step import PendingStep
     from gyrfalcon.worker.piecewise_graph import PiecewiseGraphs
     from gyrfalcon.worker.request_table import RequestTable
+    from gyrfalcon.worker.spec_step_graph import FusedSpecStep
     from gyrfalcon.worker.static_buffers import StaticBuffers
     from gyrfalcon.worker.step_layout import StepLayout
 
     return {
         "worker launch (all steps)": (step_worker.StepWorker, "_launch"),
-        "worker launch fused": (step_worker.StepWorker, "_launch_fused"),
+        "worker launch fused": (FusedSpecStep, "launch_step"),
         "worker requests.apply": (RequestTable, "apply"),
         "worker layout add_plain": (StepLayout, "add_plain"),
         "worker build_batch_tensors": (step_worker, "build_batch_tensors"),

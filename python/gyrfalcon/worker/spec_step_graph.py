@@ -37,11 +37,13 @@ import torch
 
 from gyrfalcon.forward.batch import ForwardBatch
 from gyrfalcon.forward.metadata import BatchTensors, RowInput, build_batch_tensors
-from gyrfalcon.ipc.contract import PLACEHOLDER
+from gyrfalcon.ipc.contract import PLACEHOLDER, is_steady_verify_row
 from gyrfalcon.ipc.messages import ForwardMode, ScheduledRow
 from gyrfalcon.worker.cuda_graph import GraphRunner, GraphSpec, padded_batch_size
 from gyrfalcon.worker.drafter import Drafter
 from gyrfalcon.worker.executor import ModelExecutor
+from gyrfalcon.worker.logprobs import HostCopy, SampleOutput
+from gyrfalcon.worker.pending_step import PendingStep
 from gyrfalcon.worker.request_table import RequestTable, WorkerRequest
 from gyrfalcon.worker.sampler import is_greedy
 from gyrfalcon.worker.sampling_state import RequestSamplingState
@@ -93,6 +95,41 @@ class FusedSpecStep:
                 self.warned = True
             return False
         return bs <= graphs.sizes[-1] and max_pages <= graphs.buf.max_pages
+
+    def takes(
+        self,
+        rows: list[ScheduledRow],
+        reqs: list[WorkerRequest],
+        agreed: int | None,
+        graphs: GraphRunner | None,
+    ) -> bool:
+        """Whether a step of these rows runs fused: every row a verify row of k drafts
+        after one input, of a request that `fuses`, in a captured size. agreed: the rows
+        the DP ranks agreed on (`StepPlan.graph_rows`; 0: eager, None: no agreement)."""
+        return (
+            agreed != 0  # NOTE: the DP ranks agreed on eager: the general path
+            and all(is_steady_verify_row(r, self.k) for r in rows)
+            and all(fuses(q.sampling) for q in reqs)
+            and self.usable(graphs, max(len(rows), agreed or 0), max(len(q.pages) for q in reqs))
+        )
+
+    def launch_step(
+        self,
+        step: PendingStep,
+        rows: list[ScheduledRow],
+        reqs: list[WorkerRequest],
+        max_model_len: int,
+        agreed: int = 0,
+    ) -> PendingStep:
+        """`step` (its results one per row) as one replay of `launch`; its ids come back
+        as a verify step's (accepted, emitted)."""
+        accepted, emitted = self.launch(rows, reqs, max_model_len, agreed)
+        step.sample_rows = list(range(len(rows)))
+        step.states = [q.sampling for q in reqs]
+        step.width, step.kind = self.k + 1, "fused"
+        ids = torch.cat([accepted, emitted.view(-1)])
+        step.copy = HostCopy(SampleOutput(ids, None, None, None))
+        return step
 
     def launch(
         self,

@@ -35,17 +35,11 @@ from gyrfalcon.forward.metadata import (
     shift_rows,
 )
 from gyrfalcon.forward.parallel import SINGLE_RANK, ParallelContext
-from gyrfalcon.ipc.contract import (
-    DUMMY_PAGE,
-    is_steady_verify_row,
-    step_tokens,
-    verifies_drafts,
-)
+from gyrfalcon.ipc.contract import DUMMY_PAGE, step_tokens, verifies_drafts
 from gyrfalcon.ipc.messages import (
     ForwardMode,
     RankBatch,
     RowResult,
-    ScheduledRow,
     StepPlan,
     StepResult,
 )
@@ -56,9 +50,9 @@ from gyrfalcon.worker.grammar_state import WorkerGrammars, warm_up_masks
 from gyrfalcon.worker.logprobs import HostCopy, SampleOutput, fill_prompt_logprobs
 from gyrfalcon.worker.memory_profile import check_largest_step_fits, fit_kv_cache
 from gyrfalcon.worker.pending_step import PendingStep
-from gyrfalcon.worker.request_table import MIN_SLOTS, RequestTable, WorkerRequest
+from gyrfalcon.worker.request_table import MIN_SLOTS, RequestTable
 from gyrfalcon.worker.sampler import prepare, sample
-from gyrfalcon.worker.spec_step_graph import FusedSpecStep, fuses
+from gyrfalcon.worker.spec_step_graph import FusedSpecStep
 from gyrfalcon.worker.spec_verify import (
     VerifyIndex,
     emitted_index,
@@ -142,7 +136,7 @@ class StepWorker:
         if self.drafter is not None:
             verify = self.num_draft + 1
             self.drafter.init_kv_cache(num_pages, self.args.kv_dtype(self.executor.dtype))
-            # NOTE: DP ranks that agree on graphs replay it at the plan's size (`_fuses`)
+            # NOTE: DP ranks that agree on graphs replay it at the plan's size (`takes`)
             if self.floats_rows and self.args.graph_mode() is not None:
                 if self.requests.scratch is None:  # NOTE: kept when the cache is resized
                     self.requests.reserve(
@@ -265,8 +259,9 @@ class StepWorker:
         reqs = self.requests.apply(rows)
         k, width = self.num_draft, 1 + max(row.num_draft for row in rows)
         assert width - 1 <= k, f"rows verify {width - 1} drafts, the drafter makes {k}"
-        if self._fuses(rows, reqs):
-            return self._launch_fused(step, rows, reqs)
+        fused = self.fused
+        if fused is not None and fused.takes(rows, reqs, self.graph_rows, self.executor.graphs):
+            return fused.launch_step(step, rows, reqs, self.max_model_len, self.graph_rows or 0)
         step.sample_rows = [i for i, row in enumerate(rows) if row.sample]
         # the sampling rows and their requests (NOTE: every row's, as is, where all sample)
         every = len(step.sample_rows) == len(rows)
@@ -375,33 +370,4 @@ class StepWorker:
                 layout, bt, emitted, accept_len, next_t, out.aux, fl, draft_t,
                 self.requests.draft_tokens,
             )  # fmt: skip
-        return step
-
-    def _fuses(self, rows: list[ScheduledRow], reqs: list[WorkerRequest]) -> bool:
-        """Whether the step runs as the fused greedy step: every row a verify row of k
-        drafts after one input, of a request that `fuses`, in a captured size."""
-        f, k, agreed, graphs = self.fused, self.num_draft, self.graph_rows, self.executor.graphs
-        return (
-            f is not None
-            and agreed != 0  # NOTE: the DP ranks agreed on eager: the general path
-            and all(is_steady_verify_row(r, k) for r in rows)
-            and all(fuses(q.sampling) for q in reqs)
-            and f.usable(graphs, max(len(rows), agreed or 0), max(len(q.pages) for q in reqs))
-        )
-
-    def _launch_fused(
-        self, step: PendingStep, rows: list[ScheduledRow], reqs: list[WorkerRequest]
-    ) -> PendingStep:
-        """The step as one replay (spec_step_graph.py); the ids come back as a verify
-        step's (accepted, emitted)."""
-        assert self.fused is not None
-        k = self.num_draft
-        agreed = self.graph_rows or 0
-        accepted, emitted = self.fused.launch(rows, reqs, self.max_model_len, agreed)
-        step.sample_rows = list(range(len(rows)))
-        step.states = [q.sampling for q in reqs]
-        step.width, step.kind = k + 1, "fused"
-        step.copy = HostCopy(
-            SampleOutput(torch.cat([accepted, emitted.view(-1)]), None, None, None)
-        )
         return step

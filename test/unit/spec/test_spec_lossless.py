@@ -119,15 +119,16 @@ def test_rows_near_max_tokens_stay_in_the_fused_graph(pair):
     kw = dict(static_graph_replay=True, cuda_graph_bs="1,2,4", cuda_graph_max_bs=4)
     eng = engine(target, draft, 3, **kw)
     decisions = []  # per decode-only step: whether it ran fused
-    fuses = eng.worker._fuses
+    fused = eng.worker.fused
+    takes = fused.takes
 
-    def recorded(rows, reqs):
-        out = fuses(rows, reqs)
+    def recorded(rows, reqs, agreed, graphs):
+        out = takes(rows, reqs, agreed, graphs)
         if all(len(r.input_ids) == 1 for r in rows):
             decisions.append(out)
         return out
 
-    eng.worker._fuses = recorded
+    fused.takes = recorded
     got = run(eng, ps, params)
     assert got.ids == plain.ids and [len(x) for x in got.ids] == [5, 9, 14]
     assert len(decisions) > 5 and all(decisions), decisions
