@@ -96,7 +96,8 @@ _TUNED_H200 = {
     (28672, 4096, False, True): GemvConfig(4, 256, num_warps=2, num_stages=2, use_dot=False),
     (6144, 4096, False, False): GemvConfig(64, 128, num_warps=4, num_stages=5, use_dot=True),
 }
-# Tables of one model of GPU, by a word of its name (`device.gpu_name`); they come first
+# Tables of one model of GPU, by a word of its name (`device.gpu_name`; a whole word:
+# "NVIDIA H200" and "NVIDIA H200 NVL", not "NVIDIA GH200 480GB"); they come first
 _TUNED_BY_GPU = {"H200": _TUNED_H200}
 
 
@@ -129,7 +130,7 @@ def gemv_config(
     """
     assert m >= 1 and n >= 1 and k >= 1 and num_sms >= 1
     for word, table in _TUNED_BY_GPU.items():
-        if word in gpu and (n, k, act_silu_mul, m == 1) in table:
+        if word in gpu.split() and (n, k, act_silu_mul, m == 1) in table:
             return table[(n, k, act_silu_mul, m == 1)]
     tuned = _TUNED_M1.get((n, k, act_silu_mul)) if m == 1 and num_sms == 132 else None
     if tuned is not None:

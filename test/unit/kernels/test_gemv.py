@@ -205,6 +205,9 @@ def test_tuned_by_gpu_name_only_on_that_gpu():
     assert gemv_config(4, *o, 132, gpu=h200) == gemv_config(4, *o, 132)
     fused = gemv_config(1, *down, 132, act_silu_mul=True)
     assert gemv_config(1, *down, 132, act_silu_mul=True, gpu=h200) == fused
+    # the name's whole word: an H200 NVL takes it, a GH200 (another memory) does not
+    assert gemv_config(1, *qkv, 132, gpu="NVIDIA H200 NVL").use_dot
+    assert gemv_config(1, *qkv, 132, gpu="NVIDIA GH200 480GB") == gemv_config(1, *qkv, 132)
     # the tp-2 shapes: the 132-SM table on both
     assert gemv_config(1, 4096, 2048, 132, gpu=h200) == gemv_config(1, 4096, 2048, 132)
 
