@@ -8,7 +8,8 @@ down fused with silu_and_mul) and M in --ms rows, times
 - `skinny_linear` with its default config (`gemv_config`),
 - for M in --sweep-ms, every candidate of a pruned config grid (fused rows: the
   best few of the plain down projection and, at M > 1, a small tensor-core
-  grid); for other M, the default plus the best configs found at the swept M.
+  grid; at M = 1 with --fused-grid the whole FMA grid); for other M, the default
+  plus the best configs found at the swept M.
 Each variant is captured in a CUDA graph of back-to-back calls (>= --reps, and
 enough that the distinct weight copies the calls rotate through total >= 100 MB,
 so L2 never holds the weight) and replayed; the figure is the median replay time
@@ -263,6 +264,11 @@ def main(argv: list[str] | None = None) -> int:
         "--time-budget", type=float, default=120.0,
         help="seconds; past it, remaining sweeps shrink to the best configs found so far",
     )  # fmt: skip
+    ap.add_argument(
+        "--fused-grid", action="store_true",
+        help="sweep the fused down projection at M = 1 over the whole FMA grid (its "
+        "activation, recomputed by every program, can favour other tiles than the plain down)",
+    )  # fmt: skip
     ns = ap.parse_args(argv)
     t0 = time.monotonic()
     ms = [int(v) for v in ns.ms.split(",")]
@@ -281,7 +287,9 @@ def main(argv: list[str] | None = None) -> int:
             for m in sorted(ms, key=lambda v: (v not in sweep_ms, v)):
                 over = time.monotonic() - t0 > ns.time_budget
                 swept = m in sweep_ms and not over
-                if act and swept:  # the best plain-down configs, and a dot grid
+                if act and swept and m == 1 and ns.fused_grid:  # every FMA candidate
+                    cands = grid[False]
+                elif act and swept:  # the best plain-down configs, and a dot grid
                     plain = found.get((model, "down", m), [])
                     cands = [c for _, c in plain[:TOP_FOR_FUSED]]
                     cands += fused_dot_configs() if m > 1 else []

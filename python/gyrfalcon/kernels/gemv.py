@@ -87,13 +87,17 @@ _TUNED_M1 = {
 # 3.1) beat the rule by more than 3%: the Llama-3.1-8B tp-1 projections, (n, k,
 # act_silu_mul, m == 1) -> config (bench_gemv, results/gemv_stop59_rule_eba1f82_nvidia-h200.json,
 # confirmed by a second sweep; us rule -> tuned at M = 1: qkv 15.95 -> 14.03, o 11.48 ->
-# 10.86, gate_up 59.44 -> 55.80; qkv at M = 4 and 16: 16.09 -> 14.30). The fused down
-# projection keeps the rule (best); the tp-2 shapes keep `_TUNED_M1` (within 2% of best).
-# In the model: batch-1 decode 217.5 -> 232.0 tok/s (results/decode_llama8b_ab_h200gemv_*).
+# 10.86, gate_up 59.44 -> 55.80; qkv at M = 4 and 16: 16.09 -> 14.30; the fused down over
+# the whole FMA grid (--fused-grid), results/gemv_stop59_fused_c513b3c_nvidia-h200.json:
+# 34.25 -> 32.09, twice the columns a program of the plain down's best). The tp-2 shapes
+# keep `_TUNED_M1` (within 2% of best). In the model, batch-1 decode: 217.5 -> 232.0 tok/s
+# without the fused down, 229.1 -> 232.3 with it on another H200
+# (results/decode_llama8b_ab_h200gemv_*, results/decode_llama8b_ab_h200fused_*).
 _TUNED_H200 = {
     (6144, 4096, False, True): GemvConfig(64, 128, num_warps=4, num_stages=5, use_dot=True),
     (4096, 4096, False, True): GemvConfig(64, 128, num_warps=4, num_stages=6, use_dot=True),
     (28672, 4096, False, True): GemvConfig(4, 256, num_warps=2, num_stages=2, use_dot=False),
+    (4096, 14336, True, True): GemvConfig(8, 512, num_warps=8, num_stages=4, use_dot=False),
     (6144, 4096, False, False): GemvConfig(64, 128, num_warps=4, num_stages=5, use_dot=True),
 }
 # Tables of one model of GPU, by a word of its name (`device.gpu_name`; a whole word:

@@ -193,7 +193,7 @@ def test_tuned_shapes_only_at_one_row_on_an_h100():
 def test_tuned_by_gpu_name_only_on_that_gpu():
     """An H200 takes its own swept configs for the 8B's tp-1 projections (before the
     132-SM table, which it shares with the H100); an H100, or no name, keeps the rule;
-    shapes outside the table and the fused down projection keep it on the H200 too."""
+    shapes outside the table (the plain down, o at four rows) keep it on the H200 too."""
     h200, h100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
     qkv, o, gate_up, down = (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)
     assert gemv_config(1, *qkv, 132, gpu=h200) == GemvConfig(64, 128, 4, 5, use_dot=True)
@@ -203,8 +203,10 @@ def test_tuned_by_gpu_name_only_on_that_gpu():
     for m, shape in ((1, qkv), (4, qkv), (1, o), (1, gate_up)):
         assert gemv_config(m, *shape, 132, gpu=h100) == gemv_config(m, *shape, 132)
     assert gemv_config(4, *o, 132, gpu=h200) == gemv_config(4, *o, 132)
-    fused = gemv_config(1, *down, 132, act_silu_mul=True)
+    fused = GemvConfig(8, 512, 8, 4, use_dot=False)
     assert gemv_config(1, *down, 132, act_silu_mul=True, gpu=h200) == fused
+    assert gemv_config(1, *down, 132, act_silu_mul=True, gpu=h100).block_n == 4
+    assert gemv_config(1, *down, 132, gpu=h200) == gemv_config(1, *down, 132)  # plain down
     # the name's whole word: an H200 NVL takes it, a GH200 (another memory) does not
     assert gemv_config(1, *qkv, 132, gpu="NVIDIA H200 NVL").use_dot
     assert gemv_config(1, *qkv, 132, gpu="NVIDIA GH200 480GB") == gemv_config(1, *qkv, 132)
@@ -212,18 +214,22 @@ def test_tuned_by_gpu_name_only_on_that_gpu():
     assert gemv_config(1, 4096, 2048, 132, gpu=h200) == gemv_config(1, 4096, 2048, 132)
 
 
-TUNED = [cfg for t in (_TUNED_M1, *_TUNED_BY_GPU.values()) for cfg in t.values()]
+# (config, act_silu_mul) of every tuned table's entries (their keys: (n, k, act, ...))
+TUNED = {(cfg, key[2]) for t in (_TUNED_M1, *_TUNED_BY_GPU.values()) for key, cfg in t.items()}
 
 
-@pytest.mark.parametrize("cfg", sorted(set(TUNED), key=repr), ids=repr)
-def test_tuned_configs_compute_the_product(cfg):
+@pytest.mark.parametrize("cfg,act", sorted(TUNED, key=repr), ids=repr)
+def test_tuned_configs_compute_the_product(cfg, act):
     """Every config of the tuned tables runs and is exact (a small shape with a
-    partial last program and K tail), at one row and at four."""
+    partial last program and K tail), at one row and at four; the fused down
+    projection's with the activation."""
     torch.manual_seed(cfg.block_n + cfg.block_k)
     n, k = cfg.block_n + 3, cfg.block_k + 40
     for m in (1, 4):
-        x, w = torch.randn(m, k), torch.randn(n, k)
-        torch.testing.assert_close(skinny_linear(x, w, config=cfg), x @ w.T, **TOL)
+        x, w = torch.randn(m, 2 * k if act else k), torch.randn(n, k)
+        want = (ref_silu_mul(x) if act else x) @ w.T
+        out = skinny_linear(x, w, config=cfg, act_silu_mul=act)
+        torch.testing.assert_close(out, want, **TOL)
 
 
 @pytest.mark.parametrize("M", [1, 3])
