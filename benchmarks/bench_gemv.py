@@ -44,7 +44,13 @@ import triton.language as tl  # noqa: E402
 
 from gyrfalcon.bench.graph_timing import time_graph
 from gyrfalcon.bench.provenance import git_commit  # noqa: E402
-from gyrfalcon.kernels.gemv import GemvConfig, gemv_config, skinny_linear  # noqa: E402
+from gyrfalcon.kernels.gemv import (  # noqa: E402
+    FUSED_SILU_MUL_MAX_M,
+    NORM_FUSED_MAX_K,
+    GemvConfig,
+    gemv_config,
+    skinny_linear,
+)
 
 # name: (hidden, intermediate, q heads, kv heads, head dim)
 MODELS = {
@@ -55,6 +61,7 @@ MODELS = {
 ROTATE_BYTES = 100 << 20  # distinct weight bytes a graph cycles through (> L2)
 TOP_FOR_FUSED = 4  # fused rows try the default + this many best plain-down configs
 TOP_OTHER_M = 3  # unswept M try the default + this many best of each swept M
+SUGGEST_GAIN = 0.03  # a swept best this much faster than the engine's pick is printed
 
 
 def layer_shapes(model: str) -> list[tuple[str, int, int, bool]]:
@@ -229,6 +236,38 @@ def bench_case(
     return row, results
 
 
+def runs_in_engine(layer: str, m: int, k: int) -> bool:
+    """Whether the model runs this layer at m rows through `skinny_linear` with its
+    default config: the fused down only where it replaces the plain one (m <=
+    FUSED_SILU_MUL_MAX_M), and not qkv and gate_up where add+RMSNorm folds into them
+    (`norm_skinny_linear`, its own kernel)."""
+    if layer in ("down", "down_silu_mul"):
+        return (m <= FUSED_SILU_MUL_MAX_M) == (layer == "down_silu_mul")
+    return not (layer in ("qkv", "gate_up") and m == 1 and k <= NORM_FUSED_MAX_K)
+
+
+def suggestions(rows: list[dict]) -> list[str]:
+    """`_TUNED_BY_GPU` table lines, `(n, k, act_silu_mul, m == 1): GemvConfig(...)`, for
+    each swept row whose best beats the engine's pick by more than SUGGEST_GAIN (one line
+    per row: rows of m > 1 share a key, so read them together before adding one)."""
+    out = []
+    for r in rows:
+        best, default = r.get("best_us"), r.get("default_us")
+        if not r.get("swept") or best is None or not best < (1 - SUGGEST_GAIN) * default:
+            continue
+        if not runs_in_engine(r["layer"], r["m"], r["k"]):
+            continue
+        path, bn, bk, nw, ns = r["best_config"].replace("/", " ").split()
+        cfg = (
+            f"GemvConfig({bn[1:]}, {bk[1:]}, num_warps={nw[1:]}, num_stages={ns[1:]}, "
+            f"use_dot={path == 'dot'})"
+        )
+        key = f"({r['n']}, {r['k']}, {r['act_silu_mul']}, {r['m'] == 1})"
+        note = f"{r['model']} {r['layer']} m={r['m']}: {default:.2f} -> {best:.2f} us"
+        out.append(f"    {key}: {cfg},  # {note}")
+    return out
+
+
 def fmt_row(r: dict, read_gbps: float) -> str:
     def cell(us_key: str, gb_key: str) -> str:
         us = r.get(us_key, float("nan"))
@@ -330,6 +369,11 @@ def main(argv: list[str] | None = None) -> int:
             )
     elapsed = time.monotonic() - t0
     print(f"total {elapsed:.0f} s")
+    suggested = suggestions(rows)
+    if suggested:
+        print(f"swept bests that beat the engine's pick by more than {SUGGEST_GAIN:.0%}")
+        print(f"(entries for a table of {props.name!r} in kernels/gemv.py's _TUNED_BY_GPU):")
+        print("\n".join(suggested))
     result = {
         "bench": "gemv",
         "device_kind": ns.device_kind,

@@ -65,6 +65,8 @@
 #           on one machine (stop 39). Carry .ab and .data, the SmolLM2 GGUF and the drafter
 #           staged; files tagged SPEC_TAG (default ab); SPEC_WAVES, SPEC_FLAGS, SPEC_SECTIONS
 #           as for spec.
+#   gemv:   the skinny GEMM's tile sweep on this GPU and the table entries it suggests
+#           (GEMV_MODELS), then its GPU tests;
 #   multiturn: the multi-turn chat benchmark with and without prefix caching (8B shape);
 #   structured: structured output's decode cost (SmolLM2 staged, batch 64) and its GPU tests;
 #   PYTEST_K selects tests (pytest -k), e.g. "not flashinfer_matches_torch_ref" skips the
@@ -422,6 +424,16 @@ PY
         2>&1 | tail -5
       (cd "$OUT" && tar czf host_profiles.tgz host_profile_* && rm -rf host_profile_*)
     fi ;;
+  gemv)  # the skinny GEMM's tiles on this GPU: bench_gemv over GEMV_MODELS (default the 8B,
+    # its tp-2 share and SmolLM2) with the fused down swept over every FMA tile; it prints
+    # the table entries that beat the engine's pick by > 3% (kernels/gemv.py _TUNED_BY_GPU:
+    # add them, then A/B in the model with ab-decode), then the GPU gemv tests
+    python3 benchmarks/bench_gemv.py --device-kind "$KIND" --fused-grid --ms 1,4,16 --sweep-ms 1,4 \
+      --models "${GEMV_MODELS:-llama-3.1-8b,llama-3.1-8b-tp2,smollm2-135m}" --time-budget 240 \
+      --output-json "$OUT/gemv_$KIND.json" > "$OUT/gemv.log" 2>&1; echo "bench_gemv exit $?"
+    sed -n '/^swept bests/,$p' "$OUT/gemv.log"
+    python3 -m pytest -m gpu test/gpu/test_gemv_gpu.py -q -p no:cacheprovider > "$OUT/gpu_tests_gemv.log" 2>&1
+    echo "pytest exit $?"; tail -2 "$OUT/gpu_tests_gemv.log" ;;
   tests)
     nvidia-smi -L
     python3 -m pytest -m gpu test/gpu ${PYTEST_K:+-k "$PYTEST_K"} -q -p no:cacheprovider -rA --durations=10 \
