@@ -1,9 +1,8 @@
 """benchmarks/bench_gemv.py's table suggestions (pure functions; the sweep needs CUDA)."""
 
 import pytest
+import triton_interpret  # noqa: F401  NOTE: before the script, which imports triton
 from bench_scripts import bench_script
-
-pytest.importorskip("triton")
 
 
 @pytest.fixture(scope="module")
