@@ -44,6 +44,7 @@ import triton.language as tl  # noqa: E402
 
 from gyrfalcon.bench.graph_timing import time_graph
 from gyrfalcon.bench.provenance import git_commit  # noqa: E402
+from gyrfalcon.kernels.device import gpu_name  # noqa: E402
 from gyrfalcon.kernels.gemv import (  # noqa: E402
     FUSED_SILU_MUL_MAX_M,
     NORM_FUSED_MAX_K,
@@ -197,7 +198,7 @@ def bench_case(
     row["cublas_us"] = time_graph(case.fns(cublas), ns.replays)
     row["cublas_gbps"] = case.gbps(row["cublas_us"])
     # NOTE: what the engine picks on this GPU (its tuned table by name included)
-    gpu = torch.cuda.get_device_name()
+    gpu = gpu_name(case.x.device)
     default = gemv_config(m, n, k, num_sms, act_silu_mul=case.act, gpu=gpu)
     row["default_config"] = cfg_name(default)
     try:
