@@ -157,24 +157,30 @@ def random_pattern(seed: int, k: int) -> Pattern:
 
 
 def check_round_replay(eng: LocalEngine, exact: bool = True) -> list[tuple[int, float]]:
-    """Make every draft round that runs through the drafter's graph runner run eagerly
-    too, from the same state (rewriting the same KV), and compare the drafts. Returns
-    (rows, fraction of drafts equal) per compared round; `exact` asserts all equal."""
+    """Make every draft round that runs through the drafter's graph runner (or its
+    extend through the drafter's piecewise graphs) run eagerly too, from the same state
+    (rewriting the same KV), and compare the drafts. Returns (rows, fraction of drafts
+    equal) per compared round; `exact` asserts all equal."""
     drafter = eng.worker.drafter
     assert isinstance(drafter, Drafter) and drafter.graphs is not None
     real, compared = drafter.draft, []
 
+    def runs() -> tuple[int, int]:
+        pw = drafter.piecewise
+        return drafter.graphs.num_runs, 0 if pw is None else pw.num_runs
+
     def both(rnd: DraftRound, ids, aux, accept_len, draft_tokens) -> None:
-        before = drafter.graphs.num_runs
+        before = runs()
         real(rnd, ids, aux, accept_len, draft_tokens)
-        if drafter.graphs.num_runs == before:
-            return  # not a round of verify rows only: eager already
+        if runs() == before:
+            return  # no graph ran: eager already
         replayed = draft_tokens[rnd.slots].clone()
-        graphs, drafter.graphs = drafter.graphs, None
+        graphs, pw = drafter.graphs, drafter.piecewise
+        drafter.graphs = drafter.piecewise = None
         try:
             real(rnd, ids, aux, accept_len, draft_tokens)
         finally:
-            drafter.graphs = graphs
+            drafter.graphs, drafter.piecewise = graphs, pw
         same = (draft_tokens[rnd.slots] == replayed).float().mean().item()
         assert not exact or same == 1.0, "replayed drafts differ from eager ones"
         compared.append((len(rnd.slots), same))

@@ -33,7 +33,10 @@ last positions ride in static buffers of their own (`RoundInputs`), padded rows
 with zeros (accept 0, position 0 on the dummy page).
 
 Any other round (a step with prompts or prefill chunks, rows of fewer drafts) runs
-its extend eagerly (rows of any length), then everything after it as ONE replay
+its extend over rows of any length: through the drafter's own piecewise graphs
+(worker/piecewise_graph.py: one whole graph on triton, else pieces around an eager
+attention) where they hold its tokens, the round's aux states gathered into their
+static input (`ext_aux`), else eagerly. Then everything after it runs as ONE replay
 keyed DRAFT_DECODE, one row per proposing row (`_after_extend`): draft 1 from the
 extend's output at each anchor and the k - 1 draft steps. Its static batch holds
 each row at its anchor (position, page table), the anchor's hidden state and last
@@ -54,6 +57,7 @@ from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.forward.batch import ForwardBatch
 from gyrfalcon.forward.kv_cache import KVCache
 from gyrfalcon.forward.metadata import BatchTensors, advanced_rows
+from gyrfalcon.ipc.contract import piecewise_sizes
 from gyrfalcon.ipc.messages import ForwardMode
 from gyrfalcon.layers.attention.registry import backend_class, create_backends
 from gyrfalcon.layers.context import LayerContext
@@ -61,6 +65,7 @@ from gyrfalcon.layers.embedding import VocabEmbedding
 from gyrfalcon.models.registry import build_draft_model
 from gyrfalcon.worker.cuda_graph import GraphRunner, GraphSpec, padded_batch_size
 from gyrfalcon.worker.draft_round import DraftRound, build_round, round_ids
+from gyrfalcon.worker.piecewise_graph import PiecewiseGraphs
 from gyrfalcon.worker.sampler import argmax_rows
 from gyrfalcon.worker.spec_accept import last_accepted_indices
 from gyrfalcon.worker.step_layout import StepLayout
@@ -115,6 +120,9 @@ class Drafter:
         self.kv_cache: KVCache | None = None
         self.graphs: GraphRunner | None = None
         self.static: RoundInputs | None = None
+        # mixed rounds' extends (module docstring), and their aux states [T, 3 * H_target]
+        self.piecewise: PiecewiseGraphs | None = None
+        self.ext_aux: torch.Tensor | None = None
 
     def init_kv_cache(self, num_pages: int, kv_dtype: torch.dtype) -> None:
         """The drafter's own pages: as many as the target's, one layer each."""
@@ -170,6 +178,29 @@ class Drafter:
             args.graph_batch_sizes(),
         )  # fmt: skip
         self.graphs.capture()
+        self._setup_piecewise(mode, pages)
+
+    def _setup_piecewise(self, mode: str, max_pages: int) -> None:
+        """Piecewise graphs for the extends of mixed rounds, at the target's sizes (up to
+        --piecewise-cuda-graph-max-tokens), whole ones over up to --max-num-seqs rows
+        where the extend backend serves them. Not where the DP ranks agree on graphs
+        (`dp_ranks_agree`): those rounds stay eager."""
+        sizes = piecewise_sizes(self.args.piecewise_cuda_graph_max_tokens)
+        if not sizes or self.args.dp_ranks_agree():
+            return
+        assert self.kv_cache is not None
+        width = 3 * self.cfg.target_hidden_size
+        self.ext_aux = torch.zeros(sizes[-1], width, dtype=self.dtype, device=self.device)
+        self.piecewise = PiecewiseGraphs(
+            self._extend_outputs, self.backends.extend, self.kv_cache, self.dtype,
+            self.page_size, self.device, mode, sizes, self.args.max_num_seqs, max_pages,
+        )  # fmt: skip
+        self.piecewise.capture()
+
+    def _extend_outputs(self, batch: ForwardBatch) -> tuple[torch.Tensor]:
+        """A piecewise pass: the extend over the static tokens and aux rows (finite)."""
+        assert self.ext_aux is not None
+        return (self.model(batch, self.model.fuse(self.ext_aux[: batch.num_tokens])),)
 
     def _round(self, batch: ForwardBatch) -> tuple[torch.Tensor]:
         """The captured round over a static batch of verify rows (k + 1 tokens each) ->
@@ -276,12 +307,12 @@ class Drafter:
         the target's [T, 3H] aux states; accept_len: [S] drafts accepted by each
         sampling row of the step (0 for rows without drafts)."""
         rnd.ext.input_ids.copy_(ids[rnd.ext_ids_src])
-        aux_rows = aux[rnd.ext_aux_idx]  # [Te, 3 * H_target]
         graphs = self.graphs
         if rnd.uniform and graphs is not None and graphs.can_run(ForwardMode.DRAFT_EXTEND, rnd.ext):
+            aux_rows = aux[rnd.ext_aux_idx]  # [Te, 3 * H_target]
             drafts = self._replay(rnd, aux_rows, accept_len[rnd.accept_row], graphs)
         else:
-            out = self._forward(ForwardMode.DRAFT_EXTEND, rnd.ext, self.model.fuse(aux_rows))
+            out = self._extend(rnd, aux)
             if not rnd.slots.numel():
                 return
             accepted = accept_len[rnd.accept_row]  # [m]
@@ -299,6 +330,19 @@ class Drafter:
                     hidden, anchor, rnd.last_pos, table, rnd.anchor_pos_cpu, rnd.last_pos_cpu
                 )
         draft_tokens.index_copy_(0, rnd.slots, drafts)
+
+    def _extend(self, rnd: DraftRound, aux: torch.Tensor) -> torch.Tensor:
+        """A mixed round's DRAFT_EXTEND -> its output rows [Te, H]: through the piecewise
+        graphs where they hold its tokens (a view of their static output, valid until
+        their next run), else eagerly."""
+        pw, ext = self.piecewise, rnd.ext
+        if pw is not None and pw.can_run(ext):
+            assert self.ext_aux is not None
+            torch.index_select(aux, 0, rnd.ext_aux_idx, out=self.ext_aux[: ext.input_ids.shape[0]])
+            (out,) = pw.run(ForwardMode.DRAFT_EXTEND, ext, self.backends.extend)
+            return out
+        aux_rows = aux[rnd.ext_aux_idx]  # [Te, 3 * H_target]
+        return self._forward(ForwardMode.DRAFT_EXTEND, ext, self.model.fuse(aux_rows))
 
     def _replay(
         self, rnd: DraftRound, aux_rows: torch.Tensor, accepted: torch.Tensor, graphs: GraphRunner

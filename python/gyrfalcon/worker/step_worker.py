@@ -156,7 +156,8 @@ class StepWorker:
         ex = self.executor
         ex.graphs = ex.piecewise = ex.kv_cache = None
         if self.drafter is not None:
-            self.drafter.graphs = self.drafter.static = self.drafter.kv_cache = None
+            dr = self.drafter
+            dr.graphs = dr.static = dr.kv_cache = dr.piecewise = dr.ext_aux = None
         self.fused = None
 
     # ------------------------------------------------------------ execution

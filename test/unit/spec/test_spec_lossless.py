@@ -171,21 +171,29 @@ def test_draft_round_graph_replay_equals_eager(pair, plain3, k):
     assert 3 in [rows for rows, _ in compared]  # a padded round
 
 
+@pytest.mark.parametrize("piecewise", [0, 32], ids=["eager-extend", "piecewise-extend"])
 @pytest.mark.parametrize("k", [1, 3])
-def test_rounds_after_an_eager_extend_replay_their_steps(pair, plain3, k):
+def test_rounds_after_a_mixed_extend_replay_their_steps(pair, plain3, k, piecewise):
     """A round that is not all verify rows of k drafts (here the three prompts' prefill
-    step): its extend runs eagerly, then draft 1 and the k - 1 draft steps as one padded
-    static replay (DRAFT_DECODE, 3 proposing rows -> 4) that proposes exactly the eager
-    round's drafts; outputs equal plain."""
+    step, and later steps with a prompt's chunk beside verify rows): its extend runs
+    eagerly or through the drafter's piecewise graphs (padded to a captured token
+    count), then draft 1 and the k - 1 draft steps as one padded static replay
+    (DRAFT_DECODE, 3 proposing rows -> 4); every such round proposes exactly the
+    all-eager round's drafts, and outputs equal plain."""
     target, draft = pair
     eng = engine(
-        target, draft, k, static_graph_replay=True, cuda_graph_bs="1,2,4", cuda_graph_max_bs=4
-    )
+        target, draft, k, static_graph_replay=True, cuda_graph_bs="1,2,4", cuda_graph_max_bs=4,
+        piecewise_cuda_graph_max_tokens=piecewise, chunked_prefill_size=8,
+    )  # fmt: skip
+    pw = eng.worker.drafter.piecewise
+    assert (pw is not None) == bool(piecewise)
     runs = record_graph_runs(eng, drafter=True)
     compared = check_round_replay(eng)
     got = run(eng, prompts(2, LENS3), GREEDY)
     assert got.ids == plain3.ids
     assert ("DRAFT_DECODE", 3) in runs and (3, 1.0) in compared
+    if pw is not None:  # NOTE: every mixed round's extend (the prompts' chunks of 8)
+        assert pw.num_runs >= 2, pw.num_runs
 
 
 @pytest.mark.parametrize("k", [1, 3])

@@ -1,8 +1,9 @@
 """The spec path on the triton attention backend (the GPU default for verify and the
 draft steps) through static-buffer replay, kernels in the Triton interpreter: the
 fused greedy step and the general path's round graph set up every backend they
-attend with (the drafter's extend backend inside the target's graph included) and
-stay token-identical to plain decoding on torch_ref."""
+attend with (the drafter's extend backend inside the target's graph included), a
+mixed round's extend runs in the drafter's whole graph, and both stay token-identical
+to plain decoding on torch_ref."""
 
 import triton_interpret  # noqa: F401  NOTE: before spec_util, which imports the kernels
 
@@ -34,3 +35,6 @@ def test_spec_on_triton_under_static_replay_is_lossless(pair, fused):
     got = run(eng, prompts(3, LENS), GREEDY)
     assert got.ids == plain.ids and got.verify_steps > 0
     assert any(r[:2] == ("VERIFY", "step") for r in runs) == fused
+    # NOTE: the prompts' round (rows of any length) extends in the drafter's whole graph
+    pw = eng.worker.drafter.piecewise
+    assert pw is not None and pw.whole and pw.num_whole_runs > 0
