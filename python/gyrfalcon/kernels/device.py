@@ -9,11 +9,13 @@ import torch
 
 @functools.cache
 def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; a nominal 8 elsewhere (the Triton
-    interpreter, where a few large programs run fastest)."""
+    """Streaming multiprocessors of a CUDA device; a nominal 2 elsewhere (the Triton
+    interpreter, where a few large programs run fastest: each program costs it Python
+    time, and at 8 the CPU spec tests spent most of theirs in split-KV decode programs
+    of a few tokens each)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8
+    return 2
 
 
 @functools.cache

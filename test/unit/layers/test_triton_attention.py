@@ -14,6 +14,7 @@ from triton_attention_cases import (  # NOTE: sets TRITON_INTERPRET
 )
 
 from gyrfalcon.ipc.messages import ForwardMode
+from gyrfalcon.kernels.device import num_sms
 from gyrfalcon.layers.attention.triton_meta import MAX_KV_SPLITS, decode_kv_splits
 
 # decode lengths: 1, page edges (PS-1, PS, PS+1), block edges, and longer rows
@@ -80,8 +81,9 @@ def test_decode_kv_splits_fill_the_gpu_a_few_times_over():
 def test_decode_auto_splits_match_ref(kv_heads):
     spec = [(n - 1, 1) for n in DECODE_LENS]
     out, expect, tb = run_both(spec, 4, kv_heads, 64, ForwardMode.DECODE, decode_block_n=16)
-    # the interpreter's nominal 8 SMs: 7 rows x kv_heads x splits x 64 / 128 <= 32
-    assert tb.attn_meta.scratch.num_kv_splits == decode_kv_splits(len(spec), kv_heads, 8, 64)
+    # the interpreter's nominal SMs (`num_sms`): 7 rows x kv_heads x splits x 64 <= 4 x 2 x 128
+    sms = num_sms(torch.device("cpu"))
+    assert tb.attn_meta.scratch.num_kv_splits == decode_kv_splits(len(spec), kv_heads, sms, 64)
     torch.testing.assert_close(out, expect, **TOL)
 
 

@@ -32,9 +32,15 @@ def _build_key(q, args, kw) -> tuple:
             rope is None, q.stride(0) % 16 == 0, rope_dtypes)  # fmt: skip
 
 
+# SMs the split counts below are chosen for: a GPU-like count, so that the warm-up meets
+# every split count up to MAX_KV_SPLITS (the CPU's nominal count, `num_sms`, stops at 4)
+SMS = 8
+
+
 def _record_launches(monkeypatch) -> list:
     from gyrfalcon.layers.attention import triton_backend
 
+    monkeypatch.setattr(triton_backend, "num_sms", lambda device: SMS)
     launches = []
     real = triton_backend.decode_attention
 
@@ -51,18 +57,18 @@ def test_warm_up_launches_the_decode_kernel_at_every_split_count_of_eager_rows(m
     their number of query rows (a MIXED step's decode rows, or every query token of
     eager verify rows: up to MAX_VERIFY_TOKENS a row); each count is its own kernel
     build, so the warm-up launches every count that 3 rows of up to 16 tokens can pick
-    (the interpreter's 8 SMs: 32 programs), with q a view of a qkv row as `attend` gets
+    (`SMS`: 32 programs), with q a view of a qkv row as `attend` gets
     it. Counting rows and not tokens, it built the kernel while serving (stop 39)."""
     launches = _record_launches(monkeypatch)
     heads, kv_heads, d = 4, 2, 16
     tri = TritonBackend(heads, kv_heads, d, d**-0.5, decode_block_n=16)
     cache = KVCache(2, 8, PS, kv_heads, d, torch.float32, CPU)
     tri.warm_up_kernels(cache, torch.float32, 3, PS)
-    want = {decode_kv_splits(n, kv_heads, 8, d) for n in range(1, 3 * MAX_VERIFY_TOKENS + 1)}
+    want = {decode_kv_splits(n, kv_heads, SMS, d) for n in range(1, 3 * MAX_VERIFY_TOKENS + 1)}
     assert {key[3] for _, key, _ in launches} == want == {1, 2, 4, 8, 16}
     assert len(launches) == len(want)
     for rows, key, kw in launches:
-        assert decode_kv_splits(rows, kv_heads, 8, d) == key[3] and kw.get("rope") is None
+        assert decode_kv_splits(rows, kv_heads, SMS, d) == key[3] and kw.get("rope") is None
         assert key[1] == key[2] == torch.int32
         # NOTE: Triton specializes an int on == 1 and % 16: a qkv row's width or, for
         # a single row, the contiguous H * D (torch's stride of a size-1 dim)
@@ -114,7 +120,9 @@ def test_eager_decode_batches_no_graph_holds_launch_the_builds_the_warm_up_made(
     tri.warm_up_kernels(KVCache(2, 8, PS, kv_heads, d, torch.float32, CPU), torch.float32, 0, PS,
                         range(3, 13))  # fmt: skip
     warmed = {key for _, key, _ in launches}
-    assert {key[3] for key in warmed} == {decode_kv_splits(n, kv_heads, 8, d) for n in range(3, 13)}
+    assert {key[3] for key in warmed} == {
+        decode_kv_splits(n, kv_heads, SMS, d) for n in range(3, 13)
+    }
     assert all(kw.get("rope") is not None for _, _, kw in launches)
     del launches[:]
     cos_sin = build_cos_sin_cache(rope_inv_freq(d, 10000.0, None), 128)
