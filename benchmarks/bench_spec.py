@@ -56,7 +56,7 @@ except ImportError:  # running from a checkout without an installed package
 from gyrfalcon.bench import report_json
 from gyrfalcon.bench.client import ENDPOINT_PATHS, ERROR_BODY_CHARS, build_payload, fetch_model_ids
 from gyrfalcon.bench.datasets import SampleRequest, load_jsonl_requests
-from gyrfalcon.bench.server_proc import running_server
+from gyrfalcon.bench.server_proc import pages_after, running_server
 from gyrfalcon.bench.spec_report import (
     ChatOutput,
     RoundFigures,
@@ -287,7 +287,8 @@ async def run_concurrencies(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Serve plain, then EAGLE3; run every concurrency on each; write JSON + markdown.
-    Exit code 1 when any output differs or any request failed."""
+    Exit code 1 when any output differs, any request failed, or a server did not get
+    every KV page back."""
     ns, extra = parse_args(argv)
     samples = load_jsonl_requests(ns.dataset, ns.max_tokens, ns.num_prompts)
     samples = [dataclasses.replace(s, output_len=ns.max_tokens) for s in samples]
@@ -296,6 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands: dict[str, list[str]] = {}
     runs: dict[str, Runs] = {}
     figures: RoundFigures = {}
+    pages: dict[str, dict[str, Any]] = {}  # each server's KV pages after its runs
 
     def serve(name: str, spec: bool, tree: Path = ROOT) -> contextlib.AbstractContextManager[str]:
         port = free_port()
@@ -310,6 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         runs.update(got)
         figures.update(rounds)
+        pages.update({name: pages_after(url) for name, url in urls.items()})
 
     servers = [("plain", False, ROOT), ("spec", True, ROOT)]
     servers += [(f"spec@{Path(t).resolve().name}", True, Path(t).resolve()) for t in ns.ab_trees]
@@ -328,6 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = build_report(
         ns, extra, len(samples), commands, runs, figures if ns.rounds > 1 else None
     )
+    report["pages"] = pages
     out = Path(ns.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / file_tag(ns)  # NOTE: not with_suffix: tags such as llama-3.1-8b hold dots
@@ -344,7 +348,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         r["plain_vs_spec"]["failed_pairs"] or exact and r["plain_vs_spec"]["mismatches"]
         for r in rows
     )
-    return 1 if bad else 0
+    leaked = [name for name, p in pages.items() if not p["ok"]]
+    if leaked:
+        print(f"error: KV pages not all back after the runs: {', '.join(leaked)}", file=sys.stderr)
+    return 1 if bad or leaked else 0
 
 
 if __name__ == "__main__":

@@ -146,19 +146,12 @@ PY
 done
 # NOTE: the free pages summed over the ranks equal the total only if every rank's do
 "$PYTHON" - "$PORT" <<'PY'
-import json
 import sys
-import time
-import urllib.request as u
 
-url = f"http://127.0.0.1:{sys.argv[1]}/server_info"
-for _ in range(120):
-    info = json.load(u.urlopen(url, timeout=30))
-    if not info["num_running"] and not info["num_waiting"]:
-        break
-    time.sleep(0.5)
-free, total = info["num_free_pages"], info["num_total_pages"]
-integrity = "ok" if info["integrity_ok"] else f"FAILED ({info.get('integrity_error')})"
-print(f"pages after the runs: {free} of {total} free on all ranks, integrity {integrity}")
-sys.exit(0 if info["integrity_ok"] and free == total else 1)
+from gyrfalcon.bench.server_proc import pages_after
+
+p = pages_after(f"http://127.0.0.1:{sys.argv[1]}")
+integrity = "ok" if p["integrity_ok"] else f"FAILED ({p['integrity_error']})"
+print(f"pages after the runs: {p['free']} of {p['total']} free on all ranks, integrity {integrity}")
+sys.exit(0 if p["ok"] else 1)
 PY

@@ -1,10 +1,11 @@
 """A `gyrfalcon serve` process for a benchmark: started in its own session, waited on
 until /health answers, stopped on the way out (benchmarks/bench_spec.py,
-benchmarks/lm_eval_compare.py)."""
+benchmarks/lm_eval_compare.py); and its page accounting once it has drained."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 
 def healthy(base_url: str) -> bool:
@@ -64,3 +66,21 @@ def running_server(
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+def pages_after(base_url: str, timeout: float = 60.0, poll_s: float = 0.5) -> dict[str, Any]:
+    """The server's KV pages once nothing runs or waits (/server_info, polled up to
+    `timeout` seconds): free and total pages over all ranks, its integrity check, and
+    `ok`: drained, every page free and the check passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with urllib.request.urlopen(f"{base_url}/server_info", timeout=30) as response:
+            info = json.load(response)
+        drained = not info["num_running"] and not info["num_waiting"]
+        if drained or time.monotonic() > deadline:
+            break
+        time.sleep(poll_s)
+    free, total = info["num_free_pages"], info["num_total_pages"]
+    ok = drained and free == total and bool(info["integrity_ok"])
+    return {"free": free, "total": total, "integrity_ok": info["integrity_ok"], "ok": ok,
+            "integrity_error": info.get("integrity_error")}  # fmt: skip

@@ -282,6 +282,13 @@ def format_markdown(report: dict[str, Any]) -> str:
     if any(r["plain_vs_first_concurrency"] for r in report["rows"]):
         lines += ["", "Plain outputs differing from plain at the first concurrency (batch "
                   f"numerics, no speculation involved): {', '.join(drift)}."]  # fmt: skip
+    if pages := report.get("pages"):
+        each = "; ".join(
+            f"{name} {p['free']} of {p['total']} free, integrity "
+            f"{'ok' if p['integrity_ok'] else 'FAILED'}"
+            for name, p in pages.items()
+        )
+        lines += ["", f"KV pages after the runs: {each}."]
     return "\n".join(lines) + "\n"
 
 

@@ -26,6 +26,7 @@ class FakeChatServer(ThreadedApp):
 
     def __init__(self, arrivals: list[tuple[int, str]] | None = None) -> None:
         self.spec = self.corrupt = False
+        self.leaked = 0  # KV pages /server_info reports missing after the runs
         self.in_flight = self.most_in_flight = 0
         self.arrivals = arrivals  # (id(self), prompt) of each request, where given
         super().__init__()
@@ -53,9 +54,21 @@ class FakeChatServer(ThreadedApp):
                   "finish_reason": "stop"}  # fmt: skip
         return web.json_response({"choices": [choice], "usage": usage})
 
+    async def _server_info(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "num_running": 0,
+                "num_waiting": 0,
+                "integrity_ok": True,
+                "num_free_pages": 64 - self.leaked,
+                "num_total_pages": 64,
+            }
+        )
+
     def routes(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/server_info", self._server_info)
 
 
 @pytest.fixture
@@ -95,20 +108,23 @@ def test_min_waves_cycle_the_prompts(bs: ModuleType, server: FakeChatServer) -> 
 
 
 @pytest.mark.parametrize(
-    "corrupt, device",
-    [(False, "auto"), (True, "auto"), (True, "cuda")],
-    ids=["ok", "bad", "bad-bf16"],
+    "corrupt, device, leak",
+    [(False, "auto", 0), (True, "auto", 0), (True, "cuda", 0), (False, "cuda", 1)],
+    ids=["ok", "bad", "bad-bf16", "leaked-page"],
 )
 def test_main_writes_reports(
-    bs: ModuleType, server: FakeChatServer, tmp_path: Path, monkeypatch, corrupt: bool, device: str
-) -> None:
+    bs: ModuleType, server: FakeChatServer, tmp_path: Path, monkeypatch, corrupt: bool,
+    device: str, leak: int,
+) -> None:  # fmt: skip
     """Mismatches fail the run in float32 (auto on the CPU), and are reported but not
-    fatal in bf16 (auto on CUDA), where near-ties flip with the kernels."""
+    fatal in bf16 (auto on CUDA), where near-ties flip with the kernels. Each server's KV
+    pages after its runs are reported, and a page not back fails the run."""
 
     @contextlib.contextmanager
     def fake_server(cmd: list[str], port: int, log: Path, timeout: float, *_: Any) -> Iterator[str]:
         server.spec = "--speculative-algorithm" in cmd
         server.corrupt = corrupt and server.spec
+        server.leaked = leak if server.spec else 0
         yield server.url
 
     monkeypatch.setattr(bs, "running_server", fake_server)
@@ -117,15 +133,30 @@ def test_main_writes_reports(
     argv = ["--dataset", str(data), "--concurrency", "1,3", "--output-dir", str(tmp_path),
             "--log-dir", str(tmp_path / "logs"), "--device-kind", "cpu-test", "--max-tokens", "8",
             "--model", "/models/tiny", "--load-format", "dummy", "--device", device]  # fmt: skip
-    assert bs.main(argv) == (1 if corrupt and device == "auto" else 0)
+    assert bs.main(argv) == (1 if corrupt and device == "auto" or leak else 0)
     report = json.loads((tmp_path / "spec_tiny_k3_cpu-test.json").read_text())
+    plain = report["pages"]["plain"]
+    assert (plain["free"], plain["total"], plain["integrity_ok"], plain["ok"]) == (
+        64,
+        64,
+        True,
+        True,
+    )
+    assert (
+        report["pages"]["spec"]["ok"] == (not leak) and report["pages"]["spec"]["free"] == 64 - leak
+    )
     assert report["num_prompts"] == 4 and report["max_tokens"] == 8
     assert report["server_args"] == ["--load-format", "dummy"]
     assert "--speculative-draft-model-path" in report["commands"]["spec"]
     for row in report["rows"]:
         assert row["plain_vs_spec"]["mismatches"] == (1 if corrupt else 0)
         assert row["acceptance"]["accept_length_mean_per_request"] == 1.5
-    assert "| 3 | 4 |" in (tmp_path / "spec_tiny_k3_cpu-test.md").read_text()
+    markdown = (tmp_path / "spec_tiny_k3_cpu-test.md").read_text()
+    assert "| 3 | 4 |" in markdown
+    assert (
+        f"KV pages after the runs: plain 64 of 64 free, integrity ok; spec {64 - leak} of 64"
+        in markdown
+    )
 
 
 def test_rounds_need_a_kv_cap_and_alternate_the_servers(bs: ModuleType) -> None:
