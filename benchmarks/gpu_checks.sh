@@ -138,9 +138,9 @@ start_server() {  # dummy $MODEL (the 8B) with a synthetic tokenizer; records th
   echo "{\"bench\": \"startup\", \"device_kind\": \"$KIND\", \"model\": \"$name dummy\", \"commit\": \"${GYRFALCON_COMMIT:-unknown}\", \"seconds_to_healthy\": $(python3 -c "print(round($(date +%s.%N) - $t0, 1))")}" > "$OUT/startup_$1.json"
   cat "$OUT/startup_$1.json"; grep -a "captured" "$OUT/server_$1.log"
 }
-pages_after() {  # the running server's page accounting, one line
-  python3 -c "import json, urllib.request as u; i = json.load(u.urlopen('http://127.0.0.1:8100/server_info'))
-print('pages after the runs:', i['num_free_pages'], 'of', i['num_total_pages'], 'free, integrity', i['integrity_ok'])"
+pages_after() {  # the running server's page accounting once drained, one line
+  python3 -c "from gyrfalcon.bench.server_proc import pages_after as p; i = p('http://127.0.0.1:8100')
+print('pages after the runs:', i['free'], 'of', i['total'], 'free, integrity', i['integrity_ok'])"
 }
 parse_run() {  # "name[@tree]:flags" (MOE_RUNS, MT_RUNS) -> N (name), T (tree, . for this one), FLAGS
   N=${1%%:*} T=. FLAGS=${1#*:}
