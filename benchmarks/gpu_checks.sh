@@ -65,6 +65,8 @@
 #           on one machine (stop 39). Carry .ab and .data, the SmolLM2 GGUF and the drafter
 #           staged; files tagged SPEC_TAG (default ab); SPEC_WAVES, SPEC_FLAGS, SPEC_SECTIONS
 #           as for spec.
+#   ab-step: bench_spec_step's steady steps (SmolLM2 shape) of this tree against every
+#           .ab/<tree>/ in turns, with this tree's sections and profiles (AB_ROUNDS, STEP_BS);
 #   gemv:   the skinny GEMM's tile sweep on this GPU and the table entries it suggests
 #           (GEMV_MODELS), then its GPU tests;
 #   multiturn: the multi-turn chat benchmark with and without prefix caching (8B shape);
@@ -332,6 +334,35 @@ for (name, bs), tok in sorted(runs.items()):
           f"(min {min(tok):.1f}, max {max(tok):.1f})")
 PY
     ;;
+  ab-step)  # bench_spec_step (SmolLM2 shape, dummy, triton) of this tree and every .ab/<tree>/
+    # in turns (AB_ROUNDS, default 2; STEP_BS, default 1,16); the first round of this tree
+    # with --time-sections and the host and kernel profiles (PROFILE=0: none); each
+    # tree's median step per batch size at the end
+    AB=$OUT/ab_step; mkdir -p "$AB"
+    for r in $(seq 1 "${AB_ROUNDS:-2}"); do
+      for tree in . .ab/*; do
+        name=$([ "$tree" = . ] && echo "$GYRFALCON_COMMIT" || basename "$tree") extra=()
+        [ "$tree.$r.${PROFILE:-1}" = "..1.1" ] && extra=(--time-sections --profile-dir "$AB/prof_$name")
+        GYRFALCON_COMMIT=$name PYTHONPATH=$tree/python:/tmp/site python3 "$tree/benchmarks/bench_spec_step.py" \
+          benchmarks/models/smollm2-135m benchmarks/models/smollm2-135m-eagle3 --load-format dummy \
+          --attention-backend triton --steps 200 --batch-sizes "${STEP_BS:-1,16}" --kv-cache-memory 4GiB \
+          --device-kind "$KIND" --output-dir "$AB/$name" --tag "_r$r" "${extra[@]}" 2>&1 \
+          | grep -a "^| [0-9]" | sed "s/^/$name round $r: /"
+      done
+    done
+    python3 - "$AB" <<'PY'
+import glob, json, statistics, sys
+runs = {}
+for f in sorted(glob.glob(f"{sys.argv[1]}/*/spec_step_*_r*.json")):
+    for row in json.load(open(f))["rows"]:
+        key = (f.split("/")[-2], row["batch_size"])
+        runs.setdefault(key, []).append((row["spec_step_ms"], row["plain_step_ms"]))
+for (name, bs), ms in sorted(runs.items()):
+    spec, plain = statistics.median(m[0] for m in ms), statistics.median(m[1] for m in ms)
+    print(f"{name} batch {bs}: spec step median {spec:.3f} ms, plain {plain:.3f} ms over {len(ms)} runs "
+          f"(spec min {min(m[0] for m in ms):.3f}, max {max(m[0] for m in ms):.3f})")
+PY
+    (cd "$AB" && tar czf ../ab_step.tgz . && cd .. && rm -rf "$AB") ;;
   multiturn)  # prefix caching: benchmarks/bench_multiturn.py (shared 1024-token system
     # prompt, 4 turns, 64 conversations at once) on the 8B shape ($MODEL: another), with
     # the cache and without. MT_RUNS as MOE_RUNS ("name:flags;name:flags";

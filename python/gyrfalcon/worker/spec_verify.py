@@ -118,7 +118,10 @@ def verify_sample(
     s, k1 = len(states), idx.width
     device = logits.device
     full = sum(idx.num_drafts) == s * (k1 - 1)  # NOTE: no padding: skip the gathers
-    padded = logits if full else logits[idx.padded]  # [S * K1, vocab]
+
+    def padded() -> torch.Tensor:  # [S * K1, vocab]; NOTE: not made where argmax serves
+        return logits if full else logits[idx.padded]
+
     expanded = [st for st in states for _ in range(k1)]
     generated = [n + m for n in num_generated for m in range(k1)]
     drafts = draft_ids[:, : k1 - 1]
@@ -127,15 +130,18 @@ def verify_sample(
         host = drafts.tolist()  # NOTE: a host sync, in steps with a grammar row only
         after = [host[i][: min(m, d)] for i, d in enumerate(idx.num_drafts) for m in range(k1)]
     if all(is_greedy(st.params) for st in states):
-        batch = prepare(expanded, vocab_size, device, generated, after)
-        plain = batch.penalties is None and batch.adjust is None
+        # NOTE: rows that change no logit need no batch (the mixed steps' common case)
+        plain = not any(st.has_penalty or st.adjusts_logits for st in states)
         if plain and argmax is not None:
             top = argmax if full else argmax[idx.padded]
+        elif plain:
+            top = argmax_rows(padded(), kernels)
         else:
-            top = argmax_rows(apply_penalties(padded, batch) if not plain else padded, kernels)
+            batch = prepare(expanded, vocab_size, device, generated, after)
+            top = argmax_rows(apply_penalties(padded(), batch), kernels)
         acc = greedy_verify(top.view(s, k1), drafts, idx.num_drafts_t)
     else:
-        p = probs_in_chunks(padded, expanded, generated, after, kernels)
+        p = probs_in_chunks(padded(), expanded, generated, after, kernels)
         p = p.view(s, k1, vocab_size)
         rows = prepare(states, vocab_size, device, num_generated, masks=False)  # draws only
         # NOTE: q None: the drafter proposes greedily (one-hot q, never materialized)
