@@ -48,7 +48,6 @@ from gyrfalcon.kernels.device import gpu_name  # noqa: E402
 from gyrfalcon.kernels.gemv import (  # noqa: E402
     FUSED_SILU_MUL_MAX_M,
     NORM_FUSED_MAX_K,
-    NORM_FUSED_MAX_M,
     GemvConfig,
     gemv_config,
     skinny_linear,
@@ -242,10 +241,10 @@ def runs_in_engine(layer: str, m: int, k: int) -> bool:
     """Whether the model runs this layer at m rows through `skinny_linear` with its
     default config: the fused down only where it replaces the plain one (m <=
     FUSED_SILU_MUL_MAX_M), and not qkv and gate_up where add+RMSNorm folds into them
-    (`norm_skinny_linear`, its own kernel, up to NORM_FUSED_MAX_M rows)."""
+    (`norm_skinny_linear`, its own kernel)."""
     if layer in ("down", "down_silu_mul"):
         return (m <= FUSED_SILU_MUL_MAX_M) == (layer == "down_silu_mul")
-    return not (layer in ("qkv", "gate_up") and m <= NORM_FUSED_MAX_M and k <= NORM_FUSED_MAX_K)
+    return not (layer in ("qkv", "gate_up") and m == 1 and k <= NORM_FUSED_MAX_K)
 
 
 def suggestions(rows: list[dict]) -> list[str]:

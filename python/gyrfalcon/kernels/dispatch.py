@@ -51,14 +51,13 @@ class KernelPolicy:
         return 1 <= x.shape[0] <= MAX_SKINNY_M
 
     def use_norm_skinny_gemm(self, x: torch.Tensor) -> bool:
-        """Whether add+RMSNorm folds into the next skinny GEMM: up to NORM_FUSED_MAX_M
-        rows (batch-1 decode, one request's verify rows) of at most NORM_FUSED_MAX_K
-        elements (small models, where launches dominate)."""
-        if not self.use_skinny_gemm(x):
+        """Whether add+RMSNorm folds into the next skinny GEMM: one row (batch-1 decode)
+        of at most NORM_FUSED_MAX_K elements (small models, where launches dominate)."""
+        if not self.use_skinny_gemm(x) or x.shape[0] != 1:
             return False
-        from gyrfalcon.kernels.gemv import NORM_FUSED_MAX_K, NORM_FUSED_MAX_M
+        from gyrfalcon.kernels.gemv import NORM_FUSED_MAX_K
 
-        return x.shape[0] <= NORM_FUSED_MAX_M and x.shape[1] <= NORM_FUSED_MAX_K
+        return x.shape[1] <= NORM_FUSED_MAX_K
 
 
 # The production default: fused kernels on CUDA, launched with PDL where supported.

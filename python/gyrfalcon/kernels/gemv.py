@@ -292,25 +292,19 @@ def skinny_linear(
 
 # Widest input row `norm_skinny_linear` takes: the whole row is one K step in registers.
 NORM_FUSED_MAX_K = 1024
-# Most rows `norm_skinny_linear` takes: batch-1 decode, and the verify rows of one
-# request with k <= 3 drafts (each program then multiplies its weight tile by every row).
-NORM_FUSED_MAX_M = 4
 
 
 @triton.jit
 def _norm_gemv_kernel(
-    h_ptr,  # [M, K] the layer input (the residual stream's next delta), rows s_h apart
-    res_ptr,  # [M, K] the residual (read when HAS_RES), rows s_r apart
+    h_ptr,  # [K] the layer input (the residual stream's next delta)
+    res_ptr,  # [K] the residual (read when HAS_RES)
     gamma_ptr,  # [K] the RMSNorm weight
     w_ptr,  # [N, K] contiguous
-    y_ptr,  # [M, N] contiguous
-    res_out_ptr,  # [M, K] contiguous: h + residual (written by program 0 when HAS_RES)
+    y_ptr,  # [N]
+    res_out_ptr,  # [K] h + residual (written by program 0 when HAS_RES)
     N,
     K,
-    s_h,
-    s_r,
     eps,
-    M,  # NOTE: not constexpr: one build for 2..M rows (1 is specialized: a build of its own)
     HAS_RES: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -324,23 +318,21 @@ def _norm_gemv_kernel(
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     w = tl.load(w_ptr + rows[:, None] * K + offs_k[None, :], mask=k_mask[None, :], other=0.0)
-    wf = w.to(tl.float32)
     g = tl.load(gamma_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
     pdl_gate(PDL)
-    for m in range(M):
-        # every program normalizes the (short) rows itself, with the norm kernel's roundings
-        x = tl.load(h_ptr + m * s_h + offs_k, mask=k_mask, other=0.0)
-        if HAS_RES:
-            r = tl.load(res_ptr + m * s_r + offs_k, mask=k_mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
-            if pid == 0:  # NOTE: out of place: other programs still read h and residual
-                tl.store(res_out_ptr + m * K + offs_k, x, mask=k_mask)
-        xf = x.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
-        normed = (xf * rstd).to(dtype).to(tl.float32)
-        a = (g * normed).to(dtype).to(tl.float32)  # the norm's output, as rmsnorm rounds it
-        y = tl.sum(wf * a[None, :], axis=1)
-        tl.store(y_ptr + m * N + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+    # every program normalizes the (short) row itself, with the norm kernel's roundings
+    x = tl.load(h_ptr + offs_k, mask=k_mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(res_ptr + offs_k, mask=k_mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        if pid == 0:  # NOTE: out of place: other programs still read h and residual
+            tl.store(res_out_ptr + offs_k, x, mask=k_mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
+    normed = (xf * rstd).to(dtype).to(tl.float32)
+    a = (g * normed).to(dtype).to(tl.float32)  # the norm's output, as rmsnorm rounds it
+    y = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
 
 
 def norm_skinny_linear(
@@ -352,20 +344,17 @@ def norm_skinny_linear(
     *,
     pdl: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rmsnorm(h + residual) @ w.T, h + residual) for up to NORM_FUSED_MAX_M rows, in
-    one launch.
+    """(rmsnorm(h + residual) @ w.T, h + residual) for ONE row, in one launch.
 
     The launch that `fused_add_rmsnorm` (or `rmsnorm` when residual is None: the
-    residual is then h itself) would cost is saved: each program normalizes the rows
+    residual is then h itself) would cost is saved: each program normalizes the row
     (K <= NORM_FUSED_MAX_K) from registers with the norm kernel's roundings, then
-    multiplies its BLOCK_N weight rows by each. h, residual: [M, K] (last dim
-    contiguous); gamma: [K]; w: [N, K] contiguous, all one dtype. The new residual is
-    a fresh tensor (program 0 writes it while the others still read the inputs). The
-    tiles are the M = 1 rule's (`gemv_config`): CUDA-core FMAs, one K step. pdl: as in
-    `skinny_linear`.
+    multiplies its BLOCK_N weight rows. h, residual: [1, K]; gamma: [K]; w: [N, K]
+    contiguous, all one dtype. The new residual is a fresh tensor (program 0 writes it
+    while the others still read the inputs). pdl: as in `skinny_linear`.
     """
-    assert h.dim() == 2 and 1 <= h.shape[0] <= NORM_FUSED_MAX_M and h.stride(-1) == 1, h.shape
-    m, k, n = h.shape[0], h.shape[1], w.shape[0]
+    assert h.dim() == 2 and h.shape[0] == 1 and h.stride(-1) == 1, h.shape
+    k, n = h.shape[1], w.shape[0]
     assert 1 <= k <= NORM_FUSED_MAX_K and w.shape == (n, k) and w.is_contiguous(), (
         h.shape,
         w.shape,
@@ -374,15 +363,14 @@ def norm_skinny_linear(
     if residual is not None:
         assert residual.shape == h.shape and residual.stride(-1) == 1
         assert residual.dtype == h.dtype
-    res_out = h if residual is None else torch.empty((m, k), dtype=h.dtype, device=h.device)
-    y = torch.empty((m, n), dtype=h.dtype, device=h.device)
+    res_out = h if residual is None else torch.empty_like(h)
+    y = torch.empty((1, n), dtype=h.dtype, device=h.device)
     cfg = gemv_config(1, n, k, num_sms(h.device))
     assert cfg.block_k >= k  # one K step (gemv_config: block_k = next_pow2(k) <= 1024)
     launch = launch_pdl(h, pdl)
-    res = h if residual is None else residual
     _norm_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-        h, res, gamma, w, y, res_out, n, k, h.stride(0), res.stride(0), eps,
-        m, HAS_RES=residual is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        h, h if residual is None else residual, gamma, w, y, res_out, n, k, eps,
+        HAS_RES=residual is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, PDL=launch, launch_pdl=launch,
     )  # fmt: skip
     return y, res_out

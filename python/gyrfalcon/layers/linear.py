@@ -85,9 +85,8 @@ class ColumnParallelLinear(nn.Module):
         partial_of: ParallelContext | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(forward(norm(h + residual)), h + residual); residual None means h alone is
-        normalized and is the residual. One launch for up to 4 rows (batch-1 decode, one
-        request's verify rows) of a small model on CUDA (`norm_skinny_linear`); the
-        norm, then forward, otherwise.
+        normalized and is the residual. One launch for a batch-1 decode row of a small
+        model on CUDA (`norm_skinny_linear`); the norm, then forward, otherwise.
         partial_of: h is a partial sum over that TP group (`RMSNorm.add_and_norm`)."""
         if partial_of is not None and (residual is None or self.kernels.use_norm_skinny_gemm(h)):
             h, partial_of = partial_of.all_reduce(h), None

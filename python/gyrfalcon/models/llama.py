@@ -129,7 +129,7 @@ class LlamaDecoderLayer(nn.Module):
 
         NOTE: x + residual is the same float sum as HF's residual + x, so float32
         output still matches HF exactly on CPU; on CUDA add+norm is one kernel, folded
-        into the next projection for up to 4 rows of a small model (forward_normed).
+        into the next projection for a batch-1 row of a small model (forward_normed).
         """
         h, residual, _ = self.forward_deferred(positions, h, residual, batch, None, None)
         return h, residual

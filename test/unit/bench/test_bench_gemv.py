@@ -21,10 +21,9 @@ def test_layers_the_engine_runs_through_the_default_config(bg):
     # at one row the fused down replaces the plain one; at more rows the plain one runs
     assert bg.runs_in_engine("down_silu_mul", 1, 14336) and not bg.runs_in_engine("down", 1, 14336)
     assert bg.runs_in_engine("down", 4, 14336) and not bg.runs_in_engine("down_silu_mul", 4, 14336)
-    # qkv and gate_up of rows up to NORM_FUSED_MAX_K wide take the norm kernel at up to
-    # NORM_FUSED_MAX_M (4) rows
-    assert not bg.runs_in_engine("qkv", 1, 576) and not bg.runs_in_engine("gate_up", 4, 576)
-    assert bg.runs_in_engine("qkv", 1, 4096) and bg.runs_in_engine("qkv", 5, 576)
+    # qkv and gate_up of rows up to NORM_FUSED_MAX_K wide take the norm kernel at one row
+    assert not bg.runs_in_engine("qkv", 1, 576) and not bg.runs_in_engine("gate_up", 1, 576)
+    assert bg.runs_in_engine("qkv", 1, 4096) and bg.runs_in_engine("qkv", 4, 576)
     assert bg.runs_in_engine("o", 1, 576)
 
 
