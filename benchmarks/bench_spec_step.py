@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -39,6 +40,7 @@ import torch
 from gyrfalcon.bench.provenance import git_commit
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.engine import LocalEngine
+from gyrfalcon.gc_heap import GcPauses, freeze_startup_heap
 from gyrfalcon.ipc.messages import SamplingParams
 from gyrfalcon.profiling import SectionTimes, host_profile
 from gyrfalcon.worker.sections import worker_sections
@@ -249,6 +251,11 @@ def main(argv: list[str] | None = None) -> int:
         help="also time the worker's step phases (host wall time, no profiler) over the "
         "first batch size's steady steps and its arrivals; tables beside the results",
     )  # fmt: skip
+    p.add_argument(
+        "--no-freeze-heap", action="store_true",
+        help="leave each engine's start-up heap in the collector's generations (a serving "
+        "worker freezes it once ready: gc_heap.freeze_startup_heap)",
+    )  # fmt: skip
     p.add_argument("--device-kind", default="unknown")
     p.add_argument("--output-dir", default="benchmarks/results")
     p.add_argument("--tag", default="")
@@ -276,7 +283,12 @@ def main(argv: list[str] | None = None) -> int:
     for name, extra in (("plain", {}), ("spec", spec)):
         # NOTE: no page-allocator check after every step (the server's default)
         eng = LocalEngine(ServerArgs(**common, **extra), ns.model, check_invariants=False)
+        if not ns.no_freeze_heap:
+            freeze_startup_heap()  # NOTE: as a worker does once it serves
+        pauses = GcPauses().install()
         results[name] = {bs: step_times(eng, bs, ns.prompt_len, ns.steps, bs) for bs in sizes}
+        pauses.uninstall()
+        print(f"{name} engine, steady steps: {pauses.summary()}")
         if ns.arrival_len:
             arrivals[name] = {
                 bs: arrival_cost(eng, bs, ns, results[name][bs][0], bs) for bs in sizes
@@ -288,7 +300,9 @@ def main(argv: list[str] | None = None) -> int:
             if ns.arrival_len:
                 with host_profile(os.path.join(ns.profile_dir, f"host_{name}_arrivals.txt")):
                     arrival_cost(eng, sizes[0], ns, results[name][sizes[0]][0], 0)
+        gc.unfreeze()  # NOTE: the engine's cycles are garbage from here on
         del eng
+        gc.collect()
         if ns.device == "cuda":
             torch.cuda.empty_cache()
     for bs in sizes:
@@ -307,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         bench="spec_step", model=ns.model, draft=ns.draft, load_format=ns.load_format,
         k=ns.num_steps, prompt_len=ns.prompt_len, arrival_len=ns.arrival_len,
         arrival_every=ns.arrival_every, separate_prefill_steps=ns.separate_prefill_steps,
-        device_kind=ns.device_kind,
+        frozen_heap=not ns.no_freeze_heap, device_kind=ns.device_kind,
         commit=os.environ.get("GYRFALCON_COMMIT") or git_commit(), rows=rows,
     )  # fmt: skip
     os.makedirs(ns.output_dir, exist_ok=True)

@@ -335,19 +335,21 @@ for (name, bs), tok in sorted(runs.items()):
 PY
     ;;
   ab-step)  # bench_spec_step (SmolLM2 shape, dummy, triton) of this tree and every .ab/<tree>/
-    # in turns (AB_ROUNDS, default 2; STEP_BS, default 1,16); the first round of this tree
-    # with --time-sections and the host and kernel profiles (PROFILE=0: none); each
-    # tree's median step per batch size at the end
+    # (each with its own copy of the script) in turns: AB_ROUNDS (2), STEP_BS (1,16),
+    # STEP_FLAGS (more flags, to every tree); the first round of this tree with
+    # --time-sections and the host and kernel profiles (PROFILE=0: none; PROFILE=all:
+    # every tree's first round); each tree's median step per batch size at the end
     AB=$OUT/ab_step; mkdir -p "$AB"
     for r in $(seq 1 "${AB_ROUNDS:-2}"); do
       for tree in . .ab/*; do
         name=$([ "$tree" = . ] && echo "$GYRFALCON_COMMIT" || basename "$tree") extra=()
-        [ "$tree.$r.${PROFILE:-1}" = "..1.1" ] && extra=(--time-sections --profile-dir "$AB/prof_$name")
+        [ "$r.${PROFILE:-1}" = 1.all ] || [ "$tree.$r.${PROFILE:-1}" = "..1.1" ] \
+          && extra=(--time-sections --profile-dir "$AB/prof_$name")
         GYRFALCON_COMMIT=$name PYTHONPATH=$tree/python:/tmp/site python3 "$tree/benchmarks/bench_spec_step.py" \
           benchmarks/models/smollm2-135m benchmarks/models/smollm2-135m-eagle3 --load-format dummy \
           --attention-backend triton --steps 200 --batch-sizes "${STEP_BS:-1,16}" --kv-cache-memory 4GiB \
-          --device-kind "$KIND" --output-dir "$AB/$name" --tag "_r$r" "${extra[@]}" 2>&1 \
-          | grep -a "^| [0-9]" | sed "s/^/$name round $r: /"
+          --device-kind "$KIND" --output-dir "$AB/$name" --tag "_r$r" "${extra[@]}" ${STEP_FLAGS:-} 2>&1 \
+          | grep -a "^| [0-9]\|steady steps: gc" | sed "s/^/$name round $r: /"
       done
     done
     python3 - "$AB" <<'PY'
