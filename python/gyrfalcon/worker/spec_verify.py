@@ -118,34 +118,34 @@ def verify_sample(
     s, k1 = len(states), idx.width
     device = logits.device
     full = sum(idx.num_drafts) == s * (k1 - 1)  # NOTE: no padding: skip the gathers
-
-    def padded() -> torch.Tensor:  # [S * K1, vocab]; NOTE: not made where argmax serves
-        return logits if full else logits[idx.padded]
-
-    expanded = [st for st in states for _ in range(k1)]
-    generated = [n + m for n in num_generated for m in range(k1)]
     drafts = draft_ids[:, : k1 - 1]
-    after = None  # NOTE: a grammar's mask at position m follows the row's first m drafts
-    if any(st.grammar is not None for st in states):
-        host = drafts.tolist()  # NOTE: a host sync, in steps with a grammar row only
-        after = [host[i][: min(m, d)] for i, d in enumerate(idx.num_drafts) for m in range(k1)]
-    if all(is_greedy(st.params) for st in states):
-        # NOTE: rows that change no logit need no batch (the mixed steps' common case)
-        plain = not any(st.has_penalty or st.adjusts_logits for st in states)
-        if plain and argmax is not None:
-            top = argmax if full else argmax[idx.padded]
-        elif plain:
-            top = argmax_rows(padded(), kernels)
-        else:
-            batch = prepare(expanded, vocab_size, device, generated, after)
-            top = argmax_rows(apply_penalties(padded(), batch), kernels)
+    greedy = all(is_greedy(st.params) for st in states)
+    # NOTE: greedy rows that change no logit (a mixed step's common case) read the graph's
+    # argmax where it made one: no padded logits, no SamplingBatch
+    plain = greedy and not any(st.has_penalty or st.adjusts_logits for st in states)
+    if plain and argmax is not None:
+        top = argmax if full else argmax[idx.padded]
         acc = greedy_verify(top.view(s, k1), drafts, idx.num_drafts_t)
     else:
-        p = probs_in_chunks(padded(), expanded, generated, after, kernels)
-        p = p.view(s, k1, vocab_size)
-        rows = prepare(states, vocab_size, device, num_generated, masks=False)  # draws only
-        # NOTE: q None: the drafter proposes greedily (one-hot q, never materialized)
-        acc = rejection_sample(p, None, drafts, rows, kernels, idx.num_drafts_t)
+        padded = logits if full else logits[idx.padded]  # [S * K1, vocab]
+        expanded = [st for st in states for _ in range(k1)]
+        generated = [n + m for n in num_generated for m in range(k1)]
+        after = None  # NOTE: a grammar's mask at position m follows the row's first m drafts
+        if any(st.grammar is not None for st in states):
+            host = drafts.tolist()  # NOTE: a host sync, in steps with a grammar row only
+            after = [host[i][: min(m, d)] for i, d in enumerate(idx.num_drafts) for m in range(k1)]
+        if greedy:
+            if not plain:
+                padded = apply_penalties(
+                    padded, prepare(expanded, vocab_size, device, generated, after)
+                )
+            acc = greedy_verify(argmax_rows(padded, kernels).view(s, k1), drafts, idx.num_drafts_t)
+        else:
+            p = probs_in_chunks(padded, expanded, generated, after, kernels)
+            p = p.view(s, k1, vocab_size)
+            rows = prepare(states, vocab_size, device, num_generated, masks=False)  # draws only
+            # NOTE: q None: the drafter proposes greedily (one-hot q, never materialized)
+            acc = rejection_sample(p, None, drafts, rows, kernels, idx.num_drafts_t)
     chosen_ids = acc.token_ids.view(-1)[idx.emitted]  # [N]
     asked = [st.params.logprobs for st in states if st.params.logprobs is not None]
     if not asked:
