@@ -95,6 +95,12 @@ def test_two_ranks_answer_like_one(moe, one_rank, tmp_path, flags):
             assert all(k.get("piecewise", 0) >= 1 and "eager" not in k for k in kinds), kinds
 
 
+# NOTE: the layouts below are model-agnostic (graph agreement, four ranks, a dead rank);
+# they run on Qwen3-MoE alone, as test/unit/parallel's four-rank checks do, while every
+# two-rank layout above and the idle-group EAGLE3 test run on both families
+QWEN3_ONLY = pytest.mark.parametrize("moe", ["qwen3-moe"], indirect=True)
+
+
 def eagle3_flags(moe, tmp_path, layout=("--dp-size", "2", "--ep-size", "2")) -> list[str]:
     """EAGLE3 (a tiny random drafter: mostly 0 accepted) over `layout` (DP 2 + EP 2)."""
     from spec_util import make_drafter_for
@@ -120,6 +126,7 @@ def test_eagle3_with_dp_attention_and_an_idle_group_is_lossless(moe, one_rank, t
     assert info["integrity_ok"] and info["num_free_pages"] == info["num_total_pages"], info
 
 
+@QWEN3_ONLY
 @pytest.mark.parametrize(
     "prompts, logprobs, want_kinds",
     [
@@ -152,6 +159,7 @@ def test_eagle3_over_dp_groups_replays_agreed_verify_graphs(
         assert graph_forwards(log, rank) > 0, log[-3000:]  # the idle rank's dummy rows too
 
 
+@QWEN3_ONLY
 @pytest.mark.parametrize("spec", [False, True], ids=["plain", "eagle3"])
 def test_tp_groups_inside_dp_groups_with_the_experts_over_all_four_ranks(
     moe, one_rank, tmp_path, spec
@@ -176,6 +184,7 @@ def test_tp_groups_inside_dp_groups_with_the_experts_over_all_four_ranks(
         assert step_kinds(log, rank).get(kind, 0) > 0, (rank, log[-3000:])
 
 
+@QWEN3_ONLY
 def test_a_rank_killed_mid_decode_takes_the_dp_ep_server_down(moe, tmp_path):
     """SIGKILL the last worker of a DP 2 + EP 2 server while it decodes (the other rank
     waits in the experts' gather, a gloo collective): the server exits non-zero within
