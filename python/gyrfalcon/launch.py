@@ -1,5 +1,6 @@
 """Start the server: frontend in this process, the scheduler and one worker per rank
-as children.
+as children, spawned before this process imports the frontend (torch, transformers,
+xgrammar), so their start overlaps those imports and the tokenizer's load.
 
 Shutdown is ordered here: SIGINT/SIGTERM (to this process or its whole group)
 stop uvicorn, which lets requests in flight finish; then the children are told
@@ -59,6 +60,7 @@ from gyrfalcon.node_link import NodeWatch
 from gyrfalcon.utils import (
     CHILD_JOIN_TIMEOUT_S,
     MULTIPROC_DIR_ENV,
+    SHUTDOWN_GRACE_S,
     configure_logging,
     dead_child,
     free_port,
@@ -150,35 +152,23 @@ def serve(args: ServerArgs) -> int:
             shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
-def _serve(args: ServerArgs) -> int:
-    from transformers import AutoTokenizer
+def _run_rank(*worker_args: object) -> None:
+    """A worker's spawn target: imports the worker (torch, the model code) in the child,
+    so the launcher spawns its ranks before importing any of it."""
+    from gyrfalcon.worker.process import run_worker
 
-    from gyrfalcon.frontend.server import (
-        HTTP_IMPL,
-        SHUTDOWN_GRACE_S,
-        drain_on_shutdown,
-        event_loop_name,
-        make_uvicorn_server,
-        run_event_loop,
-        shared_port_socket,
-    )
+    run_worker(*worker_args)  # type: ignore[arg-type]
+
+
+def _serve(args: ServerArgs) -> int:
     from gyrfalcon.loader.resolve import default_model_name, resolve_model
     from gyrfalcon.scheduler.process import run_scheduler
-    from gyrfalcon.worker.process import run_worker
 
     model_dir = resolve_model(args.model, args.cache_dir)
     model_cfg = ModelConfig.from_dir(model_dir)
     args = args.resolved(model_cfg)
-    # NOTE: the frontend does no tensor math worth threads. Set after a GGUF conversion
-    # (which may use them) and after torch is imported (else the children inherit it).
-    set_torch_threads(1)
     tokenizer_dir = args.tokenizer or model_dir
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     name = args.served_model_name or default_model_name(args.model)
-    logger.info(
-        "serving %s (%s, %s attention) from %s on %s",
-        name, args.dtype, args.attention_backend, model_dir, args.device,
-    )  # fmt: skip
 
     # NOTE: one worker process per rank; all below (sockets, processes, readiness,
     # results) is written for layout.world_size
@@ -200,9 +190,6 @@ def _serve(args: ServerArgs) -> int:
         )  # fmt: skip
     num_api = args.num_api_servers
     paths, ipc_root = IpcPaths.create(layout.world_size, ports, len(local), num_api)
-    engine = EngineClient(paths)
-    app = build_app(args, engine, tokenizer, name)
-    server = make_uvicorn_server(app, args.host, args.port, args.log_level, args.shutdown_timeout)
     ctx = mp.get_context("spawn")
     # NOTE: no lock: the children read it inside a signal handler.
     stopping = ctx.RawValue(ctypes.c_bool, False)
@@ -213,7 +200,7 @@ def _serve(args: ServerArgs) -> int:
     for rank in local:
         endpoints = paths.worker_endpoints(rank)
         worker_args = (args, endpoints, model_dir, model_cfg, rank, layout, stopping)
-        procs.append(ctx.Process(target=run_worker, args=worker_args, name=f"worker{rank}"))
+        procs.append(ctx.Process(target=_run_rank, args=worker_args, name=f"worker{rank}"))
     # NOTE: a flag of their own: they stop (and drain) while the engine still runs
     api_stopping = ctx.RawValue(ctypes.c_bool, False)
     api_servers: list[BaseProcess] = []
@@ -223,6 +210,68 @@ def _serve(args: ServerArgs) -> int:
             ctx.Process(target=run_api_server, args=api_args, name=api_server_name(i))
         )
     state: dict = {"code": 0, "error": ""}
+    # NOTE: the children first: their imports, weights and warm-up overlap this
+    # process's own imports (the frontend's: torch, transformers, xgrammar) and its
+    # tokenizer. A SIGTERM until serving raises SystemExit here (_sigterm_while_starting);
+    # the finally below stops them then too.
+    start_children([*procs, *api_servers])
+    try:
+        _run_frontend(
+            args, name, tokenizer_dir, model_dir, paths, procs, api_servers, api_stopping,
+            nodes, state,
+        )  # fmt: skip
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # NOTE: the API servers first, given as long to drain as this one had: their
+        # requests in flight need the engine
+        api_stopping.value = True
+        drain_s = args.shutdown_timeout + SHUTDOWN_GRACE_S + CHILD_JOIN_TIMEOUT_S
+        stop_children(api_servers, drain_s)
+        stopping.value = True  # NOTE: before the SIGTERMs: the children act on them only then
+        stop_children(procs)
+        shutil.rmtree(ipc_root, ignore_errors=True)
+    logger.info("server stopped")
+    return state["code"]
+
+
+def _run_frontend(
+    args: ServerArgs,
+    name: str,
+    tokenizer_dir: str,
+    model_dir: str,
+    paths: IpcPaths,
+    procs: list[BaseProcess],
+    api_servers: list[BaseProcess],
+    api_stopping: ctypes.c_bool,
+    nodes: NodeWatch | None,
+    state: dict,
+) -> None:
+    """API server 0 (this process), its children already started: serve until stopped."""
+    from transformers import AutoTokenizer
+
+    from gyrfalcon.frontend.server import (
+        HTTP_IMPL,
+        drain_on_shutdown,
+        event_loop_name,
+        make_uvicorn_server,
+        run_event_loop,
+        shared_port_socket,
+    )
+
+    # NOTE: the frontend does no tensor math worth threads. Set once torch is imported
+    # here (the imports above): else the variables it sets would reach later children
+    set_torch_threads(1)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    logger.info(
+        "serving %s (%s, %s attention) from %s on %s",
+        name, args.dtype, args.attention_backend, model_dir, args.device,
+    )  # fmt: skip
+    num_api = args.num_api_servers
+    engine = EngineClient(paths)
+    app = build_app(args, engine, tokenizer, name)
+    server = make_uvicorn_server(app, args.host, args.port, args.log_level, args.shutdown_timeout)
 
     async def main() -> None:
         logger.info("HTTP through %s on %s's event loop", HTTP_IMPL, event_loop_name())
@@ -259,20 +308,4 @@ def _serve(args: ServerArgs) -> int:
                 await nodes.close(state["error"])
 
     signal.signal(signal.SIGTERM, lambda *_: _on_sigterm(server))
-    start_children([*procs, *api_servers])
-    try:
-        run_event_loop(main())
-    except KeyboardInterrupt:
-        pass
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        # NOTE: the API servers first, given as long to drain as this one had: their
-        # requests in flight need the engine
-        api_stopping.value = True
-        drain_s = args.shutdown_timeout + SHUTDOWN_GRACE_S + CHILD_JOIN_TIMEOUT_S
-        stop_children(api_servers, drain_s)
-        stopping.value = True  # NOTE: before the SIGTERMs: the children act on them only then
-        stop_children(procs)
-        shutil.rmtree(ipc_root, ignore_errors=True)
-    logger.info("server stopped")
-    return state["code"]
+    run_event_loop(main())

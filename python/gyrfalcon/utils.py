@@ -35,6 +35,7 @@ CHILD_OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
 # Blocked while the launcher spawns children, until setup_child has its handlers in.
 CHILD_START_BLOCKED = frozenset({signal.SIGINT, signal.SIGTERM})
 CHILD_JOIN_TIMEOUT_S = 5.0  # how long a stopped child may take before it is killed
+SHUTDOWN_GRACE_S = 5.0  # after --shutdown-timeout, for the ended requests' last bytes
 # NOTE: prometheus-client's multiprocess directory variable (--api-server-count > 1),
 # named here, where nothing imports prometheus-client: the launcher sets it before any
 # API server imports it, frontend/metrics.py reads it

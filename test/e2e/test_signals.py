@@ -68,8 +68,11 @@ def test_group_sigterm_before_the_engine_is_ready_exits_quietly(smollm2_dir, tmp
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     srv = Server(proc, "", log_path)
     deadline = time.time() + STARTUP_TIMEOUT_S
-    while "Uvicorn running" not in srv.log() and time.time() < deadline:
-        time.sleep(0.05)  # HTTP is up: the children are still starting
+    while "[scheduler]" not in srv.log() and time.time() < deadline:
+        time.sleep(0.05)
+    # NOTE: the children run (spawned first) while the launcher still imports its
+    # frontend and the worker loads: the launcher's stop must take them down too
+    assert "engine ready" not in srv.log() and "Uvicorn running" not in srv.log(), srv.log()
     os.killpg(proc.pid, signal.SIGTERM)
     assert_stopped_quietly(srv, wait_exit(srv))
 

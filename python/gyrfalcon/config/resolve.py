@@ -23,10 +23,10 @@ def resolve_server_args(args: ServerArgs, model: ModelConfig | None = None) -> S
     """A copy of args with every "auto" resolved for this machine (and, when the
     model's config is given, for that model: its attention, its graphs); ValueError
     names a flag that cannot work."""
-    import torch
-
     device = args.device
-    if device == "auto":
+    if device == "auto":  # NOTE: torch only here: the launcher imports it after the spawn
+        import torch
+
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = args.dtype
     if dtype == "auto":

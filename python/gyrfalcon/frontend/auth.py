@@ -15,8 +15,6 @@ import os
 from http import HTTPStatus
 from typing import Any
 
-from gyrfalcon.frontend.serving_common import send_error
-
 API_KEY_ENV = "GYRFALCON_API_KEY"
 OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})  # what probes and scrapers read
 Scope = dict[str, Any]
@@ -65,6 +63,10 @@ class ApiKeyAuth:
         if self.allowed(scope):
             await self.app(scope, receive, send)
             return
+        # NOTE: here, not at import: the command line reads `resolve_api_key` before it
+        # spawns the ranks, and the serving modules import torch (the server has them)
+        from gyrfalcon.frontend.serving_common import send_error
+
         await send_error(
             send, HTTPStatus.UNAUTHORIZED, "invalid or missing API key",
             [(b"www-authenticate", b"Bearer")],

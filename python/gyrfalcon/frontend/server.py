@@ -43,13 +43,13 @@ from gyrfalcon.frontend.serving_common import (
 from gyrfalcon.frontend.serving_completions import create_completion
 from gyrfalcon.frontend.serving_tokenize import create_detokenize, create_tokenize
 from gyrfalcon.frontend.tool_parsers import get_tool_parser
+from gyrfalcon.utils import SHUTDOWN_GRACE_S
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
-SHUTDOWN_GRACE_S = 5.0  # after --shutdown-timeout, for the ended requests' last bytes
 STATS_TIMEOUT_S = 5.0  # /server_info waits this long for the scheduler's StatsReply
 # Status of a response to a client that already left (nginx's convention).
 CLIENT_CLOSED_REQUEST = 499

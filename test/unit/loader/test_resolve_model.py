@@ -8,7 +8,7 @@ import os
 import huggingface_hub
 import pytest
 
-from gyrfalcon.loader import resolve
+from gyrfalcon.loader import gguf_convert, resolve
 from gyrfalcon.loader.resolve import default_model_name, resolve_model
 
 
@@ -31,7 +31,7 @@ def test_gguf_converted_once_and_reused(make_tiny_gguf, tmp_path, monkeypatch):
     def no_reconversion(*args, **kwargs):
         raise AssertionError("converted twice")
 
-    monkeypatch.setattr(resolve, "convert_gguf_to_hf", no_reconversion)
+    monkeypatch.setattr(gguf_convert, "convert_gguf_to_hf", no_reconversion)  # imported to convert
     assert resolve_model(tiny.path, cache_dir=str(cache)) == first
     assert os.stat(weights).st_mtime_ns == mtime
     assert os.listdir(cache) == [os.path.basename(first)]
@@ -152,3 +152,25 @@ def test_default_model_name(tmp_path, monkeypatch):
     assert default_model_name("/x/SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct.Q4_1"
     assert default_model_name("local-dir") == "local-dir"
     assert default_model_name("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+def test_resolving_a_converted_model_imports_no_torch(make_tiny_gguf, tmp_path):
+    """The launcher resolves the model and its arguments before it spawns the ranks and
+    imports the frontend (torch): a start that reuses a conversion imports no torch."""
+    import subprocess
+    import sys
+
+    tiny = make_tiny_gguf(name="Reused.Q8.gguf")
+    cache = str(tmp_path / "cache")
+    first = resolve_model(tiny.path, cache_dir=cache)
+    code = (
+        "import sys\n"
+        "from gyrfalcon.config.model_config import ModelConfig\n"
+        "from gyrfalcon.config.server_args import ServerArgs\n"
+        "from gyrfalcon.loader.resolve import resolve_model\n"
+        f"d = resolve_model({tiny.path!r}, cache_dir={cache!r})\n"
+        "ServerArgs(model=d, device='cpu').resolved(ModelConfig.from_dir(d))\n"
+        "print(d, 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [first, "False"], out.stderr[-2000:]
