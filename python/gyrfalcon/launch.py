@@ -260,8 +260,8 @@ def _run_frontend(
         shared_port_socket,
     )
 
-    # NOTE: the frontend does no tensor math worth threads. Set once torch is imported
-    # here (the imports above): else the variables it sets would reach later children
+    # NOTE: the frontend does no tensor math worth threads (torch is imported by now,
+    # by the imports above; the children, spawned already, set their own)
     set_torch_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     logger.info(
