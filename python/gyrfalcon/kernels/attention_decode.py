@@ -50,7 +50,7 @@ from gyrfalcon.kernels.attention_launch import (
 from gyrfalcon.kernels.device import launch_pdl
 from gyrfalcon.kernels.kv_store import to_cache
 from gyrfalcon.kernels.pdl import pdl_gate
-from gyrfalcon.kernels.rotary import rotated_heads, rotated_rows
+from gyrfalcon.kernels.rotary import cos_sin_of, rotated_heads_by, rotated_rows
 from gyrfalcon.kernels.split_merge import merge_splits
 
 
@@ -111,7 +111,6 @@ def _decode_split_kernel(
     F16_MATH: tl.constexpr,  # fp8 caches: dots in float16 (see decode_attention)
     PDL: tl.constexpr,
 ):
-    pdl_gate(PDL)
     row = tl.program_id(0)  # NOTE: PACK: a page-table row; else a query token
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -147,6 +146,15 @@ def _decode_split_kernel(
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
+    if ROPE and not PACK:  # the token's position and cos/sin row (read once for every head)
+        new_pos = tl.load(pos_ptr + row).to(tl.int64)
+        cos, sin = cos_sin_of(
+            cos_sin_ptr + new_pos * stride_cs, q_ptr.dtype.element_ty, HEAD_DIM, BLOCK_D
+        )
+    # NOTE: everything read above (lengths, positions, the cos/sin table) is the batch's
+    # metadata, which no kernel of the forward writes: read before the gate, it overlaps
+    # the previous kernel (the QKV projection); q, k, v and the cache only after it
+    pdl_gate(PDL)
 
     if ROPE:
         # RoPE of q in registers (every split, each block row at its token's
@@ -178,16 +186,14 @@ def _decode_split_kernel(
                 vc = v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :]
                 tl.store(kc, to_cache(k_new, k_ptr), mask=mask_td)
                 tl.store(vc, to_cache(v_new, v_ptr), mask=mask_td)
-        else:  # one token: its cos/sin row read once for every head
-            new_pos = tl.load(pos_ptr + row).to(tl.int64)
-            cs_row = cos_sin_ptr + new_pos * stride_cs
-            q = rotated_heads(
-                q_ptr + row * stride_qb, heads, stride_qh, mask_h, cs_row, HEAD_DIM, BLOCK_D
+        else:  # one token: new_pos, cos and sin loaded before the gate
+            q = rotated_heads_by(
+                q_ptr + row * stride_qb, heads, stride_qh, mask_h, cos, sin, HEAD_DIM, BLOCK_D
             )  # [BLOCK_H, BLOCK_D]
             if (new_pos >= start) & (new_pos < end):
                 one = tl.arange(0, 1)
-                k_new = rotated_heads(
-                    k_new_ptr + row * stride_knb, kvh + one, stride_knh, one < 1, cs_row,
+                k_new = rotated_heads_by(
+                    k_new_ptr + row * stride_knb, kvh + one, stride_knh, one < 1, cos, sin,
                     HEAD_DIM, BLOCK_D,
                 )  # fmt: skip
                 v_new = tl.load(

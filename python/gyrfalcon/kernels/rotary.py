@@ -64,6 +64,56 @@ def _f32_rn(op: tl.constexpr, a, b):
 
 
 @triton.jit
+def cos_sin_of(
+    cs_row,  # a token's row of the cos/sin table (float32, cos | sin)
+    dtype: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """The token's ([1, BLOCK_D] cos, [1, BLOCK_D] sin) as `rotated_heads` multiplies by
+    them: column d takes frequency d mod HEAD_DIM / 2, rounded to dtype (held in
+    float32); 0 past HEAD_DIM."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    freq = tl.where(offs_d < HALF, offs_d, offs_d - HALF)  # column of cos/sin
+    cos = tl.load(cs_row + freq, mask=mask_d, other=0.0).to(dtype).to(tl.float32)[None, :]
+    sin = tl.load(cs_row + HALF + freq, mask=mask_d, other=0.0).to(dtype).to(tl.float32)[None, :]
+    return cos, sin
+
+
+@triton.jit
+def _halves(rows, mask_r, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(x, rotate_half(x)), float32 [R, BLOCK_D], of the rows starting at `rows` ([R, 1]
+    pointers, head dim contiguous); entries masked off by mask_r ([R]) or past HEAD_DIM
+    are 0."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    offs_d = tl.arange(0, BLOCK_D)
+    first = offs_d < HALF
+    partner = tl.where(first, offs_d + HALF, offs_d - HALF)  # rotate_half's source
+    mask = mask_r[:, None] & (offs_d < HEAD_DIM)[None, :]
+    x = tl.load(rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(rows + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    return x, tl.where(first[None, :], -xp, xp)
+
+
+@triton.jit
+def rotated_heads_by(
+    base_ptr,  # one token's [heads, D] rows of q or k (head dim contiguous)
+    heads,  # [BLOCK_H] head indices
+    stride_h,
+    mask_h,  # [BLOCK_H]
+    cos,  # [1, BLOCK_D] from `cos_sin_of` (base_ptr's dtype)
+    sin,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """`rotated_heads` with the token's cos and sin loaded already (`cos_sin_of`)."""
+    x, xp = _halves(base_ptr + heads[:, None] * stride_h, mask_h, HEAD_DIM, BLOCK_D)
+    return _rotated(x, xp, cos, sin, base_ptr.dtype.element_ty)
+
+
+@triton.jit
 def rotated_heads(
     base_ptr,  # one token's [heads, D] rows of q or k (head dim contiguous)
     heads,  # [BLOCK_H] head indices
@@ -76,21 +126,8 @@ def rotated_heads(
     """[BLOCK_H, BLOCK_D] rows rotated (rotate-half RoPE), in base_ptr's dtype, with the
     reference's roundings: x * cos + rotate_half(x) * sin, cos/sin rounded to the
     dtype, each product and the sum rounded to it. Masked entries are 0."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    dtype = base_ptr.dtype.element_ty
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
-    first = offs_d < HALF
-    freq = tl.where(first, offs_d, offs_d - HALF)  # column of cos/sin
-    partner = tl.where(first, offs_d + HALF, offs_d - HALF)  # rotate_half's source
-    mask = mask_h[:, None] & mask_d[None, :]
-    rows = base_ptr + heads[:, None] * stride_h
-    x = tl.load(rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(rows + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    xp = tl.where(first[None, :], -xp, xp)  # rotate_half(x)
-    cos = tl.load(cs_row + freq, mask=mask_d, other=0.0).to(dtype).to(tl.float32)[None, :]
-    sin = tl.load(cs_row + HALF + freq, mask=mask_d, other=0.0).to(dtype).to(tl.float32)[None, :]
-    return _rotated(x, xp, cos, sin, dtype)
+    cos, sin = cos_sin_of(cs_row, base_ptr.dtype.element_ty, HEAD_DIM, BLOCK_D)
+    return rotated_heads_by(base_ptr, heads, stride_h, mask_h, cos, sin, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
@@ -105,14 +142,10 @@ def rotated_rows(
     token's position (its own cos/sin row)."""
     HALF: tl.constexpr = HEAD_DIM // 2
     dtype = row_ptrs.dtype.element_ty
+    x, xp = _halves(row_ptrs[:, None], mask_r, HEAD_DIM, BLOCK_D)
     offs_d = tl.arange(0, BLOCK_D)
-    first = offs_d < HALF
-    freq = tl.where(first, offs_d, offs_d - HALF)  # column of cos/sin
-    partner = tl.where(first, offs_d + HALF, offs_d - HALF)  # rotate_half's source
+    freq = tl.where(offs_d < HALF, offs_d, offs_d - HALF)  # column of cos/sin
     mask = mask_r[:, None] & (offs_d < HEAD_DIM)[None, :]
-    x = tl.load(row_ptrs[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(row_ptrs[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    xp = tl.where(first[None, :], -xp, xp)  # rotate_half(x)
     cs = cs_rows[:, None] + freq[None, :]
     cos = tl.load(cs, mask=mask, other=0.0).to(dtype).to(tl.float32)
     sin = tl.load(cs + HALF, mask=mask, other=0.0).to(dtype).to(tl.float32)
