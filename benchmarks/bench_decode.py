@@ -40,6 +40,7 @@ except ImportError:  # running from a checkout without an installed package
 
 from gyrfalcon.bench.bandwidth import measure_read_bandwidth
 from gyrfalcon.bench.decode_driver import Driver, sync
+from gyrfalcon.bench.device_timeline import format_summary, split_by_launch, summarize
 from gyrfalcon.bench.provenance import git_commit
 from gyrfalcon.bench.roofline import kv_read_bytes, roofline_step_ms, tokens_per_s, weight_bytes
 from gyrfalcon.config.cli_args import parse_size
@@ -111,6 +112,16 @@ def profile_host(driver: Driver, ns: argparse.Namespace, batch_size: int) -> Non
     )
     with open(os.path.join(ns.profile_dir, f"kernels_bs{batch_size}.txt"), "w") as f:
         f.write(f"8 overlapped decode steps at batch {batch_size}\n{table}\n")
+    # each graph launch's span and where it goes (bench/device_timeline.py)
+    trace_path = os.path.join(ns.profile_dir, f"trace_bs{batch_size}.json")
+    kprof.export_chrome_trace(trace_path)
+    with open(trace_path) as f:
+        launches, other = split_by_launch(json.load(f))
+    os.remove(trace_path)  # NOTE: megabytes; the summary is what is kept
+    if len(launches) > 2:  # NOTE: eager steps (a size no graph serves) launch none
+        with open(os.path.join(ns.profile_dir, f"device_timeline_bs{batch_size}.txt"), "w") as f:
+            f.write(f"8 overlapped decode steps at batch {batch_size}\n")
+            f.write(format_summary(summarize(launches, other)))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -139,7 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="hand KV pages out in random order, as a long-running server's are",
     )
     ap.add_argument("--output-json", default=None)
-    ap.add_argument("--profile-dir", default=None, help="write a host cProfile per batch size")
+    ap.add_argument(
+        "--profile-dir",
+        default=None,
+        help="write a host cProfile per batch size; on CUDA also the kernels of 8 steps and "
+        "their graph launches' device timeline (bench/device_timeline.py)",
+    )
     return ap
 
 
