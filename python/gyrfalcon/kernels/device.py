@@ -31,7 +31,8 @@ def gpu_name(device: torch.device) -> str:
 def pdl_supported(device: torch.device) -> bool:
     """Whether kernels on `device` can launch with programmatic dependent launch: they
     may start while the previous kernel finishes, and wait (`gdc_wait`) before they
-    touch anything but weights. Hopper and later only; never under the CPU interpreter."""
+    touch anything but weights and the batch's metadata (`kernels/pdl.pdl_gate`).
+    Hopper and later only; never under the CPU interpreter."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
