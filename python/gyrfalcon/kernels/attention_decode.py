@@ -50,7 +50,7 @@ from gyrfalcon.kernels.attention_launch import (
 from gyrfalcon.kernels.device import launch_pdl
 from gyrfalcon.kernels.kv_store import to_cache
 from gyrfalcon.kernels.pdl import pdl_gate
-from gyrfalcon.kernels.rotary import cos_sin_of, rotated_heads_by, rotated_rows
+from gyrfalcon.kernels.rotary import cos_sin_of, rotated_heads, rotated_rows
 from gyrfalcon.kernels.split_merge import merge_splits
 
 
@@ -187,12 +187,12 @@ def _decode_split_kernel(
                 tl.store(kc, to_cache(k_new, k_ptr), mask=mask_td)
                 tl.store(vc, to_cache(v_new, v_ptr), mask=mask_td)
         else:  # one token: new_pos, cos and sin loaded before the gate
-            q = rotated_heads_by(
+            q = rotated_heads(
                 q_ptr + row * stride_qb, heads, stride_qh, mask_h, cos, sin, HEAD_DIM, BLOCK_D
             )  # [BLOCK_H, BLOCK_D]
             if (new_pos >= start) & (new_pos < end):
                 one = tl.arange(0, 1)
-                k_new = rotated_heads_by(
+                k_new = rotated_heads(
                     k_new_ptr + row * stride_knb, kvh + one, stride_knh, one < 1, cos, sin,
                     HEAD_DIM, BLOCK_D,
                 )  # fmt: skip

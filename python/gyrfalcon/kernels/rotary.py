@@ -98,36 +98,21 @@ def _halves(rows, mask_r, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def rotated_heads_by(
-    base_ptr,  # one token's [heads, D] rows of q or k (head dim contiguous)
-    heads,  # [BLOCK_H] head indices
-    stride_h,
-    mask_h,  # [BLOCK_H]
-    cos,  # [1, BLOCK_D] from `cos_sin_of` (base_ptr's dtype)
-    sin,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """`rotated_heads` with the token's cos and sin loaded already (`cos_sin_of`)."""
-    x, xp = _halves(base_ptr + heads[:, None] * stride_h, mask_h, HEAD_DIM, BLOCK_D)
-    return _rotated(x, xp, cos, sin, base_ptr.dtype.element_ty)
-
-
-@triton.jit
 def rotated_heads(
     base_ptr,  # one token's [heads, D] rows of q or k (head dim contiguous)
     heads,  # [BLOCK_H] head indices
     stride_h,
     mask_h,  # [BLOCK_H]
-    cs_row,  # the token's row of the cos/sin table (float32, cos | sin)
+    cos,  # [1, BLOCK_D] the token's cos and sin (`cos_sin_of`, base_ptr's dtype)
+    sin,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     """[BLOCK_H, BLOCK_D] rows rotated (rotate-half RoPE), in base_ptr's dtype, with the
     reference's roundings: x * cos + rotate_half(x) * sin, cos/sin rounded to the
     dtype, each product and the sum rounded to it. Masked entries are 0."""
-    cos, sin = cos_sin_of(cs_row, base_ptr.dtype.element_ty, HEAD_DIM, BLOCK_D)
-    return rotated_heads_by(base_ptr, heads, stride_h, mask_h, cos, sin, HEAD_DIM, BLOCK_D)
+    x, xp = _halves(base_ptr + heads[:, None] * stride_h, mask_h, HEAD_DIM, BLOCK_D)
+    return _rotated(x, xp, cos, sin, base_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -168,10 +153,11 @@ def _rotate_heads(
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
+    cos, sin = cos_sin_of(cs_row, base_ptr.dtype.element_ty, HEAD_DIM, BLOCK_D)
     for h0 in range(0, num_heads, BLOCK_H):
         heads = h0 + offs_h
         mask_h = heads < num_heads
-        out = rotated_heads(base_ptr, heads, stride_h, mask_h, cs_row, HEAD_DIM, BLOCK_D)
+        out = rotated_heads(base_ptr, heads, stride_h, mask_h, cos, sin, HEAD_DIM, BLOCK_D)
         # NOTE: every element was loaded (by this thread or another) before any store
         tl.debug_barrier()
         mask = mask_h[:, None] & mask_d[None, :]
