@@ -13,9 +13,26 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections import Counter
 
 logger = logging.getLogger(__name__)
+
+# NOTE: Triton's hooks are one pair per process and outlive the worker that set them;
+# every installed watch hears them through these two, weakly held, so a second engine in
+# one process (train-eagle3's generation, then its evaluation; tests) watches too, and a
+# dropped one stops. Set while any watch is installed.
+_WATCHES: weakref.WeakSet[CompileWatch] = weakref.WeakSet()
+
+
+def _before(**kw: object) -> None:
+    for watch in list(_WATCHES):
+        watch.before(**kw)
+
+
+def _after(**kw: object) -> None:
+    for watch in list(_WATCHES):
+        watch.after(**kw)
 
 
 def kernel_name(spec: str) -> str:
@@ -34,16 +51,31 @@ class CompileWatch:
         self._started: float | None = None
 
     def install(self) -> bool:
-        """Set Triton's hooks; False where Triton is absent or its hooks are taken."""
+        """Hear Triton's hooks from now on; False where Triton is absent or another
+        party's hooks are set (those are never replaced)."""
         try:
             from triton import knobs
         except ImportError:
             return False
         rt = knobs.runtime
-        if rt.jit_cache_hook is not None or rt.jit_post_compile_hook is not None:
-            return False
-        rt.jit_cache_hook, rt.jit_post_compile_hook = self.before, self.after
+        hooks = rt.jit_cache_hook, rt.jit_post_compile_hook
+        if hooks != (_before, _after):
+            if hooks != (None, None):
+                return False
+            rt.jit_cache_hook, rt.jit_post_compile_hook = _before, _after
+        _WATCHES.add(self)
         return True
+
+    def uninstall(self) -> None:
+        """Stop hearing them; Triton's hooks are cleared once no watch is left."""
+        _WATCHES.discard(self)
+        try:
+            from triton import knobs
+        except ImportError:
+            return
+        rt = knobs.runtime
+        if not _WATCHES and (rt.jit_cache_hook, rt.jit_post_compile_hook) == (_before, _after):
+            rt.jit_cache_hook = rt.jit_post_compile_hook = None
 
     def before(self, *, repr: str, **_: object) -> None:
         """Triton is about to build `repr` (returns None: go on building it)."""

@@ -44,17 +44,38 @@ def test_summary_names_each_kernel_built(caplog, monkeypatch):
     assert len(logged) == 3 and KEY in logged[0] and "(q: *bf16, n: i32)" in logged[0]
 
 
-def test_install_sets_tritons_hooks_once():
+def test_every_installed_watch_hears_tritons_hooks_until_it_leaves():
+    # one pair of hooks a process: a second engine's watch (or a test's) beside a
+    # first one's hears every build too; leaving, or being dropped, stops only that
+    # watch, and another party's hooks are never replaced
+    import gc
+
     knobs = pytest.importorskip("triton").knobs
     rt = knobs.runtime
     saved = rt.jit_cache_hook, rt.jit_post_compile_hook
     rt.jit_cache_hook = rt.jit_post_compile_hook = None
+
+    def build(spec: str) -> None:
+        assert rt.jit_cache_hook(**_hook_kwargs(spec)) is None  # None: Triton goes on
+        rt.jit_post_compile_hook(**_hook_kwargs(spec))
+
     try:
-        watch = CompileWatch()
-        assert watch.install()
-        assert not CompileWatch().install(), "a second watch must not replace the first"
-        rt.jit_cache_hook(**_hook_kwargs(SPEC))
-        rt.jit_post_compile_hook(**_hook_kwargs(SPEC))
-        assert watch.counts["decode_attn_kernel"] == 1
+        first, second = CompileWatch(), CompileWatch()
+        assert first.install() and second.install()
+        build(SPEC)
+        assert first.counts["decode_attn_kernel"] == second.counts["decode_attn_kernel"] == 1
+        first.uninstall()
+        build(SPEC)
+        assert first.counts["decode_attn_kernel"] == 1
+        assert second.counts["decode_attn_kernel"] == 2
+        dropped = CompileWatch()
+        assert dropped.install()
+        del dropped
+        gc.collect()
+        second.uninstall()
+        assert rt.jit_cache_hook is None and rt.jit_post_compile_hook is None
+        own = rt.jit_cache_hook = lambda **_: None
+        assert not CompileWatch().install(), "another party's hook must stay"
+        assert rt.jit_cache_hook is own
     finally:
         rt.jit_cache_hook, rt.jit_post_compile_hook = saved
