@@ -160,6 +160,38 @@ def silu_mul_rounded(gate, up, dtype: tl.constexpr):
     return (act * up.to(tl.float32)).to(dtype)
 
 
+@triton.jit
+def _skinny_k_step(
+    acc, w, x_ptrs, k_mask, m_mask, gate_next, up_next, K, k0,
+    ACT_SILU_MUL: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One K step of `_skinny_gemm_kernel`: acc plus the step's weight tile w times its
+    activations (x at x_ptrs, or SiLU*up of the prefetched gate/up, then the next
+    step's prefetched); returns (acc, gate_next, up_next)."""
+    if ACT_SILU_MUL:
+        gate, up = gate_next, up_next
+        x_mask = m_mask & (tl.arange(0, BLOCK_K)[None, :] < K - k0 - BLOCK_K)  # empty last
+        gate_next = tl.load(x_ptrs + BLOCK_K, mask=x_mask, other=0.0)
+        up_next = tl.load(x_ptrs + BLOCK_K + K, mask=x_mask, other=0.0)
+        a = silu_mul_rounded(gate, up, x_ptrs.dtype.element_ty)
+    else:
+        a = tl.load(x_ptrs, mask=m_mask & k_mask, other=0.0)
+    if USE_DOT and DOT_F32:
+        # exact float32 products: for float32 inputs, and for every dtype under
+        # the interpreter (see skinny_linear)
+        acc = tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), acc, input_precision="ieee")
+    elif USE_DOT:
+        acc = tl.dot(w, tl.trans(a), acc)  # half-precision MMA, float32 accumulator
+    elif BLOCK_M == 1:
+        # partial sums stay per (row, k lane): no cross-thread traffic in the loop
+        acc += w.to(tl.float32) * a.to(tl.float32)
+    else:
+        prod = w.to(tl.float32)[None, :, :] * a.to(tl.float32)[:, None, :]
+        acc += tl.sum(prod, axis=2)
+    return acc, gate_next, up_next
+
+
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
     x_ptr,  # [M, K] ([M, 2K] = [gate | up] when ACT_SILU_MUL), last dim contiguous
@@ -178,7 +210,6 @@ def _skinny_gemm_kernel(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    pdl_gate(PDL)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -186,6 +217,14 @@ def _skinny_gemm_kernel(
     # loads need a mask along K only.
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     w_ptrs = w_ptr + rows[:, None] * K + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    k_mask = offs_k[None, :] < K
+    if not USE_DOT:
+        # NOTE: the CUDA-core path loads its first K step's weights (all of K for a
+        # small model) before the gate, while the previous kernel ends: constant, so
+        # safe (test_pdl_gate). Not the tensor-core path: peeled there, the fused
+        # SiLU build spilled and SmolLM2 at batch 16 lost 11% (nvidia-h200).
+        w = tl.load(w_ptrs, mask=k_mask, other=0.0)
+    pdl_gate(PDL)
     x_ptrs = x_ptr + offs_m[:, None] * s_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     m_mask = offs_m[:, None] < M
     if USE_DOT:
@@ -194,36 +233,31 @@ def _skinny_gemm_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    gate_next = x_ptrs  # NOTE: placeholders unless ACT_SILU_MUL
+    up_next = x_ptrs
     if ACT_SILU_MUL:
         # NOTE: gate/up feed elementwise math, not the dot, so triton's pipeliner
         # leaves their loads synchronous; they are prefetched one K step ahead by
         # hand instead (without it the fused tensor-core path ran 2.5x slower on H100).
-        x_mask = m_mask & (offs_k[None, :] < K)
+        x_mask = m_mask & k_mask
         gate_next = tl.load(x_ptrs, mask=x_mask, other=0.0)
         up_next = tl.load(x_ptrs + K, mask=x_mask, other=0.0)
-    for k0 in range(0, K, BLOCK_K):
+    k_first = 0
+    if not USE_DOT:  # the first step, its weights loaded above
+        acc, gate_next, up_next = _skinny_k_step(
+            acc, w, x_ptrs, k_mask, m_mask, gate_next, up_next, K, 0,
+            ACT_SILU_MUL, USE_DOT, DOT_F32, BLOCK_M, BLOCK_K,
+        )  # fmt: skip
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        k_first = BLOCK_K
+    for k0 in range(k_first, K, BLOCK_K):
         k_mask = offs_k[None, :] < K - k0
         w = tl.load(w_ptrs, mask=k_mask, other=0.0)
-        if ACT_SILU_MUL:
-            gate, up = gate_next, up_next
-            x_mask = m_mask & (offs_k[None, :] < K - k0 - BLOCK_K)  # empty at the last step
-            gate_next = tl.load(x_ptrs + BLOCK_K, mask=x_mask, other=0.0)
-            up_next = tl.load(x_ptrs + BLOCK_K + K, mask=x_mask, other=0.0)
-            a = silu_mul_rounded(gate, up, x_ptr.dtype.element_ty)
-        else:
-            a = tl.load(x_ptrs, mask=m_mask & k_mask, other=0.0)
-        if USE_DOT and DOT_F32:
-            # exact float32 products: for float32 inputs, and for every dtype under
-            # the interpreter (see skinny_linear)
-            acc = tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), acc, input_precision="ieee")
-        elif USE_DOT:
-            acc = tl.dot(w, tl.trans(a), acc)  # half-precision MMA, float32 accumulator
-        elif BLOCK_M == 1:
-            # partial sums stay per (row, k lane): no cross-thread traffic in the loop
-            acc += w.to(tl.float32) * a.to(tl.float32)
-        else:
-            prod = w.to(tl.float32)[None, :, :] * a.to(tl.float32)[:, None, :]
-            acc += tl.sum(prod, axis=2)
+        acc, gate_next, up_next = _skinny_k_step(
+            acc, w, x_ptrs, k_mask, m_mask, gate_next, up_next, K, k0,
+            ACT_SILU_MUL, USE_DOT, DOT_F32, BLOCK_M, BLOCK_K,
+        )  # fmt: skip
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if USE_DOT:
