@@ -48,10 +48,9 @@ from gyrfalcon.kernels.device import gpu_name  # noqa: E402
 from gyrfalcon.kernels.gemv import (  # noqa: E402
     FUSED_SILU_MUL_MAX_M,
     NORM_FUSED_MAX_K,
-    GemvConfig,
-    gemv_config,
     skinny_linear,
 )
+from gyrfalcon.kernels.gemv_config import GemvConfig, gemv_config  # noqa: E402
 
 # name: (hidden, intermediate, q heads, kv heads, head dim)
 MODELS = {
@@ -373,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     suggested = suggestions(rows)
     if suggested:
         print(f"swept bests that beat the engine's pick by more than {SUGGEST_GAIN:.0%}")
-        print(f"(entries for a table of {props.name!r} in kernels/gemv.py's _TUNED_BY_GPU):")
+        print(f"(entries for a table of {props.name!r} in kernels/gemv_config.py's _TUNED_BY_GPU):")
         print("\n".join(suggested))
     result = {
         "bench": "gemv",

@@ -459,7 +459,7 @@ PY
     fi ;;
   gemv)  # the skinny GEMM's tiles on this GPU: bench_gemv over GEMV_MODELS (default the 8B,
     # its tp-2 share and SmolLM2) with the fused down swept over every FMA tile; it prints
-    # the table entries that beat the engine's pick by > 3% (kernels/gemv.py _TUNED_BY_GPU:
+    # the table entries that beat the engine's pick by > 3% (kernels/gemv_config.py _TUNED_BY_GPU:
     # add them, then A/B in the model with ab-decode), then the GPU gemv tests
     python3 benchmarks/bench_gemv.py --device-kind "$KIND" --fused-grid --ms 1,4,16 --sweep-ms 1,4 \
       --models "${GEMV_MODELS:-llama-3.1-8b,llama-3.1-8b-tp2,smollm2-135m}" --time-budget 240 \

@@ -12,14 +12,16 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from gyrfalcon.kernels.gemv import (  # noqa: E402
-    _TUNED_BY_GPU,
-    _TUNED_M1,
     MAX_SKINNY_M,
     NORM_FUSED_MAX_K,
-    GemvConfig,
-    gemv_config,
     norm_skinny_linear,
     skinny_linear,
+)
+from gyrfalcon.kernels.gemv_config import (  # noqa: E402
+    _TUNED_BY_GPU,
+    _TUNED_M1,
+    GemvConfig,
+    gemv_config,
 )
 from gyrfalcon.kernels.norm import fused_add_rmsnorm, rmsnorm  # noqa: E402
 
