@@ -15,6 +15,7 @@ import logging
 import time
 import weakref
 from collections import Counter
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,15 @@ def _after(**kw: object) -> None:
         watch.after(**kw)
 
 
+def _runtime() -> Any:
+    """Triton's runtime knobs (where its JIT hooks are set), or None without Triton."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return None
+    return knobs.runtime
+
+
 def kernel_name(spec: str) -> str:
     """The kernel's name in Triton's description of a specialization
     ("name[num_warps=4, ...](arg: i32, ...)")."""
@@ -53,28 +63,24 @@ class CompileWatch:
     def install(self) -> bool:
         """Hear Triton's hooks from now on; False where Triton is absent or another
         party's hooks are set (those are never replaced)."""
-        try:
-            from triton import knobs
-        except ImportError:
+        rt = _runtime()
+        if rt is None:
             return False
-        rt = knobs.runtime
         hooks = rt.jit_cache_hook, rt.jit_post_compile_hook
-        if hooks != (_before, _after):
-            if hooks != (None, None):
-                return False
+        if hooks == (None, None):
             rt.jit_cache_hook, rt.jit_post_compile_hook = _before, _after
+        elif hooks != (_before, _after):
+            return False
         _WATCHES.add(self)
         return True
 
     def uninstall(self) -> None:
         """Stop hearing them; Triton's hooks are cleared once no watch is left."""
         _WATCHES.discard(self)
-        try:
-            from triton import knobs
-        except ImportError:
+        rt = _runtime()
+        if rt is None or _WATCHES:
             return
-        rt = knobs.runtime
-        if not _WATCHES and (rt.jit_cache_hook, rt.jit_post_compile_hook) == (_before, _after):
+        if (rt.jit_cache_hook, rt.jit_post_compile_hook) == (_before, _after):
             rt.jit_cache_hook = rt.jit_post_compile_hook = None
 
     def before(self, *, repr: str, **_: object) -> None:
