@@ -5,7 +5,7 @@ configuration will cost in registers, before a GPU session measures its speed
 (benchmarks/NOTES.md, stop 38: the 8B's head dim spilled at 4 warps).
 
   usage: python benchmarks/kernel_resources.py [--arch 90] [--warps 4,8]
-         [--block-n 0,32] [--output-json F]
+         [--block-n 0,32] [--early-kv] [--output-json F]
   (--block-n 0: the kernel's own choice, `decode_block_params`). Run without
   TRITON_INTERPRET: the interpreter compiles nothing.
 
@@ -68,10 +68,12 @@ def resources(cubin: bytes) -> dict:
     return {"registers": int(fields["REG"]), "stack_bytes": int(fields["STACK"])}
 
 
-def build(arch: int, shape: str, row: tuple, fp8: bool, warps: int, block_n: int = 0):
+def build(
+    arch: int, shape: str, row: tuple, fp8: bool, warps: int, block_n: int = 0, early: bool = False
+):
     """(compile-time arguments, pipeline stages, Triton's compiled kernel) of one build of
     the decode kernel for `shape`'s heads and `row` (an entry of ROWS); block_n 0: the
-    kernel's own."""
+    kernel's own; early: the first key block read before the PDL gate (EARLY_KV)."""
     import torch
 
     from gyrfalcon.kernels.attention_decode import _decode_split_kernel
@@ -81,7 +83,7 @@ def build(arch: int, shape: str, row: tuple, fp8: bool, warps: int, block_n: int
     _, t, pack, rope = row
     consts, stages = decode_constexprs(
         head_dim, heads // kv_heads, t, pack, SPLITS, 16, torch.bfloat16, fp8, rope, True,
-        block_n or None,
+        block_n or None, None, early,
     )  # fmt: skip
     # bf16 activations, `kv` caches, int64 tables (as graph replays pass them), float32
     # partials and cos/sin
@@ -114,10 +116,13 @@ def build_rotary(arch: int, shape: str, dtype: str, store: bool):
     return compile_kernel(_rotary_kernel, consts, types, arch, num_warps=ROTARY_WARPS)
 
 
-def compile_row(arch: int, shape: str, row: tuple, fp8: bool, warps: int, block_n: int) -> dict:
-    consts, stages, compiled = build(arch, shape, row, fp8, warps, block_n)
+def compile_row(
+    arch: int, shape: str, row: tuple, fp8: bool, warps: int, block_n: int, early: bool
+) -> dict:
+    consts, stages, compiled = build(arch, shape, row, fp8, warps, block_n, early)
     return {
         "shape": shape, "rows": row[0], "kv_cache": "fp8_e4m3" if fp8 else "bf16",
+        "early_kv": early,
         "num_warps": warps, "block_n": consts["BLOCK_N"], "num_stages": stages,
         "shared_bytes": compiled.metadata.shared, **resources(compiled.asm["cubin"]),
     }  # fmt: skip
@@ -129,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--block-n", default="0,32", help="keys per iteration; 0: the kernel's own")
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument(
+        "--early-kv", action="store_true", help="builds that read a key block before the gate"
+    )
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -139,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             for fp8 in (False, True):
                 for warps in map(int, args.warps.split(",")):
                     for block_n in map(int, args.block_n.split(",")):
-                        r = compile_row(args.arch, shape, row, fp8, warps, block_n)
+                        r = compile_row(args.arch, shape, row, fp8, warps, block_n, args.early_kv)
                         table.append(r)
                         print(
                             f"| {shape} | {r['rows']} | {r['kv_cache']} | {warps} | {r['block_n']}"

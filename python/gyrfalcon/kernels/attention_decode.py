@@ -30,6 +30,11 @@ skipped, nothing of it read or written: a whole graph over any rows
 (worker/piecewise_graph.py) runs its decode rows, the first ones, this way and the
 rest on the extend kernel.
 
+With PDL a program reads its row's metadata before it waits for the previous kernel
+(`pdl_gate`); where the grid is small (`early_kv_block`), also its split's first key
+block: page ids, keys and values of the positions before the step's new tokens (written
+by earlier steps), read again after the wait if the block holds a new token.
+
 NOTE: log-sum-exps are kept in base 2 (scores are pre-multiplied by log2(e))
 so both stages use exp2; they are only ever compared with each other.
 """
@@ -45,13 +50,45 @@ from gyrfalcon.kernels.attention_launch import (
     DecodeRope,
     DecodeScratch,
     decode_constexprs,
+    early_kv_block,
     packs,
 )
-from gyrfalcon.kernels.device import launch_pdl
+from gyrfalcon.kernels.device import launch_pdl, num_sms
 from gyrfalcon.kernels.kv_store import to_cache
 from gyrfalcon.kernels.pdl import pdl_gate
 from gyrfalcon.kernels.rotary import cos_sin_of, rotated_heads, rotated_rows
 from gyrfalcon.kernels.split_merge import merge_splits
+
+
+@triton.jit
+def _block_scores(
+    q,  # [BLOCK_H, BLOCK_D]
+    k_t,  # [BLOCK_D, BLOCK_N] a key block as the cache holds it
+    pos,  # [BLOCK_N] its positions
+    mask_n,  # [BLOCK_N] positions inside the split
+    vis,  # [BLOCK_H] PACK: each block row's causal length (else unused)
+    m_i,
+    l_i,
+    s_scale,
+    PACK: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """The online softmax over one key block: (the new running max, the factor of the
+    old terms, the block's weights [BLOCK_H, BLOCK_N], the new running sum)."""
+    s = tl.dot(q, k_t.to(q.dtype), input_precision=PRECISION) * s_scale  # [BLOCK_H, BLOCK_N]
+    if PACK:  # each block row to its own token's causal length
+        s = tl.where(mask_n[None, :] & (pos[None, :] < vis[:, None]), s, float("-inf"))
+        # a row may see no key of a block (and none before it): m_new is -inf
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        # every block inside [start, end) has a valid key, so m_new is finite
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)  # exp2(-inf) = 0 on the first block
+    p = tl.exp2(s - m_use[:, None])  # [BLOCK_H, BLOCK_N]
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, 1)
 
 
 # NOTE: the page table's row stride and the tokens per row vary from batch to batch
@@ -108,6 +145,7 @@ def _decode_split_kernel(
     BLOCK_S: tl.constexpr,
     PRECISION: tl.constexpr,
     ROPE: tl.constexpr,
+    EARLY_KV: tl.constexpr,  # the first key block read before the PDL gate (`early_kv_block`)
     F16_MATH: tl.constexpr,  # fp8 caches: dots in float16 (see decode_attention)
     PDL: tl.constexpr,
 ):
@@ -139,6 +177,7 @@ def _decode_split_kernel(
         tok = row + offs_h * 0  # [BLOCK_H] this program's one query token
         row_len = tl.load(seq_lens_ptr + table_row)
         seq_len = row_len - (tokens_per_row - 1 - row % tokens_per_row)
+        vis = seq_len + offs_h * 0  # NOTE: unused (the split's end masks the keys)
     if row_len < 1:  # NOTE: a row given no keys is no work (a whole graph's other rows)
         return
     # NOTE: the split length is rounded up to whole key blocks, so short rows use
@@ -151,9 +190,22 @@ def _decode_split_kernel(
         cos, sin = cos_sin_of(
             cos_sin_ptr + new_pos * stride_cs, q_ptr.dtype.element_ty, HEAD_DIM, BLOCK_D
         )
-    # NOTE: everything read above (lengths, positions, the cos/sin table) is the batch's
-    # metadata, which no kernel of the forward writes: read before the gate, it overlaps
-    # the previous kernel (the QKV projection); q, k, v and the cache only after it
+    pt_row = page_table_ptr + table_row * stride_pt
+    first_new = row_len - tokens_per_row  # the row's first position written this step
+    if EARLY_KV:  # the split's first key block, as far as it lies before the new tokens
+        pos0 = start + offs_n
+        mask_n0 = pos0 < end
+        page0 = tl.load(pt_row + pos0 // PAGE_SIZE, mask=mask_n0, other=0)
+        slot0 = page0.to(tl.int64) * PAGE_SIZE + pos0 % PAGE_SIZE  # [BLOCK_N]
+        k0_ptrs = k_ptr + slot0[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None]
+        v0_ptrs = v_ptr + slot0[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :]
+        old0 = mask_n0 & (pos0 < first_new)
+        k0 = tl.load(k0_ptrs, mask=mask_d[:, None] & old0[None, :], other=0.0)
+        v0 = tl.load(v0_ptrs, mask=old0[:, None] & mask_d[None, :], other=0.0)
+    # NOTE: everything read above is the batch's metadata (lengths, positions, the cos/sin
+    # table, page ids) or the cache of earlier steps' tokens, which no kernel of this
+    # forward writes: read before the gate, it overlaps the previous kernel (the QKV
+    # projection); q, the new tokens' k and v and their cache slots only after it
     pdl_gate(PDL)
 
     if ROPE:
@@ -221,33 +273,32 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    pt_row = page_table_ptr + table_row * stride_pt
-    for n0 in range(start, end, BLOCK_N):
+    first_loop = start
+    if EARLY_KV:
+        if start < end:  # the block read before the gate, but for this step's tokens
+            if tl.minimum(start + BLOCK_N, end) > first_new:  # read those after it
+                k0 = tl.load(k0_ptrs, mask=mask_d[:, None] & mask_n0[None, :], other=0.0)
+                v0 = tl.load(v0_ptrs, mask=mask_n0[:, None] & mask_d[None, :], other=0.0)
+            m_i, alpha, p, l_i = _block_scores(
+                q, k0, pos0, mask_n0, vis, m_i, l_i, s_scale, PACK, PRECISION
+            )
+            acc = acc * alpha[:, None] + tl.dot(
+                p.to(q.dtype), v0.to(q.dtype), input_precision=PRECISION
+            )
+        first_loop = start + BLOCK_N
+    for n0 in range(first_loop, end, BLOCK_N):
         pos = n0 + offs_n  # [BLOCK_N] KV positions
         mask_n = pos < end
         page = tl.load(pt_row + pos // PAGE_SIZE, mask=mask_n, other=0)
         slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE  # [BLOCK_N]
-        kv_mask = mask_d[:, None] & mask_n[None, :]
         k_ptrs = k_ptr + slot[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None]
-        k_t = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_D, BLOCK_N]
-        s = tl.dot(q, k_t, input_precision=PRECISION) * s_scale  # [BLOCK_H, BLOCK_N]
-        if PACK:  # each block row to its own token's causal length
-            s = tl.where(mask_n[None, :] & (pos[None, :] < vis[:, None]), s, float("-inf"))
-            # a row may see no key of a block (and none before it): m_new is -inf
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            s = tl.where(mask_n[None, :], s, float("-inf"))
-            # every block inside [start, end) has a valid key, so m_new is finite
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = m_new
-        alpha = tl.exp2(m_i - m_use)  # exp2(-inf) = 0 on the first block
-        p = tl.exp2(s - m_use[:, None])  # [BLOCK_H, BLOCK_N]
-        l_i = l_i * alpha + tl.sum(p, 1)
+        k_t = tl.load(k_ptrs, mask=mask_d[:, None] & mask_n[None, :], other=0.0)
+        m_i, alpha, p, l_i = _block_scores(
+            q, k_t, pos, mask_n, vis, m_i, l_i, s_scale, PACK, PRECISION
+        )
         v_ptrs = v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :]
         v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
-        m_i = m_new
 
     # NOTE: an empty split (start >= end) stores lse = -inf and a zero output;
     # the merge gives it weight 0 and never reads its output.
@@ -289,6 +340,17 @@ def _decode_split_kernel(
                     BLOCK_S,
                     BLOCK_D,
                 )
+
+
+def early_first_block(program_rows: int, k_cache: torch.Tensor, splits: int, pdl: bool) -> bool:
+    """Whether a decode launch of program_rows x KV heads x splits programs over k_cache
+    ([slots, KVH, D]) builds with EARLY_KV (`early_kv_block`); pdl as `decode_attention`
+    takes it."""
+    _, kvh, head_dim = k_cache.shape
+    programs, fp8 = program_rows * kvh * splits, k_cache.element_size() == 1
+    return early_kv_block(
+        programs, num_sms(k_cache.device), head_dim, fp8, launch_pdl(k_cache, pdl)
+    )
 
 
 def decode_attention(
@@ -365,9 +427,11 @@ def decode_attention(
         return
     r = rope if rope is not None else DecodeRope(q, q, seq_lens, q, seq_lens)  # unused if None
     launch = launch_pdl(q, pdl)
+    grid = (bs // t if pack else bs, num_kv_heads, splits)
+    early = early_first_block(grid[0], k_cache, splits, pdl)
     consts, num_stages = decode_constexprs(
         head_dim, group, t, pack, splits, page_size, q.dtype, fp8, rope is not None, launch,
-        block_n, num_stages,
+        block_n, num_stages, early,
     )  # fmt: skip
     mid_o, mid_lse = scratch.mid_o, scratch.mid_lse
     # NOTE: one split needs no merge: its normalized output is final and goes straight
@@ -375,7 +439,7 @@ def decode_attention(
     direct = splits == 1
     mo = o if direct else mid_o
     mo_strides = (o.stride(0), o.stride(1), 0) if direct else mid_o.stride()[:3]
-    _decode_split_kernel[(bs // t if pack else bs, num_kv_heads, splits)](
+    _decode_split_kernel[grid](
         q, k_cache, v_cache, page_table, seq_lens, mo, mid_lse, scratch.counts, o,
         r.k, r.v, r.positions, r.cos_sin, r.loc,
         scale * LOG2E,

@@ -85,6 +85,22 @@ def decode_block_params(block_d: int, fp8: bool) -> tuple[int, int]:
     return (128, 3) if fp8 else (64, 2)
 
 
+# The decode kernel's first key block before its PDL gate costs registers (SmolLM2's
+# 64-wide bf16 heads at 4 warps: 168 -> 241 a thread; 128-wide heads or an fp8 cache
+# spill 1-4 KiB), so it is read early only where those bind nothing: a grid of at most
+# one program per SM (no occupancy to lose) over 16-bit caches of heads up to this wide.
+EARLY_KV_MAX_HEAD_DIM = 64
+
+
+def early_kv_block(programs: int, num_sms: int, head_dim: int, fp8: bool, pdl: bool) -> bool:
+    """Whether a decode launch of `programs` programs reads each split's first key block
+    before its PDL gate (`_decode_split_kernel`'s EARLY_KV): with PDL, a 16-bit cache,
+    heads of at most EARLY_KV_MAX_HEAD_DIM and programs <= num_sms. Measured on
+    nvidia-h200 (SmolLM2 shape, benchmarks/NOTES.md stop 66): batch 1 +3.0% tok/s;
+    batch 16, where the grid is larger than the GPU, -0.6%."""
+    return pdl and not fp8 and head_dim <= EARLY_KV_MAX_HEAD_DIM and programs <= num_sms
+
+
 @lru_cache(maxsize=256)  # NOTE: called per layer in eager steps; a launch only reads it
 def decode_constexprs(
     head_dim: int,
@@ -99,11 +115,12 @@ def decode_constexprs(
     pdl: bool,
     block_n: int | None = None,
     num_stages: int | None = None,
+    early_kv: bool = False,
 ) -> tuple[dict, int]:
     """(the decode kernel's compile-time arguments, its pipeline stages) for a launch of
     `decode_attention` with these parameters: each distinct pair is a build of its own.
-    block_n, num_stages: None = `decode_block_params`. Cached: the dict is shared, never
-    to be changed."""
+    block_n, num_stages: None = `decode_block_params`; early_kv: `early_kv_block`.
+    Cached: the dict is shared, never to be changed."""
     t = tokens_per_row
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
     default_n, default_stages = decode_block_params(block_d, fp8)
@@ -115,6 +132,6 @@ def decode_constexprs(
         BLOCK_G=merge_heads_per_tile(group, splits, block_d),
         BLOCK_S=triton.next_power_of_2(splits),
         PRECISION=dot_precision(q_dtype),
-        ROPE=rope, F16_MATH=fp8 and q_dtype.itemsize == 2, PDL=pdl,
+        ROPE=rope, EARLY_KV=early_kv, F16_MATH=fp8 and q_dtype.itemsize == 2, PDL=pdl,
     )  # fmt: skip
     return consts, default_stages if num_stages is None else num_stages

@@ -12,9 +12,11 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 def pdl_gate(PDL: tl.constexpr):
     """With PDL: wait until the previous kernel has finished and its writes are visible,
     then let the next kernel be scheduled. Before this a kernel may read only what no
-    kernel of the forward writes: weights, and the batch's metadata (lengths,
-    positions, the cos/sin table), which is written before the forward's first kernel
-    (every kernel before the previous one has finished when this one starts)."""
+    kernel of the forward writes: weights; the batch's metadata (lengths, positions,
+    the cos/sin table, page tables), which is written before the forward's first
+    kernel; and the KV cache at positions before the step's new tokens, written by
+    earlier steps (every kernel before the previous one has finished when this one
+    starts, so only the previous kernel may still be writing)."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()

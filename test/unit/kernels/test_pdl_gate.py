@@ -1,8 +1,8 @@
 """What each Triton kernel reads before its PDL gate (kernels/pdl.pdl_gate).
 
 With programmatic dependent launch a kernel starts while the previous one still runs:
-before the gate it may read only what no kernel of the forward writes, weights and the
-batch's metadata. A read of the previous kernel's output there is a race that no
+before the gate it may read only what no kernel of the forward writes: weights, the
+batch's metadata and the KV cache of earlier steps' tokens. A read of the previous kernel's output there is a race that no
 output comparison catches reliably (it passes whenever the previous kernel happens to
 finish first). So the pointers each kernel touches before its gate are pinned here,
 from the source: a new early read has to be added to this table, with its reason.
@@ -19,8 +19,18 @@ KERNELS = Path(gyrfalcon.kernels.__file__).parent
 
 # kernel -> the pointer arguments it dereferences before pdl_gate, and why that is safe
 EARLY_READS = {
-    # the batch's metadata, written before the forward's first kernel
-    "_decode_split_kernel": {"seq_lens_ptr", "pos_ptr", "cos_sin_ptr"},
+    # the batch's metadata, written before the forward's first kernel (lengths,
+    # positions, cos/sin, page ids), and (EARLY_KV builds) the split's first key block
+    # masked to the positions before the row's new tokens: earlier steps' K/V; a block
+    # holding a new token is read again after the gate (test_triton_attention_early)
+    "_decode_split_kernel": {
+        "seq_lens_ptr",
+        "pos_ptr",
+        "cos_sin_ptr",
+        "page_table_ptr",
+        "k_ptr",
+        "v_ptr",
+    },
     # weights (the projection and the RMSNorm gamma; the skinny GEMM's first K step)
     "_norm_gemv_kernel": {"w_ptr", "gamma_ptr"},
     "_skinny_gemm_kernel": {"w_ptr"},

@@ -24,12 +24,17 @@ from gyrfalcon.layers.attention.triton_meta import MAX_VERIFY_TOKENS, decode_kv_
 def _build_key(q, args, kw) -> tuple:
     """What of a `decode_attention` call (q, then its other arguments) makes its own Triton
     build: tensor dtypes (the index tensors' among them), the split count, the
-    compile-time choices, q's row stride as specialized (% 16). tokens_per_row is not
-    specialized (attention_decode.py)."""
+    compile-time choices (EARLY_KV last), q's row stride as specialized (% 16).
+    tokens_per_row is not specialized (attention_decode.py)."""
+    from gyrfalcon.kernels.attention_decode import early_first_block
+
     table, lens, scratch, rope = args[2], args[3], args[5], kw.get("rope")
     rope_dtypes = rope and (rope.k.dtype, rope.positions.dtype, rope.loc.dtype, rope.cos_sin.dtype)
-    return (q.dtype, table.dtype, lens.dtype, scratch.num_kv_splits, kw.get("pack", False),
-            rope is None, q.stride(0) % 16 == 0, rope_dtypes)  # fmt: skip
+    pack = kw.get("pack", False)
+    rows = q.shape[0] // kw.get("tokens_per_row", 1) if pack else q.shape[0]
+    early = early_first_block(rows, args[0], scratch.num_kv_splits, kw.get("pdl", True))
+    return (q.dtype, table.dtype, lens.dtype, scratch.num_kv_splits, pack,
+            rope is None, q.stride(0) % 16 == 0, rope_dtypes, early)  # fmt: skip
 
 
 # SMs the split counts below are chosen for: a GPU-like count, so that the warm-up meets
@@ -37,10 +42,19 @@ def _build_key(q, args, kw) -> tuple:
 SMS = 8
 
 
+def _early(programs: int, *_) -> bool:
+    """EARLY_KV as a GPU rule would pick it (the CPU has no PDL, `early_kv_block`): up to
+    a program count that splits some split count's row counts into both builds here."""
+    return programs <= 4 * SMS
+
+
 def _record_launches(monkeypatch) -> list:
+    from gyrfalcon.kernels import attention_decode
     from gyrfalcon.layers.attention import triton_backend
 
     monkeypatch.setattr(triton_backend, "num_sms", lambda device: SMS)
+    monkeypatch.setattr(attention_decode, "num_sms", lambda device: SMS)
+    monkeypatch.setattr(attention_decode, "early_kv_block", _early)
     launches = []
     real = triton_backend.decode_attention
 
@@ -55,17 +69,21 @@ def _record_launches(monkeypatch) -> list:
 def test_warm_up_launches_the_decode_kernel_at_every_split_count_of_eager_rows(monkeypatch):
     """Eager rows run the decode kernel without RoPE at a split count that depends on
     their number of query rows (a MIXED step's decode rows, or every query token of
-    eager verify rows: up to MAX_VERIFY_TOKENS a row); each count is its own kernel
-    build, so the warm-up launches every count that 3 rows of up to 16 tokens can pick
-    (`SMS`: 32 programs), with q a view of a qkv row as `attend` gets
-    it. Counting rows and not tokens, it built the kernel while serving (stop 39)."""
+    eager verify rows: up to MAX_VERIFY_TOKENS a row); each count, and within one the
+    EARLY_KV choice (`_early`), is its own kernel build, so the warm-up launches every
+    pair that 3 rows of up to 16 tokens can pick (`SMS`), with q a view of a qkv row as
+    `attend` gets it. Counting rows and not tokens, it built the kernel while serving
+    (stop 39); keyed by split count alone, the small-grid build (stop 66)."""
     launches = _record_launches(monkeypatch)
     heads, kv_heads, d = 4, 2, 16
     tri = TritonBackend(heads, kv_heads, d, d**-0.5, decode_block_n=16)
     cache = KVCache(2, 8, PS, kv_heads, d, torch.float32, CPU)
     tri.warm_up_kernels(cache, torch.float32, 3, PS)
-    want = {decode_kv_splits(n, kv_heads, SMS, d) for n in range(1, 3 * MAX_VERIFY_TOKENS + 1)}
-    assert {key[3] for _, key, _ in launches} == want == {1, 2, 4, 8, 16}
+    splits = {n: decode_kv_splits(n, kv_heads, SMS, d) for n in range(1, 3 * MAX_VERIFY_TOKENS + 1)}
+    want = {(s, _early(n * kv_heads * s)) for n, s in splits.items()}
+    assert {(key[3], key[-1]) for _, key, _ in launches} == want
+    assert {s for s, _ in want} == {1, 2, 4, 8, 16}
+    assert any((s, not e) in want for s, e in want)  # a split count in both builds
     assert len(launches) == len(want)
     for rows, key, kw in launches:
         assert decode_kv_splits(rows, kv_heads, SMS, d) == key[3] and kw.get("rope") is None

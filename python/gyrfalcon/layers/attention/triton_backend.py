@@ -41,7 +41,7 @@ from gyrfalcon.forward.batch import ForwardBatch
 from gyrfalcon.forward.kv_cache import KVCache
 from gyrfalcon.ipc.contract import DUMMY_PAGE
 from gyrfalcon.ipc.messages import ForwardMode
-from gyrfalcon.kernels.attention_decode import decode_attention
+from gyrfalcon.kernels.attention_decode import decode_attention, early_first_block
 from gyrfalcon.kernels.attention_extend import extend_attention
 from gyrfalcon.kernels.attention_launch import (
     DecodeRope,
@@ -216,14 +216,19 @@ class TritonBackend(AttentionBackend):
         `eager_decode_rows` rows (those no graph holds), RoPE inside. The warm-up steps
         meet one of them; the rest would build while serving, ~0.7 s each
         (worker/compile_watch.py)."""
-        device = kv_cache.k.device
         for rows, rope in ((range(1, max_rows * MAX_VERIFY_TOKENS + 1), False),
                            (eager_decode_rows, True)):  # fmt: skip
-            fewest: dict[int, int] = {}  # split count -> the fewest rows that pick it
+            fewest: dict[tuple[int, bool], int] = {}  # a build -> the fewest rows that pick it
             for n in rows:
-                fewest.setdefault(self.kv_splits(n, device), n)
+                fewest.setdefault(self._decode_build(n, kv_cache), n)
             for n in fewest.values():
                 self._warm_launch(kv_cache, dtype, n, page_size, rope)
+
+    def _decode_build(self, rows: int, kv_cache: KVCache) -> tuple[int, bool]:
+        """What picks the decode kernel's build for `rows` program rows (one query token
+        each) beside the warm-up's fixed arguments: (split count, EARLY_KV)."""
+        splits = self.kv_splits(rows, kv_cache.k.device)
+        return splits, early_first_block(rows, kv_cache.k[0], splits, self.pdl)
 
     def _warm_launch(
         self, kv_cache: KVCache, dtype: torch.dtype, n: int, page_size: int, rope: bool
