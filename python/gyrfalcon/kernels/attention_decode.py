@@ -50,45 +50,14 @@ from gyrfalcon.kernels.attention_launch import (
     DecodeRope,
     DecodeScratch,
     decode_constexprs,
-    early_kv_block,
+    early_first_block,
     packs,
 )
-from gyrfalcon.kernels.device import launch_pdl, num_sms
+from gyrfalcon.kernels.device import launch_pdl
 from gyrfalcon.kernels.kv_store import to_cache
 from gyrfalcon.kernels.pdl import pdl_gate
 from gyrfalcon.kernels.rotary import cos_sin_of, rotated_heads, rotated_rows
-from gyrfalcon.kernels.split_merge import merge_splits
-
-
-@triton.jit
-def _block_scores(
-    q,  # [BLOCK_H, BLOCK_D]
-    k_t,  # [BLOCK_D, BLOCK_N] a key block as the cache holds it
-    pos,  # [BLOCK_N] its positions
-    mask_n,  # [BLOCK_N] positions inside the split
-    vis,  # [BLOCK_H] PACK: each block row's causal length (else unused)
-    m_i,
-    l_i,
-    s_scale,
-    PACK: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """The online softmax over one key block: (the new running max, the factor of the
-    old terms, the block's weights [BLOCK_H, BLOCK_N], the new running sum)."""
-    s = tl.dot(q, k_t.to(q.dtype), input_precision=PRECISION) * s_scale  # [BLOCK_H, BLOCK_N]
-    if PACK:  # each block row to its own token's causal length
-        s = tl.where(mask_n[None, :] & (pos[None, :] < vis[:, None]), s, float("-inf"))
-        # a row may see no key of a block (and none before it): m_new is -inf
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        # every block inside [start, end) has a valid key, so m_new is finite
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = m_new
-    alpha = tl.exp2(m_i - m_use)  # exp2(-inf) = 0 on the first block
-    p = tl.exp2(s - m_use[:, None])  # [BLOCK_H, BLOCK_N]
-    return m_new, alpha, p, l_i * alpha + tl.sum(p, 1)
+from gyrfalcon.kernels.split_merge import block_scores, merge_splits
 
 
 # NOTE: the page table's row stride and the tokens per row vary from batch to batch
@@ -279,7 +248,7 @@ def _decode_split_kernel(
             if tl.minimum(start + BLOCK_N, end) > first_new:  # read those after it
                 k0 = tl.load(k0_ptrs, mask=mask_d[:, None] & mask_n0[None, :], other=0.0)
                 v0 = tl.load(v0_ptrs, mask=mask_n0[:, None] & mask_d[None, :], other=0.0)
-            m_i, alpha, p, l_i = _block_scores(
+            m_i, alpha, p, l_i = block_scores(
                 q, k0, pos0, mask_n0, vis, m_i, l_i, s_scale, PACK, PRECISION
             )
             acc = acc * alpha[:, None] + tl.dot(
@@ -293,7 +262,7 @@ def _decode_split_kernel(
         slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE  # [BLOCK_N]
         k_ptrs = k_ptr + slot[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None]
         k_t = tl.load(k_ptrs, mask=mask_d[:, None] & mask_n[None, :], other=0.0)
-        m_i, alpha, p, l_i = _block_scores(
+        m_i, alpha, p, l_i = block_scores(
             q, k_t, pos, mask_n, vis, m_i, l_i, s_scale, PACK, PRECISION
         )
         v_ptrs = v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :]
@@ -340,17 +309,6 @@ def _decode_split_kernel(
                     BLOCK_S,
                     BLOCK_D,
                 )
-
-
-def early_first_block(program_rows: int, k_cache: torch.Tensor, splits: int, pdl: bool) -> bool:
-    """Whether a decode launch of program_rows x KV heads x splits programs over k_cache
-    ([slots, KVH, D]) builds with EARLY_KV (`early_kv_block`); pdl as `decode_attention`
-    takes it."""
-    _, kvh, head_dim = k_cache.shape
-    programs, fp8 = program_rows * kvh * splits, k_cache.element_size() == 1
-    return early_kv_block(
-        programs, num_sms(k_cache.device), head_dim, fp8, launch_pdl(k_cache, pdl)
-    )
 
 
 def decode_attention(

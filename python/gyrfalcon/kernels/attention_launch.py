@@ -12,6 +12,7 @@ from functools import lru_cache
 import torch
 import triton
 
+from gyrfalcon.kernels.device import launch_pdl, num_sms
 from gyrfalcon.kernels.split_merge import merge_heads_per_tile
 
 LOG2E = 1.4426950408889634
@@ -99,6 +100,17 @@ def early_kv_block(programs: int, num_sms: int, head_dim: int, fp8: bool, pdl: b
     nvidia-h200 (SmolLM2 shape, benchmarks/NOTES.md stop 66): batch 1 +3.0% tok/s;
     batch 16, where the grid is larger than the GPU, -0.6%."""
     return pdl and not fp8 and head_dim <= EARLY_KV_MAX_HEAD_DIM and programs <= num_sms
+
+
+def early_first_block(program_rows: int, k_cache: torch.Tensor, splits: int, pdl: bool) -> bool:
+    """Whether a decode launch of program_rows x KV heads x splits programs over k_cache
+    ([slots, KVH, D]) builds with EARLY_KV (`early_kv_block`); pdl as `decode_attention`
+    takes it."""
+    _, kvh, head_dim = k_cache.shape
+    programs, fp8 = program_rows * kvh * splits, k_cache.element_size() == 1
+    return early_kv_block(
+        programs, num_sms(k_cache.device), head_dim, fp8, launch_pdl(k_cache, pdl)
+    )
 
 
 @lru_cache(maxsize=256)  # NOTE: called per layer in eager steps; a launch only reads it

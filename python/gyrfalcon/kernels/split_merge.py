@@ -1,10 +1,42 @@
-"""The split merge of the decode kernel (flash-decoding's second stage), run by the
-program that finishes a (row, KV head) last, inside the decode launch."""
+"""The decode kernel's split-KV math: each split's online softmax over a key block
+(`block_scores`), and the merge of the splits' partials (flash-decoding's second stage),
+run by the program that finishes a (row, KV head) last, inside the decode launch."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def block_scores(
+    q,  # [BLOCK_H, BLOCK_D]
+    k_t,  # [BLOCK_D, BLOCK_N] a key block as the cache holds it
+    pos,  # [BLOCK_N] its positions
+    mask_n,  # [BLOCK_N] positions inside the split
+    vis,  # [BLOCK_H] PACK: each block row's causal length (else unused)
+    m_i,
+    l_i,
+    s_scale,
+    PACK: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """The online softmax over one key block: (the new running max, the factor of the
+    old terms, the block's weights [BLOCK_H, BLOCK_N], the new running sum)."""
+    s = tl.dot(q, k_t.to(q.dtype), input_precision=PRECISION) * s_scale  # [BLOCK_H, BLOCK_N]
+    if PACK:  # each block row to its own token's causal length
+        s = tl.where(mask_n[None, :] & (pos[None, :] < vis[:, None]), s, float("-inf"))
+        # a row may see no key of a block (and none before it): m_new is -inf
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        # every block inside [start, end) has a valid key, so m_new is finite
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)  # exp2(-inf) = 0 on the first block
+    p = tl.exp2(s - m_use[:, None])  # [BLOCK_H, BLOCK_N]
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, 1)
 
 
 @triton.jit

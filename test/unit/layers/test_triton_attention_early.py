@@ -10,7 +10,7 @@ import torch
 from triton_attention_cases import FP8, LAYER, PS, make_batch, make_case, make_replay_batch
 
 from gyrfalcon.ipc.messages import ForwardMode
-from gyrfalcon.kernels import attention_decode
+from gyrfalcon.kernels import attention_launch
 from gyrfalcon.kernels.attention_launch import EARLY_KV_MAX_HEAD_DIM, early_kv_block
 from gyrfalcon.kernels.rotary import build_cos_sin_cache
 from gyrfalcon.layers.attention.triton_backend import TritonBackend
@@ -21,7 +21,7 @@ from gyrfalcon.layers.rotary import RotaryEmbedding
 def _run(monkeypatch, early, spec, heads, kv_heads, mode, rope, replay, kv_dtype, **kw):
     """(output, the new tokens' cached K, V) of one Triton backend run with EARLY_KV
     forced to `early`, on a fresh case whose new slots hold NaN."""
-    monkeypatch.setattr(attention_decode, "early_kv_block", lambda *a: early)
+    monkeypatch.setattr(attention_launch, "early_kv_block", lambda *a: early)
     head_dim = 64
     cache, rows = make_case(spec, kv_heads, head_dim, 5, kv_dtype=kv_dtype)
     tri = TritonBackend(heads, kv_heads, head_dim, head_dim**-0.5, **kw)

@@ -26,7 +26,7 @@ def _build_key(q, args, kw) -> tuple:
     build: tensor dtypes (the index tensors' among them), the split count, the
     compile-time choices (EARLY_KV last), q's row stride as specialized (% 16).
     tokens_per_row is not specialized (attention_decode.py)."""
-    from gyrfalcon.kernels.attention_decode import early_first_block
+    from gyrfalcon.kernels.attention_launch import early_first_block
 
     table, lens, scratch, rope = args[2], args[3], args[5], kw.get("rope")
     rope_dtypes = rope and (rope.k.dtype, rope.positions.dtype, rope.loc.dtype, rope.cos_sin.dtype)
@@ -49,12 +49,12 @@ def _early(programs: int, *_) -> bool:
 
 
 def _record_launches(monkeypatch) -> list:
-    from gyrfalcon.kernels import attention_decode
+    from gyrfalcon.kernels import attention_launch
     from gyrfalcon.layers.attention import triton_backend
 
     monkeypatch.setattr(triton_backend, "num_sms", lambda device: SMS)
-    monkeypatch.setattr(attention_decode, "num_sms", lambda device: SMS)
-    monkeypatch.setattr(attention_decode, "early_kv_block", _early)
+    monkeypatch.setattr(attention_launch, "num_sms", lambda device: SMS)
+    monkeypatch.setattr(attention_launch, "early_kv_block", _early)
     launches = []
     real = triton_backend.decode_attention
 

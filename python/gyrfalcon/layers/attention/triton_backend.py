@@ -41,12 +41,13 @@ from gyrfalcon.forward.batch import ForwardBatch
 from gyrfalcon.forward.kv_cache import KVCache
 from gyrfalcon.ipc.contract import DUMMY_PAGE
 from gyrfalcon.ipc.messages import ForwardMode
-from gyrfalcon.kernels.attention_decode import decode_attention, early_first_block
+from gyrfalcon.kernels.attention_decode import decode_attention
 from gyrfalcon.kernels.attention_extend import extend_attention
 from gyrfalcon.kernels.attention_launch import (
     DecodeRope,
     DecodeScratch,
     alloc_decode_scratch,
+    early_first_block,
     packs,
 )
 from gyrfalcon.kernels.device import num_sms
