@@ -97,8 +97,9 @@ def early_kv_block(programs: int, num_sms: int, head_dim: int, fp8: bool, pdl: b
     """Whether a decode launch of `programs` programs reads each split's first key block
     before its PDL gate (`_decode_split_kernel`'s EARLY_KV): with PDL, a 16-bit cache,
     heads of at most EARLY_KV_MAX_HEAD_DIM and programs <= num_sms. Measured on
-    nvidia-h200 (SmolLM2 shape, benchmarks/NOTES.md stop 66): batch 1 +3.0% tok/s;
-    batch 16, where the grid is larger than the GPU, -0.6%."""
+    nvidia-h200 (SmolLM2 shape, benchmarks/NOTES.md stop 66): early in every build,
+    batch 1 +3.0% tok/s and batch 16 (a grid larger than the GPU) -0.6%; by this rule
+    batch 1 +2.1%, batch 2 +3.7%, batch 16 unchanged."""
     return pdl and not fp8 and head_dim <= EARLY_KV_MAX_HEAD_DIM and programs <= num_sms
 
 
