@@ -31,9 +31,10 @@ skipped, nothing of it read or written: a whole graph over any rows
 rest on the extend kernel.
 
 With PDL a program reads its row's metadata before it waits for the previous kernel
-(`pdl_gate`); where the grid is small (`early_kv_block`), also its split's first key
-block: page ids, keys and values of the positions before the step's new tokens (written
-by earlier steps), read again after the wait if the block holds a new token.
+(`pdl_gate`); where the grid is small (`early_kv_block`; rows not packed), also its
+split's first key block: page ids, keys and values of the positions before the step's
+new tokens (written by earlier steps), read again after the wait if the block holds a
+new token.
 
 NOTE: log-sum-exps are kept in base 2 (scores are pre-multiplied by log2(e))
 so both stages use exp2; they are only ever compared with each other.
@@ -386,7 +387,7 @@ def decode_attention(
     r = rope if rope is not None else DecodeRope(q, q, seq_lens, q, seq_lens)  # unused if None
     launch = launch_pdl(q, pdl)
     grid = (bs // t if pack else bs, num_kv_heads, splits)
-    early = early_first_block(grid[0], k_cache, splits, pdl)
+    early = early_first_block(grid[0], k_cache, splits, pdl, pack)
     consts, num_stages = decode_constexprs(
         head_dim, group, t, pack, splits, page_size, q.dtype, fp8, rope is not None, launch,
         block_n, num_stages, early,

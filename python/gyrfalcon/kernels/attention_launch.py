@@ -87,31 +87,37 @@ def decode_block_params(block_d: int, fp8: bool) -> tuple[int, int]:
 
 
 # The decode kernel's first key block before its PDL gate costs registers (SmolLM2's
-# 64-wide bf16 heads at 4 warps: 168 -> 241 a thread; 128-wide heads or an fp8 cache
-# spill 1-4 KiB), so it is read early only where those bind nothing: a grid of at most
-# one program per SM (no occupancy to lose) over 16-bit caches of heads up to this wide.
+# 64-wide bf16 heads at 4 warps: 168 -> 241 a thread; packed verify rows 180 -> 255 and
+# 24 bytes of stack; 128-wide heads or an fp8 cache spill 1-4 KiB), so it is read early
+# only where those bind nothing: a grid of at most one program per SM (no occupancy to
+# lose) over 16-bit caches of heads up to this wide, rows not packed.
 EARLY_KV_MAX_HEAD_DIM = 64
 
 
-def early_kv_block(programs: int, num_sms: int, head_dim: int, fp8: bool, pdl: bool) -> bool:
+def early_kv_block(
+    programs: int, num_sms: int, head_dim: int, fp8: bool, pdl: bool, packed: bool
+) -> bool:
     """Whether a decode launch of `programs` programs reads each split's first key block
     before its PDL gate (`_decode_split_kernel`'s EARLY_KV): with PDL, a 16-bit cache,
-    heads of at most EARLY_KV_MAX_HEAD_DIM and programs <= num_sms. Measured on
+    heads of at most EARLY_KV_MAX_HEAD_DIM, rows not packed (unmeasured there) and
+    programs <= num_sms. Measured on
     nvidia-h200 (SmolLM2 shape, benchmarks/NOTES.md stop 66): early in every build,
     batch 1 +3.0% tok/s and batch 16 (a grid larger than the GPU) -0.6%; by this rule
     batch 1 +2.1%, batch 2 +3.7%, batch 16 unchanged."""
-    return pdl and not fp8 and head_dim <= EARLY_KV_MAX_HEAD_DIM and programs <= num_sms
+    small = programs <= num_sms and head_dim <= EARLY_KV_MAX_HEAD_DIM
+    return pdl and small and not fp8 and not packed
 
 
-def early_first_block(program_rows: int, k_cache: torch.Tensor, splits: int, pdl: bool) -> bool:
+def early_first_block(
+    program_rows: int, k_cache: torch.Tensor, splits: int, pdl: bool, packed: bool = False
+) -> bool:
     """Whether a decode launch of program_rows x KV heads x splits programs over k_cache
-    ([slots, KVH, D]) builds with EARLY_KV (`early_kv_block`); pdl as `decode_attention`
-    takes it."""
+    ([slots, KVH, D]) builds with EARLY_KV (`early_kv_block`); pdl and packed as
+    `decode_attention` takes them."""
     _, kvh, head_dim = k_cache.shape
     programs, fp8 = program_rows * kvh * splits, k_cache.element_size() == 1
-    return early_kv_block(
-        programs, num_sms(k_cache.device), head_dim, fp8, launch_pdl(k_cache, pdl)
-    )
+    pdl = launch_pdl(k_cache, pdl)
+    return early_kv_block(programs, num_sms(k_cache.device), head_dim, fp8, pdl, packed)
 
 
 @lru_cache(maxsize=256)  # NOTE: called per layer in eager steps; a launch only reads it

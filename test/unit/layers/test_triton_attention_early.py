@@ -69,12 +69,14 @@ def test_early_first_block_changes_no_bit(monkeypatch, case, kv_dtype, splits):
 
 
 def test_early_kv_rule():
-    """Early only with PDL, a 16-bit cache, heads up to 64 wide and a grid of at most one
-    program per SM: SmolLM2 at batch 1 (3 KV heads x 16 splits on 132 SMs), not at 16,
-    nor the 8B's 128-wide heads, nor an fp8 cache."""
-    assert early_kv_block(48, 132, 64, False, True)
-    assert early_kv_block(132, 132, EARLY_KV_MAX_HEAD_DIM, False, True)
-    assert not early_kv_block(133, 132, 64, False, True)
-    assert not early_kv_block(48, 132, 64, False, False)
-    assert not early_kv_block(48, 132, 64, True, True)
-    assert not early_kv_block(128, 132, 128, False, True)
+    """Early only with PDL, a 16-bit cache, heads up to 64 wide, rows not packed and a
+    grid of at most one program per SM: SmolLM2 at batch 1 (3 KV heads x 16 splits on
+    132 SMs), not at 16, nor the 8B's 128-wide heads, nor an fp8 cache, nor packed
+    verify rows."""
+    assert early_kv_block(48, 132, 64, False, True, False)
+    assert early_kv_block(132, 132, EARLY_KV_MAX_HEAD_DIM, False, True, False)
+    assert not early_kv_block(133, 132, 64, False, True, False)
+    assert not early_kv_block(48, 132, 64, False, False, False)
+    assert not early_kv_block(48, 132, 64, True, True, False)
+    assert not early_kv_block(128, 132, 128, False, True, False)
+    assert not early_kv_block(48, 132, 64, False, True, True)

@@ -32,7 +32,7 @@ def _build_key(q, args, kw) -> tuple:
     rope_dtypes = rope and (rope.k.dtype, rope.positions.dtype, rope.loc.dtype, rope.cos_sin.dtype)
     pack = kw.get("pack", False)
     rows = q.shape[0] // kw.get("tokens_per_row", 1) if pack else q.shape[0]
-    early = early_first_block(rows, args[0], scratch.num_kv_splits, kw.get("pdl", True))
+    early = early_first_block(rows, args[0], scratch.num_kv_splits, kw.get("pdl", True), pack)
     return (q.dtype, table.dtype, lens.dtype, scratch.num_kv_splits, pack,
             rope is None, q.stride(0) % 16 == 0, rope_dtypes, early)  # fmt: skip
 
