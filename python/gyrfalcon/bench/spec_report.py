@@ -172,9 +172,11 @@ def concurrency_row(
     }
 
 
-def without_text(output: ChatOutput) -> dict[str, Any]:
-    """One request's figures for the JSON (texts are compared, not kept)."""
-    return {k: v for k, v in dataclasses.asdict(output).items() if k != "text"}
+def request_columns(outputs: list[ChatOutput]) -> dict[str, list[Any]]:
+    """The requests' figures for the JSON as parallel columns, one per ChatOutput field
+    but the text (texts are compared, not kept)."""
+    names = [f.name for f in dataclasses.fields(ChatOutput) if f.name != "text"]
+    return {n: [getattr(o, n) for o in outputs] for n in names}
 
 
 def _num(value: float | None, digits: int = 2) -> str:
@@ -351,7 +353,7 @@ def build_report(
         "server_args": list(extra), "spec_flags": ns.spec_flags,
         "commands": commands, "rows": rows, **({"ab_rows": trees} if trees else {}),
         "per_request": {
-            str(c): {name: [without_text(o) for o in runs[name][c][0]] for name in runs}
+            str(c): {name: request_columns(runs[name][c][0]) for name in runs}
             for c in ns.concurrency
         },
     }  # fmt: skip
