@@ -271,7 +271,7 @@ def test_ab_trees_serve_beside_the_two_in_the_same_rounds(
         monkeypatch.setattr(bs, "running_server", fake_server)
         data = tmp_path / "q.jsonl"
         data.write_text("".join(json.dumps({"turns": [f"q{i}"]}) + "\n" for i in range(3)))
-        trees = [tmp_path / "ab" / "abc1234", tmp_path / "ab" / "abc1234+nopack"]
+        trees = [tmp_path / "ab" / "abc1234", tmp_path / "ab" / "abc1234_nopack"]
         argv = ["--dataset", str(data), "--concurrency", "1,2", "--output-dir", str(tmp_path),
                 "--device-kind", "cpu-test", "--model", "/models/tiny", "--rounds", "2",
                 "--kv-cache-memory", "1GiB", "--device", "cuda",
@@ -279,14 +279,14 @@ def test_ab_trees_serve_beside_the_two_in_the_same_rounds(
         assert bs.main(argv) == 0
     assert most_open == 4 and not open_now
     assert started["spec_abc1234"] == trees[0] / "python"
-    assert started["spec_abc1234+nopack"] == trees[1] / "python"
+    assert started["spec_abc1234_nopack"] == trees[1] / "python"
     assert started["plain"] == started["spec"] == bs.ROOT / "python"
     report = json.loads((tmp_path / "spec_tiny_k3_cpu-test.json").read_text())
-    assert set(report["ab_rows"]) == {"spec@abc1234", "spec@abc1234+nopack"}
+    assert set(report["ab_rows"]) == {"spec@abc1234", "spec@abc1234_nopack"}
     for name, rows in report["ab_rows"].items():
         assert [r["concurrency"] for r in rows] == [1, 2] and rows[0]["requests"] == 6
         assert rows[0]["speedup"] is not None and rows[0]["plain_vs_spec"]["mismatches"] == 2
         assert len(rows[0]["rounds_output_throughput"][name]) == 2
         assert len(rows[0]["rounds_accept_length"]) == 2
     md = (tmp_path / "spec_tiny_k3_cpu-test.md").read_text()
-    assert "| spec@abc1234+nopack | 2 | " in md and "| 2 of 6 | 0 |" in md
+    assert "| spec@abc1234_nopack | 2 | " in md and "| 2 of 6 | 0 |" in md
