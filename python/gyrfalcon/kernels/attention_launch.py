@@ -109,7 +109,7 @@ def early_kv_block(
 
 
 def early_first_block(
-    program_rows: int, k_cache: torch.Tensor, splits: int, pdl: bool, packed: bool = False
+    program_rows: int, k_cache: torch.Tensor, splits: int, pdl: bool, packed: bool
 ) -> bool:
     """Whether a decode launch of program_rows x KV heads x splits programs over k_cache
     ([slots, KVH, D]) builds with EARLY_KV (`early_kv_block`); pdl and packed as

@@ -4,8 +4,9 @@ With programmatic dependent launch a kernel starts while the previous one still 
 before the gate it may read only what no kernel of the forward writes: weights, the
 batch's metadata and the KV cache of earlier steps' tokens. A read of the previous
 kernel's output there is a race that no output comparison catches reliably (it passes
-whenever the previous kernel happens to finish first). So the pointers each kernel touches before its gate are pinned here,
-from the source: a new early read has to be added to this table, with its reason.
+whenever the previous kernel happens to finish first). So the pointers each kernel
+touches before its gate are pinned here, from the source: a new early read has to be
+added to this table, with its reason.
 """
 
 from __future__ import annotations

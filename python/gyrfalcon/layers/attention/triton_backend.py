@@ -229,7 +229,8 @@ class TritonBackend(AttentionBackend):
         """What picks the decode kernel's build for `rows` program rows (one query token
         each) beside the warm-up's fixed arguments: (split count, EARLY_KV)."""
         splits = self.kv_splits(rows, kv_cache.k.device)
-        return splits, early_first_block(rows, kv_cache.k[0], splits, self.pdl)
+        # NOTE: the warm-up launches rows of one query token each, never packed
+        return splits, early_first_block(rows, kv_cache.k[0], splits, self.pdl, False)
 
     def _warm_launch(
         self, kv_cache: KVCache, dtype: torch.dtype, n: int, page_size: int, rope: bool
