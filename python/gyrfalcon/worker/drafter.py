@@ -177,8 +177,8 @@ class Drafter:
             specs, self.kv_cache, self.page_size, max_bs, pages, self.device, mode,
             args.graph_batch_sizes(),
         )  # fmt: skip
+        self._setup_piecewise(mode, pages)  # NOTE: first, as the target's (executor.setup_graphs)
         self.graphs.capture()
-        self._setup_piecewise(mode, pages)
 
     def _setup_piecewise(self, mode: str, max_pages: int) -> None:
         """Piecewise graphs for the extends of mixed rounds, at the target's sizes (up to

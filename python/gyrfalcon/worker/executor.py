@@ -168,9 +168,12 @@ class ModelExecutor:
             mode=mode,
             sizes=self.args.graph_batch_sizes(),
         )
+        # NOTE: the piecewise graphs first: captured after them, the batch-1 decode graph of
+        # SmolLM2 replayed 5-8% faster, batch 16 3% (nvidia-h200, benchmarks/NOTES.md,
+        # stop 68; why is not known)
+        self._setup_piecewise(mode, -(-max_model_len // self.page_size))
         with self.ctx.parallel.rows_agreed():  # NOTE: graphs run only at agreed sizes
             self.graphs.capture()
-        self._setup_piecewise(mode, -(-max_model_len // self.page_size))
 
     def _setup_piecewise(self, mode: str, max_pages: int) -> None:
         """Piecewise graphs for the eager path (worker/piecewise_graph.py), up to
