@@ -168,9 +168,9 @@ class ModelExecutor:
             mode=mode,
             sizes=self.args.graph_batch_sizes(),
         )
-        # NOTE: the piecewise graphs first: captured after them, the batch-1 decode graph of
-        # SmolLM2 replayed 5-8% faster, batch 16 3% (nvidia-h200, benchmarks/NOTES.md,
-        # stop 68; why is not known)
+        # NOTE: the piecewise graphs first: with the step graphs captured after them,
+        # SmolLM2 decoded 5-8% more tokens/s at batch 1 and 3% at batch 16 (nvidia-h200,
+        # benchmarks/NOTES.md, stop 68; why the order matters is not known)
         self._setup_piecewise(mode, -(-max_model_len // self.page_size))
         with self.ctx.parallel.rows_agreed():  # NOTE: graphs run only at agreed sizes
             self.graphs.capture()
