@@ -6,7 +6,6 @@ the cache and captures again; its last check (the same steps beside the real KV 
 and graphs) passes, and the worker then serves."""
 
 import gc
-import traceback
 
 import pytest
 import torch
@@ -79,13 +78,8 @@ def test_kv_cache_leaves_the_largest_step_room(tmp_path, monkeypatch, arch, slac
             after, _ = torch.cuda.mem_get_info(worker.device)
             freed = -(-(512 << 20) // per_page) * per_page
             assert after - before >= freed - (16 << 20), (before, after, freed)
-    except BaseException as exc:  # NOTE: a failure's traceback must not keep the device full
-        # for later tests: the frames under this one (the worker's methods) drop their
-        # locals, or the report keeps the worker and its KV cache alive (stop 68: one
-        # failure here made 14 later tests in the process run out of memory)
-        traceback.clear_frames(exc.__traceback__)
-        raise
-    finally:
+    finally:  # NOTE: the next case's KV cache needs the device (and test/gpu/conftest.py
+        # clears a failure's frames)
         del worker
         gc.collect()
         torch.cuda.empty_cache()
