@@ -3,15 +3,15 @@
 A tokenize body has one of two shapes, as in vLLM: completion-style (`prompt`)
 or chat-style (`messages`, rendered through the chat template exactly as
 /v1/chat/completions renders them). Whether `messages` is present picks the
-shape. The defaults are vLLM's: special tokens are added to a prompt, but not
-to a rendered chat, whose template writes its own.
+shape (`TokenizeRequest`). The defaults are vLLM's: special tokens are added to
+a prompt, but not to a rendered chat, whose template writes its own.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Discriminator, Field, Tag, model_validator
 
 from gyrfalcon.frontend.protocol import ChatMessage, ParamError, _Body
 from gyrfalcon.frontend.protocol_tools import ToolParam
@@ -61,17 +61,23 @@ class TokenizeChatRequest(_Body):
         }
 
 
-TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
+PROMPT_SHAPE, CHAT_SHAPE = "tokenize:prompt", "tokenize:chat"
+# the union's tags: pydantic puts them in an error's location, where no field has them
+UNION_TAGS = frozenset({PROMPT_SHAPE, CHAT_SHAPE})
 
 
-def parse_tokenize_request(body: dict[str, Any]) -> TokenizeRequest:
-    """The body as the shape it has (pydantic's ValidationError if it is invalid).
+def _shape(body: Any) -> str:
+    return CHAT_SHAPE if isinstance(body, dict) and "messages" in body else PROMPT_SHAPE
 
-    NOTE: not a pydantic union: a union reports each member's errors under the
-    member's class name, and the error body would name no field of the request.
-    """
-    shape = TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest
-    return shape.model_validate(body)
+
+# NOTE: a callable discriminator: the body is validated as the one shape it has (a
+# plain union reports every member's errors, the field named in none of them), and
+# /openapi.json lists both shapes
+TokenizeRequest = Annotated[
+    Annotated[TokenizeCompletionRequest, Tag(PROMPT_SHAPE)]
+    | Annotated[TokenizeChatRequest, Tag(CHAT_SHAPE)],
+    Discriminator(_shape),
+]
 
 
 class TokenizeResponse(BaseModel):

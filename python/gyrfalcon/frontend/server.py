@@ -32,7 +32,7 @@ from gyrfalcon.frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gyrfalcon.frontend.metrics import ServingMetrics
 from gyrfalcon.frontend.protocol import ChatCompletionRequest, CompletionRequest, ParamError
 from gyrfalcon.frontend.protocol_responses import ModelCard, ModelList, now
-from gyrfalcon.frontend.protocol_tokenize import DetokenizeRequest
+from gyrfalcon.frontend.protocol_tokenize import UNION_TAGS, DetokenizeRequest, TokenizeRequest
 from gyrfalcon.frontend.serving_chat import create_chat_completion
 from gyrfalcon.frontend.serving_common import (
     ClientDisconnected,
@@ -131,8 +131,8 @@ def _validation_error(exc: RequestValidationError) -> Response:
 def _common_loc(errors: list[Any]) -> list[Any]:
     """The location of the first error's field: the common prefix of the errors
     under the same top-level field (a union reports one error per member, with
-    the member's type name appended to the location)."""
-    locs = [[p for p in e.get("loc", ()) if p != "body"] for e in errors]
+    the member's type name appended to the location; a tagged union, its tag)."""
+    locs = [[p for p in e.get("loc", ()) if p != "body" and p not in UNION_TAGS] for e in errors]
     head = locs[0]
     same_field = [loc for loc in locs if loc[:1] == head[:1]]
     common: list[Any] = []
@@ -245,7 +245,7 @@ def create_app(
 
     @app.post("/tokenize")
     @app.post("/v1/tokenize")
-    async def tokenize(body: dict[str, Any]) -> Response:
+    async def tokenize(body: TokenizeRequest) -> Response:
         return json_response(create_tokenize(ctx, body))
 
     @app.post("/detokenize")

@@ -7,10 +7,7 @@ completion would send to the engine.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
+from typing import TYPE_CHECKING
 
 from gyrfalcon.frontend.protocol_tokenize import (
     DetokenizeRequest,
@@ -18,7 +15,6 @@ from gyrfalcon.frontend.protocol_tokenize import (
     TokenizeChatRequest,
     TokenizeRequest,
     TokenizeResponse,
-    parse_tokenize_request,
 )
 from gyrfalcon.frontend.serving_chat import render_chat_prompt
 from gyrfalcon.frontend.serving_common import RequestError, ServingContext
@@ -31,12 +27,11 @@ if TYPE_CHECKING:
 SPECIAL_TOKENS_PROBE = "a"
 
 
-def create_tokenize(ctx: ServingContext, body: dict[str, Any]) -> TokenizeResponse:
+def create_tokenize(ctx: ServingContext, req: TokenizeRequest) -> TokenizeResponse:
     """The ids of a prompt or of a rendered chat, with the context length.
 
     503 while the engine is not ready: `max_model_len` is the engine's.
     """
-    req = _parse(body)
     ctx.check_model(req.model)
     ctx.check_engine()
     tokenizer = ctx.tokenizer
@@ -82,10 +77,3 @@ def special_token_affixes(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int]
         "this tokenizer's special tokens cannot be added to a rendered chat",
         param="add_special_tokens",
     )
-
-
-def _parse(body: dict[str, Any]) -> TokenizeRequest:
-    try:
-        return parse_tokenize_request(body)
-    except ValidationError as exc:  # reported as FastAPI reports an invalid body
-        raise RequestValidationError(exc.errors(), body=body) from None

@@ -1,5 +1,5 @@
-"""schemathesis against /openapi.json: generated chat and completion requests, valid
-and invalid, never get a 5xx, and the server stays healthy. The engine is the fake
+"""schemathesis against /openapi.json: generated chat, completion and tokenizer
+requests, valid and invalid, never get a 5xx, and the server stays healthy. The engine is the fake
 scheduler (frontend_fakes.py): the frontend's validation is what is attacked."""
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ def fuzz_url(tokenizer):
     thread.join(30)
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize(
+    "path", ["/v1/completions", "/v1/chat/completions", "/v1/tokenize", "/v1/detokenize"]
+)
 def test_generated_requests_never_get_a_server_error(fuzz_url, path):
     schema = schemathesis.openapi.from_url(f"{fuzz_url}/openapi.json")
     operation = schema[path]["POST"]

@@ -227,3 +227,23 @@ def test_bad_bodies_are_400(tokenizer, path, payload, param):
             assert err["message"]
 
     run(body)
+
+
+def test_openapi_documents_both_tokenize_shapes(tokenizer):
+    """A client generated from /openapi.json learns both bodies of /tokenize (a prompt
+    or chat messages), not a free-form object."""
+
+    async def body():
+        async with live_server(tokenizer, replying(tokenizer)) as srv:
+            async with httpx.AsyncClient() as http:
+                spec = (await http.get(f"{srv.url}/openapi.json")).json()
+            for path in ("/tokenize", "/v1/tokenize"):
+                schema = spec["paths"][path]["post"]["requestBody"]["content"]
+                shapes = schema["application/json"]["schema"]["oneOf"]
+                names = sorted(s["$ref"].rsplit("/", 1)[1] for s in shapes)
+                assert names == ["TokenizeChatRequest", "TokenizeCompletionRequest"], shapes
+            components = spec["components"]["schemas"]
+            assert components["TokenizeCompletionRequest"]["required"] == ["prompt"]
+            assert components["TokenizeChatRequest"]["required"] == ["messages"]
+
+    run(body)
