@@ -1,9 +1,9 @@
 """Random greedy requests through EAGLE3 against the same requests without it (CPU,
 float32): each request draws max_tokens, min_tokens, stop ids taken from its own plain
 output (so they are met inside accepted runs, and some before min_tokens allows them),
-logit_bias, logprobs and EOS; the drafter is forced to a random acceptance pattern
-(spec_util.force_drafts). Tokens, logprobs and finish reasons must be identical, and
-every page must come back."""
+logit_bias, logprobs and EOS or not, in a pool small enough to preempt; the drafter is
+forced to a random acceptance pattern (spec_util.force_drafts). Tokens, logprobs and
+finish reasons must be identical, and every page must come back."""
 
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ import pytest
 from spec_util import engine, force_drafts, make_pair, prompts, random_pattern, run
 
 from gyrfalcon.ipc.messages import SamplingParams
-
-EOS = 2  # make_tiny_hf_model's eos_token_id
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +47,10 @@ def test_random_greedy_requests_match_plain_decoding(pair, seed):
     free = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
     free_runs = run(engine(target), ps, free).ids
     sps = [_request(rng, out) for out in free_runs]
-    small = dict(num_kv_pages=24, chunked_prefill_size=8, max_num_batched_tokens=16)
+    small = dict(
+        num_kv_pages=12, chunked_prefill_size=8, max_num_batched_tokens=16,
+        schedule_conservativeness=0.0,
+    )  # fmt: skip
     plain = run(engine(target, **small), ps, sps)
     eng = engine(target, draft, k, **small)
     seqs = {str(i): p + o for i, (p, o) in enumerate(zip(ps, plain.ids))}
@@ -65,3 +66,4 @@ def test_random_greedy_requests_match_plain_decoding(pair, seed):
         for a, b in zip(got.logprobs[i], plain.logprobs[i]):
             assert a.logprob == pytest.approx(b.logprob, abs=1e-4), (i, sp)
     assert made and got.verify_steps > 0
+    assert eng.scheduler.counters.preemptions > 0
