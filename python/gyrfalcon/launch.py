@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 
 from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.nodes import parse_init_addr
+from gyrfalcon.config.resolve import resolve_or_exit
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.frontend.engine_client import EngineClient
 from gyrfalcon.frontend.process import (
@@ -166,7 +167,7 @@ def _serve(args: ServerArgs) -> int:
 
     model_dir = resolve_model(args.model, args.cache_dir)
     model_cfg = ModelConfig.from_dir(model_dir)
-    args = args.resolved(model_cfg)
+    args = resolve_or_exit(args, model_cfg)
     tokenizer_dir = args.tokenizer or model_dir
     name = args.served_model_name or default_model_name(args.model)
 

@@ -26,6 +26,7 @@ import zmq
 
 from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.nodes import parse_init_addr
+from gyrfalcon.config.resolve import resolve_or_exit
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.ipc.contract import RankLayout
 from gyrfalcon.ipc.sockets import NodePorts
@@ -62,7 +63,7 @@ def serve_node(args: ServerArgs) -> int:
 
     model_dir = resolve_model(args.model, args.cache_dir)  # NOTE: every node loads its own
     model_cfg = ModelConfig.from_dir(model_dir)
-    args = args.resolved(model_cfg)
+    args = resolve_or_exit(args, model_cfg)
     layout = RankLayout(dp_size=args.dp_size, tp_size=args.tp_size)
     assert args.dist_init_addr is not None  # NOTE: ServerArgs asks for it with --nnodes > 1
     ports = NodePorts(*parse_init_addr(args.dist_init_addr), layout.world_size)

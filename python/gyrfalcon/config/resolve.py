@@ -1,11 +1,14 @@
 """`ServerArgs.resolved()`: every "auto" of the parsed arguments resolved for this
 machine (device, dtype, attention backends, the scheduler's token budgets, host
-threads) and the parallel and speculative settings checked, once, at parse time.
-Kept apart from the flags' declarations (`server_args.py`)."""
+threads) and the parallel and speculative settings checked, once, at parse time
+(with the model's config: the drafter against the target too, before any process
+starts). Kept apart from the flags' declarations (`server_args.py`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from typing import TYPE_CHECKING
 
 from gyrfalcon.config.attention import default_attention_backend
@@ -85,6 +88,9 @@ def resolve_server_args(args: ServerArgs, model: ModelConfig | None = None) -> S
         args.speculative_eagle_topk,
         args.speculative_num_draft_tokens,
     )
+    if steps is not None and model is not None:
+        assert args.speculative_draft_model_path is not None  # NOTE: resolve_speculative
+        check_drafter(model, args.speculative_draft_model_path)
     init_addr = args.dist_init_addr and init_url(args.dist_init_addr)
     return dataclasses.replace(
         args,
@@ -101,3 +107,25 @@ def resolve_server_args(args: ServerArgs, model: ModelConfig | None = None) -> S
         piecewise_cuda_graph_max_tokens=piecewise,
         cpu_threads=threads,
     )
+
+
+def check_drafter(target: ModelConfig, path: str) -> None:
+    """ValueError if the drafter at `path` cannot serve `target`, from the two configs
+    alone (`check_draft_config`): a mismatch is reported before any process starts or
+    any weight loads. The worker checks the drafter's tensors when it loads them."""
+    from gyrfalcon.config.draft_config import DraftConfig, check_draft_config
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"--speculative-draft-model-path {path}: no config.json there")
+    check_draft_config(target, DraftConfig.from_dir(path))
+
+
+def resolve_or_exit(args: ServerArgs, model: ModelConfig) -> ServerArgs:
+    """`args.resolved(model)` for the command line: flags that cannot work with this
+    model (or drafter) end it with their message and exit code 2, as argparse's
+    errors do, not with a traceback."""
+    try:
+        return args.resolved(model)
+    except ValueError as e:
+        print(f"gyrfalcon serve: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
