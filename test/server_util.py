@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -228,3 +230,10 @@ def kill_a_rank_mid_load(server: Server, num_ranks: int, body: dict, wait_s: flo
     except subprocess.TimeoutExpired:
         code = None
     return code, time.monotonic() - start, kids
+
+
+def sse_events(body: str) -> list[Any]:
+    """The JSON payloads of an SSE body, checking it ends with [DONE]."""
+    events = [line[len("data: ") :] for line in body.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", "a stream must end with [DONE]"
+    return [json.loads(e) for e in events[:-1]]

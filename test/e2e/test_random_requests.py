@@ -7,11 +7,11 @@ fixture then checks that every page came back."""
 
 from __future__ import annotations
 
-import json
 import random
 
 import httpx
 import pytest
+from server_util import sse_events
 
 WORDS = ["the", " cat", " sat", ".", "\n", " on", "!", " mat", "a", ",", " 1", " 2"]
 VOCAB = 49152  # SmolLM2's
@@ -69,10 +69,7 @@ def _choices(p: dict, r: httpx.Response, chat: bool) -> tuple[list[dict], dict |
     tokens: dict[int, int] = {}
     finish: dict[int, str] = {}
     usage = None
-    for line in r.text.splitlines():
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        chunk = json.loads(line[len("data: ") :])
+    for chunk in sse_events(r.text):
         assert "error" not in chunk, chunk
         if chunk.get("usage") and not chunk["choices"]:
             usage = chunk["usage"]
@@ -86,10 +83,10 @@ def _choices(p: dict, r: httpx.Response, chat: bool) -> tuple[list[dict], dict |
             if c.get("finish_reason"):
                 finish[i] = c["finish_reason"]
     assert sorted(finish) == list(range(p["n"])), finish
-    out = [
-        {"text": texts.get(i, ""), "finish": finish[i], "tokens": tokens.get(i, 0)} for i in finish
-    ]
-    return out, usage
+    n = range(p["n"])
+    return [
+        {"text": texts.get(i, ""), "finish": finish[i], "tokens": tokens.get(i, 0)} for i in n
+    ], usage
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -10,7 +10,6 @@ id of a "stop" output, and a final "abort" output after an AbortRequest.
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -20,6 +19,7 @@ from typing import Any
 import httpx
 import zmq
 import zmq.asyncio
+from server_util import sse_events  # noqa: F401  (re-exported to the frontend tests)
 
 from gyrfalcon.frontend.body_limit import DEFAULT_MAX_BODY_BYTES
 from gyrfalcon.frontend.engine_client import EngineClient
@@ -263,13 +263,6 @@ def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     """The prompt ids the server must send for `messages`."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(text, add_special_tokens=False)
-
-
-def sse_events(body: str) -> list[Any]:
-    """The JSON payloads of an SSE body, checking it ends with [DONE]."""
-    events = [line[len("data: ") :] for line in body.split("\n\n") if line.startswith("data: ")]
-    assert events[-1] == "[DONE]", "a stream must end with [DONE]"
-    return [json.loads(e) for e in events[:-1]]
 
 
 async def post(url: str, path: str, body: dict[str, Any] | str) -> httpx.Response:
