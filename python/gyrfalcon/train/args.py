@@ -147,6 +147,14 @@ class TrainArgs:
     step_loss_decay: float = field(
         default=0.8, metadata={"help": "weight of unroll step j's loss: decay ** j"}
     )
+    reach_weight: float = field(
+        default=0.0,
+        metadata={
+            "help": "in [0, 1]: unroll step j >= 1 weighs a row (1 - w) + w if the "
+            "drafter's argmax was the target's at every earlier step there (a greedy "
+            "server verifies that draft), (1 - w) otherwise; 0: every row alike"
+        },
+    )
     target_temperature: float = field(
         default=1.0,
         metadata={
@@ -247,6 +255,8 @@ class TrainArgs:
             )
         if self.aux_layer_ids is not None:
             parse_aux_layer_ids(self.aux_layer_ids)
+        if not 0.0 <= self.reach_weight <= 1.0:
+            raise ValueError(f"--reach-weight must be in [0, 1], got {self.reach_weight}")
         if not 0.0 <= self.ema_decay < 1.0:
             raise ValueError(f"--ema-decay must be in [0, 1), got {self.ema_decay}")
         if self.holdout < 1:

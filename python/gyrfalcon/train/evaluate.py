@@ -44,7 +44,7 @@ def run_batch(
     aux = batch.aux if device.type == "cuda" else batch.aux.float()
     with autocast(device):
         outs = ttt_unroll(drafter, batch.ids, aux, args.ttt_steps)
-        return ttt_loss(drafter, outs, view, batch.rows, args.step_loss_decay)
+        return ttt_loss(drafter, outs, view, batch.rows, args.step_loss_decay, args.reach_weight)
 
 
 @dataclass

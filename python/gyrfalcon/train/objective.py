@@ -9,7 +9,12 @@ Loss (EAGLE3): at each step, the cross-entropy of the drafter's distribution
 against the target's restricted to the draft vocabulary (softmax of the target's
 logits at the draft ids, divided by --target-temperature, 1 by default), over rows
 whose target argmax is in the draft vocabulary (elsewhere the draft vocabulary
-cannot express the target's choice); step j weighted decay ** j.
+cannot express the target's choice); step j weighted decay ** j. With
+--reach-weight w > 0, row p of step j >= 1 also weighs (1 - w) + w * reached, where
+reached says the drafter's argmax was the target's at every earlier step of that row:
+a server only verifies draft j + 1 of a round whose first j drafts were accepted, so
+w = 1 trains each later step on the rows a greedy server reaches (token-alignable
+training), 0 (the default) on every row alike.
 
 Acceptance at step j: the fraction of rows where the drafter's argmax, mapped to a
 target id, equals the target's argmax over the whole vocabulary. The inputs of step
@@ -91,9 +96,12 @@ def step_result(
     view: TargetView,
     rows: ScoredRows,
     step: int,
+    weight: torch.Tensor | None = None,
 ) -> StepResult:
     """Loss and acceptance of unroll step `step`'s output out [B, S, H]. The LM head
-    runs on the union rows only (no host sync: the rows came from the host)."""
+    runs on the union rows only (no host sync: the rows came from the host). weight
+    [n] float: each union row's share of the loss (None: 1 each); the loss is the
+    weighted mean over the scored rows."""
     valid, target_row = rows.at_step(step)
     # NOTE: index_select, whose backward is an index_add (the rows are distinct)
     logits = draft_logits(drafter, out.flatten(0, 1).index_select(0, rows.flat))  # [n, V]
@@ -104,6 +112,8 @@ def step_result(
     hit_rows = (drafter.to_target_ids(draft_argmax) == target_ids) & valid
     # NOTE: the target's choice is drafted (else the draft vocabulary cannot express it)
     scored = ((drafter.target_to_draft(target_ids) >= 0) & valid).float()
+    if weight is not None:
+        scored = scored * weight
     loss = (ce * scored).sum() / scored.sum().clamp(min=1)
     return StepResult(loss, valid, hit_rows, rows, (out.shape[0], out.shape[1]))
 
@@ -114,9 +124,19 @@ def ttt_loss(
     view: TargetView,
     rows: ScoredRows,
     decay: float,
+    reach_weight: float = 0.0,
 ) -> tuple[torch.Tensor, list[StepResult]]:
-    """sum_j decay ** j * loss_j over the unroll steps, and each step's result."""
-    results = [step_result(drafter, out, view, rows, j) for j, out in enumerate(outs)]
+    """sum_j decay ** j * loss_j over the unroll steps, and each step's result; with
+    reach_weight w, step j's rows weigh (1 - w) + w * (hit at every step before j)."""
+    results: list[StepResult] = []
+    reached: torch.Tensor | None = None  # [n] bool: every step so far hit
+    for j, out in enumerate(outs):
+        weight = None
+        if reach_weight and reached is not None:
+            weight = (1.0 - reach_weight) + reach_weight * reached.float()
+        results.append(step_result(drafter, out, view, rows, j, weight))
+        hit = results[-1].hit_rows
+        reached = hit if reached is None else reached & hit
     zero = torch.zeros((), device=outs[0].device)  # NOTE: float32 even under autocast
     total = sum((decay**j * r.loss for j, r in enumerate(results)), zero)
     return total, results

@@ -125,3 +125,7 @@ def test_resolved_defaults():
     for bad in (0.0, -0.5):
         with pytest.raises(ValueError, match="--target-temperature must be positive"):
             TrainArgs(prompts="p.jsonl", output_dir="out", target_temperature=bad).resolved()
+    assert args.reach_weight == 0.0  # every row alike unless asked
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match=r"--reach-weight must be in \[0, 1\]"):
+            TrainArgs(prompts="p.jsonl", output_dir="out", reach_weight=bad).resolved()

@@ -208,6 +208,61 @@ def test_the_loss_is_the_textbook_cross_entropy_over_each_steps_rows(target):
         assert int(results[j].hits) == hits, j
 
 
+@pytest.mark.parametrize("reach_weight", [0.5, 1.0])
+def test_reach_weight_scores_later_steps_on_the_rows_a_greedy_server_reaches(target, reach_weight):
+    """--reach-weight w: row p of step j weighs (1 - w) + w where the drafter's argmax was
+    the target's at steps 0..j-1 of row p (a server verifies draft j + 1 only after the
+    first j were accepted), 1 - w elsewhere; the loss is the weighted mean. The target's
+    choices are drafted ids, the drafter's own step-0 drafts at every other row, so
+    step 1 reaches some rows and not others."""
+    drafter = make_drafter(target)
+    features = tiny_features(target)
+    batch = features.batch([0, 1], 1, STEPS)
+    with torch.no_grad():
+        outs = ttt_unroll(drafter, batch.ids, batch.aux, STEPS)
+    d2t = drafter.draft_to_target
+    choice = {}  # (b, p, j) -> the drafter's argmax as a target id
+    for b, n in enumerate(LENGTHS):
+        for p in range(n):
+            for j in range(STEPS):
+                choice[b, p, j] = int(d2t[draft_logits(drafter, outs[j][b, p]).argmax()])
+    features.target_argmax[:] = d2t[torch.arange(len(features.ids)) * 7 % len(d2t)]
+    for b, start in enumerate(features.starts):
+        for p in range(0, LENGTHS[b] - 2, 2):  # step 0 of row p scores position p + 1
+            features.target_argmax[start + p + 1] = choice[b, p, 0]
+    batch = features.batch([0, 1], 1, STEPS)
+    with torch.no_grad():
+        _, plain = run_batch(drafter, target, batch, train_args(), CPU)
+        _, weighted = run_batch(drafter, target, batch, train_args(reach_weight=reach_weight), CPU)
+    reached_rows = 0
+    for j in range(STEPS):
+        ces, weights = [], []
+        for b, (start, n, pl) in enumerate(zip(features.starts, LENGTHS, (3, 2))):
+            for p in range(n):
+                t = p + 2 + j
+                if not pl <= t < n:
+                    continue
+                assert drafter.t2d[features.target_argmax[start + t - 1]]  # all scored
+                hit_before = all(
+                    pl <= p + 2 + i < n
+                    and choice[b, p, i] == int(features.target_argmax[start + p + 1 + i])
+                    for i in range(j)
+                )
+                reached_rows += int(j > 0 and hit_before)
+                f = features.final[start + t - 1]
+                q = torch.softmax(target.compute_logits(f[None])[0, d2t], -1)
+                x = draft_logits(drafter, outs[j][b, p])
+                ces.append(-(q * torch.log_softmax(x, -1)).sum())
+                weights.append(1.0 - reach_weight + reach_weight * hit_before)
+        w = torch.tensor(weights)
+        want_loss = (torch.stack(ces) * w).sum() / w.sum().clamp(min=1)
+        torch.testing.assert_close(weighted[j].loss, want_loss, **TOL, msg=f"step {j}")
+        assert int(weighted[j].hits) == int(plain[j].hits)  # acceptance is not weighted
+    assert reached_rows >= 6
+    assert not torch.allclose(weighted[1].loss, plain[1].loss, **TOL)
+    torch.testing.assert_close(weighted[0].loss, plain[0].loss, **TOL)
+
+
 @pytest.mark.parametrize("bucket", [16, 64])
 def test_padding_up_to_a_bucket_changes_no_loss_and_no_gradient(target, bucket):
     """One training step on a batch padded to a multiple of `bucket` (4 and 52 more

@@ -264,3 +264,29 @@ def test_a_cuda_run_limits_its_host_threads_and_a_cpu_run_keeps_them(monkeypatch
         assert os.environ["OMP_NUM_THREADS"] == str(HOST_THREADS)
     finally:
         torch.set_num_threads(before)
+
+
+def test_reach_weight_chains_the_hits_of_every_earlier_step(monkeypatch):
+    """--reach-weight w: step j's rows weigh 1 where steps 0..j-1 all hit (a greedy
+    server verifies draft j + 1 there), 1 - w elsewhere; step 0 and w = 0 unweighted."""
+    from types import SimpleNamespace
+
+    from gyrfalcon.train import objective
+
+    hits = torch.tensor([[1, 1, 0, 1, 0], [1, 0, 1, 1, 0], [0, 1, 1, 1, 1]], dtype=torch.bool)
+    seen = []
+
+    def fake_step(drafter, out, view, rows, step, weight=None):
+        seen.append(weight)
+        return SimpleNamespace(loss=torch.tensor(float(step + 1)), hit_rows=hits[step])
+
+    monkeypatch.setattr(objective, "step_result", fake_step)
+    total, _ = objective.ttt_loss(None, [torch.zeros(1)] * 3, None, None, 0.5, reach_weight=0.75)
+    assert seen[0] is None
+    torch.testing.assert_close(seen[1], torch.tensor([1.0, 1.0, 0.25, 1.0, 0.25]))
+    # row 2 hit at step 1 but not at step 0: a server never verifies its third draft
+    torch.testing.assert_close(seen[2], torch.tensor([1.0, 0.25, 0.25, 1.0, 0.25]))
+    torch.testing.assert_close(total, torch.tensor(1 + 0.5 * 2 + 0.25 * 3))
+    seen.clear()
+    objective.ttt_loss(None, [torch.zeros(1)] * 3, None, None, 0.5)
+    assert seen == [None, None, None]
