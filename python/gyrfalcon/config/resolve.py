@@ -1,8 +1,9 @@
 """`ServerArgs.resolved()`: every "auto" of the parsed arguments resolved for this
 machine (device, dtype, attention backends, the scheduler's token budgets, host
 threads) and the parallel and speculative settings checked, once, at parse time
-(with the model's config: the drafter against the target too, before any process
-starts). Kept apart from the flags' declarations (`server_args.py`)."""
+(with the model's config: its split over the ranks and the drafter against the
+target too, before any process starts). Kept apart from the flags' declarations
+(`server_args.py`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from gyrfalcon.config.attention import default_attention_backend
 from gyrfalcon.config.cli_args import available_cores
 from gyrfalcon.config.nodes import init_url
 from gyrfalcon.config.piecewise import DEFAULT_MAX_TOKENS, launch_bound_at
+from gyrfalcon.config.sharding import check_parallel_fit
 from gyrfalcon.config.speculative import resolve_speculative
 
 if TYPE_CHECKING:
@@ -81,6 +83,8 @@ def resolve_server_args(args: ServerArgs, model: ModelConfig | None = None) -> S
         )
     if args.dist_timeout <= 0:
         raise ValueError(f"--dist-timeout must be positive, got {args.dist_timeout}")
+    if model is not None:  # NOTE: before, a worker found it after every process started
+        check_parallel_fit(model, args.tp_size, args.dp_size, args.ep_size)
     steps, verified = resolve_speculative(
         args.speculative_algorithm,
         args.speculative_draft_model_path,
@@ -90,7 +94,7 @@ def resolve_server_args(args: ServerArgs, model: ModelConfig | None = None) -> S
     )
     if steps is not None and model is not None:
         assert args.speculative_draft_model_path is not None  # NOTE: resolve_speculative
-        check_drafter(model, args.speculative_draft_model_path)
+        check_drafter(model, args.speculative_draft_model_path, args.tp_size)
     init_addr = args.dist_init_addr and init_url(args.dist_init_addr)
     return dataclasses.replace(
         args,
@@ -109,15 +113,22 @@ def resolve_server_args(args: ServerArgs, model: ModelConfig | None = None) -> S
     )
 
 
-def check_drafter(target: ModelConfig, path: str) -> None:
+def check_drafter(target: ModelConfig, path: str, tp_size: int) -> None:
     """ValueError if the drafter at `path` cannot serve `target`, from the two configs
-    alone (`check_draft_config`): a mismatch is reported before any process starts or
-    any weight loads. The worker checks the drafter's tensors when it loads them."""
+    alone (`check_draft_config`), or does not split over `tp_size` ranks (every TP rank
+    runs it, split like the target's attention and MLP): a mismatch is reported before
+    any process starts or any weight loads. The worker checks the drafter's tensors
+    when it loads them."""
     from gyrfalcon.config.draft_config import DraftConfig, check_draft_config
 
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"--speculative-draft-model-path {path}: no config.json there")
-    check_draft_config(target, DraftConfig.from_dir(path))
+    draft = DraftConfig.from_dir(path)
+    check_draft_config(target, draft)
+    try:
+        check_parallel_fit(draft.layer, tp_size, 1, 1)
+    except ValueError as e:
+        raise ValueError(f"--speculative-draft-model-path {path}: {e}") from None
 
 
 def resolve_or_exit(args: ServerArgs, model: ModelConfig) -> ServerArgs:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gyrfalcon.forward.parallel import VocabShard
+from gyrfalcon.config.sharding import VocabShard
 from gyrfalcon.layers.context import LayerContext
 
 

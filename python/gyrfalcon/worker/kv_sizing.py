@@ -9,8 +9,8 @@ import torch
 from gyrfalcon.config.cli_args import parse_size
 from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs
+from gyrfalcon.config.sharding import local_heads
 from gyrfalcon.forward.kv_cache import KVCache
-from gyrfalcon.forward.parallel import local_heads
 
 logger = logging.getLogger(__name__)
 

@@ -1,16 +1,10 @@
-"""The TP context and head-sharding math (forward/parallel.py)."""
+"""The TP context (forward/parallel.py) and the head-sharding math (config/sharding.py)."""
 
 import pytest
 import torch
 
-from gyrfalcon.forward.parallel import (
-    SINGLE_RANK,
-    HeadShard,
-    ParallelContext,
-    even_shard,
-    local_heads,
-    shard_heads,
-)
+from gyrfalcon.config.sharding import HeadShard, even_shard, local_heads, shard_heads
+from gyrfalcon.forward.parallel import SINGLE_RANK, ParallelContext
 
 
 @pytest.mark.parametrize(

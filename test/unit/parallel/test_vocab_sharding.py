@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from parallel_util import ThreadGroup, load_model, run_ranks
 
+from gyrfalcon.config.sharding import VocabShard, shard_vocab
 from gyrfalcon.forward.distributed import init_tensor_parallel
-from gyrfalcon.forward.parallel import ParallelContext, VocabShard, shard_vocab
+from gyrfalcon.forward.parallel import ParallelContext
 from gyrfalcon.layers.context import LayerContext
 from gyrfalcon.layers.embedding import LMHead, VocabEmbedding
 from gyrfalcon.loader.hf_weights import iter_hf_weights
