@@ -43,9 +43,7 @@ import tempfile
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
 
-from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.nodes import parse_init_addr
-from gyrfalcon.config.resolve import resolve_or_exit
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.frontend.engine_client import EngineClient
 from gyrfalcon.frontend.process import (
@@ -162,12 +160,10 @@ def _run_rank(*worker_args: object) -> None:
 
 
 def _serve(args: ServerArgs) -> int:
-    from gyrfalcon.loader.resolve import default_model_name, resolve_model
+    from gyrfalcon.loader.resolve import default_model_name, serve_model_or_exit
     from gyrfalcon.scheduler.process import run_scheduler
 
-    model_dir = resolve_model(args.model, args.cache_dir)
-    model_cfg = ModelConfig.from_dir(model_dir)
-    args = resolve_or_exit(args, model_cfg)
+    model_dir, model_cfg, args = serve_model_or_exit(args)
     tokenizer_dir = args.tokenizer or model_dir
     name = args.served_model_name or default_model_name(args.model)
 

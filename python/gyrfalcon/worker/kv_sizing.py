@@ -127,13 +127,9 @@ def num_kv_pages(
 
 
 def max_model_len(args: ServerArgs, cfg: ModelConfig, num_pages: int) -> int:
-    """The context length: --max-model-len (at most the model's positions) or the
+    """The context length: --max-model-len (at most the model's positions: refused
+    beyond them when the flags resolve, `config/resolve.py` check_limits) or the
     model's, capped by what the KV cache holds."""
-    if args.max_model_len is not None and args.max_model_len > cfg.max_position_embeddings:
-        raise ValueError(
-            f"--max-model-len {args.max_model_len} exceeds the model's "
-            f"{cfg.max_position_embeddings} positions (max_position_embeddings)"
-        )
     want = args.max_model_len or cfg.max_position_embeddings
     capacity = (num_pages - 1) * args.page_size
     if want > capacity:

@@ -129,9 +129,29 @@ def test_speculative_flags_resolve_k_and_k_plus_one():
         (dict(tp_size=2, dist_timeout=0), "--dist-timeout must be positive"),
         (dict(tp_size=2, ep_size=3), "--ep-size 3 must be 1 \\(MoE-TP\\), the tp size 2 or"),
         (dict(ep_size=2), "--ep-size 2 must be 1 \\(MoE-TP\\), the tp size 1 or tp x dp = 1"),
+        # values no server runs with: a worker failed after the launch (page size, pages),
+        # requests hung (no running slot) or every one got 503 (a negative queue)
+        (dict(page_size=0), "--page-size must be at least 1, got 0"),
+        (dict(num_kv_pages=1), "--num-kv-pages must be at least 2, got 1"),
+        (dict(max_num_seqs=0), "--max-num-seqs must be at least 1, got 0"),
+        (dict(max_queue_len=-1), "--max-queue-len must be at least 0, got -1"),
+        (dict(max_model_len=0), "--max-model-len must be at least 1, got 0"),
+        (dict(max_num_batched_tokens=0), "--max-num-batched-tokens must be at least 1"),
+        (dict(chunked_prefill_size=0), "--chunked-prefill-size must be at least 1 \\(or -1"),
+        (dict(cuda_graph_max_bs=0), "--cuda-graph-max-bs must be at least 1"),
+        (dict(piecewise_cuda_graph_max_tokens=-1), "--piecewise-cuda-graph-max-tokens must be"),
+        (dict(mem_fraction=0.0), "--mem-fraction must be in \\(0, 1\\], got 0.0"),
+        (dict(mem_fraction=1.5), "--mem-fraction must be in \\(0, 1\\], got 1.5"),
+        (dict(schedule_conservativeness=-0.5), "--schedule-conservativeness must be >= 0"),
+        (dict(log_stats_interval=-1.0), "--log-stats-interval must be >= 0"),
+        (dict(kv_cache_memory="lots"), "--kv-cache-memory takes a size like 2GiB"),
+        (dict(max_cpu_kv_memory="8 gigs"), "--max-cpu-kv-memory takes a size like 2GiB"),
+        (dict(cuda_graph_bs="0,1"), "--cuda-graph-bs takes batch sizes >= 1"),
+        (dict(cuda_graph_bs="1,x"), "--cuda-graph-bs takes batch sizes >= 1"),
+        (dict(attention_backend="flashinfer"), "flashinfer attention backend runs on CUDA only"),
     ],
 )  # fmt: skip
-def test_bad_speculative_combinations_fail_at_start_up(kwargs, message):
+def test_bad_flag_values_fail_at_start_up(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ServerArgs(device="cpu", **kwargs).resolved()
 
@@ -199,3 +219,18 @@ def test_api_server_count_defaults_to_one_a_dp_rank_and_must_be_positive():
     for bad in ("0", "-2"):
         with pytest.raises(ValueError, match="--api-server-count must be >= 1"):
             parse("--api-server-count", bad)
+
+
+def test_chunked_prefill_size_minus_one_is_sglangs_no_chunking():
+    """A prompt may then take a whole step's token budget."""
+    r = ServerArgs(device="cpu", chunked_prefill_size=-1, max_num_batched_tokens=3000).resolved()
+    assert r.chunked_prefill_size == 3000
+
+
+def test_max_model_len_beyond_the_models_positions_is_refused():
+    from conftest import tiny_target_config
+
+    cfg = tiny_target_config()
+    ServerArgs(device="cpu", max_model_len=cfg.max_position_embeddings).resolved(cfg)
+    with pytest.raises(ValueError, match=f"exceeds the model's {cfg.max_position_embeddings}"):
+        ServerArgs(device="cpu", max_model_len=cfg.max_position_embeddings + 1).resolved(cfg)
