@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import make_tiny_hf_model
+from conftest import make_tiny_eagle3, make_tiny_hf_model, tiny_target_config
 
 from gyrfalcon.config.model_config import ModelConfig
 from gyrfalcon.config.server_args import ServerArgs
@@ -93,8 +93,6 @@ def test_serve_exits_2_before_any_worker_starts(tmp_path):
 def test_a_drafter_that_does_not_split_is_refused_beside_a_target_that_does(tmp_path):
     """Every TP rank runs the drafter split like the target: a drafter with 2 attention
     heads beside a target with 8 (2 KV heads) serves at tp 2 and is refused at tp 4."""
-    from conftest import make_tiny_eagle3, tiny_target_config
-
     draft = str(tmp_path / "draft")
     make_tiny_eagle3(draft, num_attention_heads=2, num_key_value_heads=2)
     spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=draft)

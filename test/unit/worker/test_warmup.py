@@ -131,19 +131,6 @@ def test_warm_up_fits_a_short_context(tiny_model_dirs, context, runs):
     assert not runner.requests
 
 
-def test_context_longer_than_the_model_is_refused(tiny_model_dirs):
-    """When the flags resolve against the model's config, before any worker starts."""
-    d = tiny_model_dirs["llama"]
-    cfg = ModelConfig.from_dir(d)
-    args = ServerArgs(
-        model=d, device="cpu", dtype="float32", page_size=4, num_kv_pages=32,
-        max_model_len=cfg.max_position_embeddings + 1,
-    )  # fmt: skip
-    with pytest.raises(ValueError, match="exceeds the model's"):
-        args.resolved(cfg)
-    assert args.resolved().max_model_len == cfg.max_position_embeddings + 1  # no model: no check
-
-
 def test_eager_rows_are_the_row_counts_no_graph_serves():
     """The warm-up builds eager DECODE rows' kernels for exactly these (worker/
     warmup.warm_up_roles): every count without graphs, those past the largest
