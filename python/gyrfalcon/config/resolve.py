@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 from gyrfalcon.config.attention import FLASHINFER_HEAD_DIMS, default_attention_backend
 from gyrfalcon.config.cli_args import available_cores, parse_size
@@ -162,10 +161,10 @@ def check_limits(args: ServerArgs, model: ModelConfig | None) -> None:
             raise ValueError(f"{flag} takes a size like 2GiB or 512MiB, not {size!r}") from None
     if args.cuda_graph_bs:
         try:
-            sizes = args.graph_batch_sizes() or []
-        except ValueError:
-            sizes = [0]
-        if not sizes or min(sizes) < 1:
+            sizes_ok = min(args.graph_batch_sizes() or [0]) >= 1
+        except ValueError:  # NOTE: a size that is not an integer
+            sizes_ok = False
+        if not sizes_ok:
             raise ValueError(
                 f"--cuda-graph-bs takes batch sizes >= 1 like 1,2,4,8, not {args.cuda_graph_bs!r}"
             )
@@ -193,19 +192,3 @@ def check_drafter(target: ModelConfig, path: str, tp_size: int) -> None:
         check_parallel_fit(draft.layer, tp_size, 1, 1)
     except ValueError as e:
         raise ValueError(f"--speculative-draft-model-path {path}: {e}") from None
-
-
-def resolve_or_exit(args: ServerArgs, model: ModelConfig) -> ServerArgs:
-    """`args.resolved(model)` for the command line: flags that cannot work with this
-    model (or drafter) end it with their message and exit code 2, as argparse's
-    errors do, not with a traceback."""
-    try:
-        return args.resolved(model)
-    except ValueError as e:
-        exit_with_usage_error(e)
-
-
-def exit_with_usage_error(error: Exception) -> NoReturn:
-    """End `gyrfalcon serve` as argparse ends it on a bad flag: its message, exit code 2."""
-    print(f"gyrfalcon serve: error: {error}", file=sys.stderr)
-    raise SystemExit(2) from None

@@ -15,11 +15,11 @@ import logging
 import os
 import re
 import shutil
+import sys
 import time
 from typing import TYPE_CHECKING
 
 from gyrfalcon.config.model_config import ModelConfig
-from gyrfalcon.config.resolve import exit_with_usage_error, resolve_or_exit
 from gyrfalcon.loader.gguf_marker import CONVERTER_VERSION, MARKER_FILE
 
 if TYPE_CHECKING:
@@ -176,17 +176,19 @@ def resolve_model(model: str | None, cache_dir: str | None = None) -> str:
 def serve_model_or_exit(args: ServerArgs) -> tuple[str, ModelConfig, ServerArgs]:
     """(the model's directory, its config, args resolved for it) for `gyrfalcon serve`
     (head or node): a model or --tokenizer path that is not there, a config it cannot
-    serve, or flags that cannot work with the model end the command with the reason
-    and exit code 2 (`exit_with_usage_error`), before any process starts."""
+    serve, or flags that cannot work with the model (`ServerArgs.resolved`) end the
+    command as argparse ends it on a bad flag: the reason, exit code 2, no traceback,
+    before any process starts."""
     try:
         tok = args.tokenizer
         if tok and _looks_local(tok) and not os.path.isdir(os.path.expanduser(tok)):
             raise FileNotFoundError(f"--tokenizer {tok!r}: no such directory")
         model_dir = resolve_model(args.model, args.cache_dir)
         model_cfg = ModelConfig.from_dir(model_dir)
+        return model_dir, model_cfg, args.resolved(model_cfg)
     except (FileNotFoundError, ValueError) as e:
-        exit_with_usage_error(e)
-    return model_dir, model_cfg, resolve_or_exit(args, model_cfg)
+        print(f"gyrfalcon serve: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def default_model_name(model: str | None) -> str:
